@@ -1,0 +1,1 @@
+"""rankscope services: one package per service plus the `rankscope` command line."""

@@ -1,0 +1,72 @@
+"""The `rankscope` command line: one subcommand per service plus tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from shared import logs
+from shared.settings import Settings, SettingsError, add_arguments, load
+
+__all__ = ["main"]
+
+
+def _tiny_model(args: argparse.Namespace, settings: Settings) -> int:
+    from shared.tiny_model import TinyModelSpec, write_tiny_model
+
+    try:
+        spec = TinyModelSpec(args.layers, args.hidden, args.vocab, args.seed)
+    except ValueError as exc:
+        print(f"rankscope: {exc}", file=sys.stderr)
+        return 2
+    directory = write_tiny_model(Path(args.directory), spec)
+    print(f"wrote {spec.layers}-layer qwen2 model (hidden {spec.hidden}) to {directory}")
+    return 0
+
+
+def _up(args: argparse.Namespace, settings: Settings) -> int:
+    from services.stack.main import run
+
+    return run(settings, demo=args.demo)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rankscope",
+        description="Diagnostics plane for pipeline-parallel MLX inference.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser("up", help="run the whole stack on this machine")
+    up.add_argument("--demo", action="store_true", help="add a demo cluster with a tiny model")
+    up.set_defaults(handler=_up)
+    add_arguments(up)
+
+    tiny = commands.add_parser("tiny-model", help="write a tiny mlx-lm model directory")
+    tiny.add_argument("directory", help="where to write the model")
+    tiny.add_argument("--layers", type=int, default=4, help="transformer layers (4)")
+    tiny.add_argument("--hidden", type=int, default=64, help="hidden size, multiple of 16 (64)")
+    tiny.add_argument("--vocab", type=int, default=512, help="tokenizer vocabulary (512)")
+    tiny.add_argument("--seed", type=int, default=0, help="weights seed (0)")
+    tiny.set_defaults(handler=_tiny_model)
+    add_arguments(tiny)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `rankscope`; returns the exit code (2 for bad settings or usage)."""
+    args = _parser().parse_args(argv)
+    try:
+        settings = load(args)
+    except SettingsError as exc:
+        print(f"rankscope: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format, settings.log_level)
+    handler: Callable[[argparse.Namespace, Settings], int] = args.handler
+    return handler(args, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

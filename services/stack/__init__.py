@@ -1,0 +1,1 @@
+"""`rankscope up`: everything on this machine, supervised as one stack."""

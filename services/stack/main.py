@@ -1,0 +1,73 @@
+"""`rankscope up`: an embedded NATS with rankscope's streams and buckets, and with
+`--demo` the tiny model the demo cluster serves. Runs until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+from shared.connection import connect
+from shared.jetstream import Layout, ensure
+from shared.nats_server import EmbeddedNats
+from shared.settings import Settings
+from shared.subjects import Subjects
+from shared.tiny_model import TinyModelSpec, write_tiny_model
+
+__all__ = ["demo_model", "layout_for", "run"]
+
+log = logging.getLogger("rankscope.up")
+
+
+def layout_for(settings: Settings) -> Layout:
+    """The streams and buckets of this installation."""
+    return Layout(
+        subjects=Subjects(settings.subject_prefix),
+        telemetry_max_age_s=settings.telemetry_max_age,
+        telemetry_max_bytes=settings.telemetry_max_bytes,
+        node_ttl_s=settings.heartbeat_ttl,
+    )
+
+
+def demo_model(settings: Settings) -> Path:
+    """The demo's tiny model, generated on first use and reused after."""
+    directory = settings.data_dir / "models" / "tiny-qwen2"
+    if not (directory / "model.safetensors").exists():
+        log.info("generating the demo model in %s", directory)
+        write_tiny_model(directory, TinyModelSpec())
+    return directory
+
+
+async def _serve(settings: Settings, *, demo: bool) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    async with contextlib.AsyncExitStack() as stack:
+        servers = settings.nats_servers
+        if settings.nats_url is None:
+            server = EmbeddedNats(
+                store_dir=settings.data_dir / "nats", port=settings.nats_port, monitor=True
+            ).start()
+            stack.callback(server.stop)
+            servers = [server.url]
+            settings = replace(settings, nats_url=server.url)
+        nc = await connect(settings, "rankscope-up")
+        stack.push_async_callback(nc.drain)
+        await ensure(nc.jetstream(), layout_for(settings))
+        print(f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready)")
+        if demo:
+            print(f"demo model  {demo_model(settings)}")
+        print(f"watch       nats sub '{settings.subject_prefix}.>' --server {servers[0]}")
+        print("Ctrl-C stops everything.", flush=True)
+        await stop.wait()
+        log.info("stopping")
+
+
+def run(settings: Settings, *, demo: bool) -> int:
+    """Run the stack in the foreground; returns the exit code."""
+    asyncio.run(_serve(settings, demo=demo))
+    return 0

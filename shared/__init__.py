@@ -1,0 +1,1 @@
+"""The rankscope contract: wire models, subjects, streams, settings and the embedded NATS."""

@@ -1,0 +1,49 @@
+"""Connect to NATS with the settings' servers, credentials and TLS."""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+
+from shared.settings import Settings
+
+__all__ = ["connect"]
+
+
+def _tls(settings: Settings) -> ssl.SSLContext | None:
+    if settings.nats_tls_ca is None and settings.nats_tls_cert is None:
+        return None
+    context = ssl.create_default_context(
+        cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None
+    )
+    if settings.nats_tls_cert is not None:
+        context.load_cert_chain(
+            str(settings.nats_tls_cert),
+            str(settings.nats_tls_key) if settings.nats_tls_key else None,
+        )
+    return context
+
+
+async def connect(settings: Settings, name: str, **options: Any) -> Client:
+    """Connect as client `name`, reconnecting forever once connected.
+
+    Raises:
+        nats.errors.NoServersError: no server answered the first connect.
+    """
+    return await nats.connect(
+        servers=settings.nats_servers,
+        name=name,
+        user=settings.nats_user,
+        password=settings.nats_password,
+        token=settings.nats_token,
+        user_credentials=str(settings.nats_creds) if settings.nats_creds else None,
+        tls=_tls(settings),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=options.pop("connect_timeout", 5),
+        allow_reconnect=True,
+        **options,
+    )

@@ -1,0 +1,232 @@
+"""JetStream streams and KV buckets rankscope relies on, and an idempotent `ensure`.
+
+Streams are named `<PREFIX>_<WHAT>`, buckets `<prefix>_<what>`; both derive from the
+subject prefix so several installations can share one NATS account.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from shared.subjects import Subjects
+
+__all__ = ["DUPLICATE_WINDOW_S", "Layout", "StreamSpec", "ensure"]
+
+log = logging.getLogger(__name__)
+
+DUPLICATE_WINDOW_S = 120.0
+"""Dedupe window for `Nats-Msg-Id`; covers the longest publish retry of any producer."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """What rankscope needs of one stream; the server fills in the rest."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float = 0.0
+    max_bytes: int = -1
+    max_msgs_per_subject: int = -1
+    duplicate_window_s: float = DUPLICATE_WINDOW_S
+
+    def config(self) -> StreamConfig:
+        """The full stream configuration for creation."""
+        return StreamConfig(
+            name=self.name,
+            subjects=list(self.subjects),
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=self.max_age_s,
+            max_bytes=self.max_bytes,
+            max_msgs_per_subject=self.max_msgs_per_subject,
+            duplicate_window=self.duplicate_window_s,
+            allow_direct=True,
+        )
+
+    def differs_from(self, current: StreamConfig) -> bool:
+        """Whether the server's configuration lacks what this spec asks for."""
+        return (
+            sorted(current.subjects or []) != sorted(self.subjects)
+            or (current.max_age or 0.0) != self.max_age_s
+            or (current.max_bytes or -1) != self.max_bytes
+            or current.max_msgs_per_subject != self.max_msgs_per_subject
+            or current.duplicate_window != self.duplicate_window_s
+        )
+
+    def applied_to(self, current: StreamConfig) -> StreamConfig:
+        """`current` with this spec's limits, for an update that keeps the rest."""
+        return current.evolve(
+            subjects=list(self.subjects),
+            max_age=self.max_age_s,
+            max_bytes=self.max_bytes,
+            max_msgs_per_subject=self.max_msgs_per_subject,
+            duplicate_window=self.duplicate_window_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    """What rankscope needs of one KV bucket."""
+
+    bucket: str
+    history: int = 1
+    ttl_s: float = 0.0
+
+    @property
+    def stream_name(self) -> str:
+        """The stream behind the bucket."""
+        return f"KV_{self.bucket}"
+
+    def config(self) -> KeyValueConfig:
+        """The bucket configuration for creation."""
+        return KeyValueConfig(
+            bucket=self.bucket,
+            history=self.history,
+            ttl=self.ttl_s or None,
+            storage=StorageType.FILE,
+            direct=True,
+        )
+
+    def differs_from(self, current: StreamConfig) -> bool:
+        """Whether the bucket's stream lacks this spec's history or TTL."""
+        return (
+            current.max_msgs_per_subject != self.history or (current.max_age or 0.0) != self.ttl_s
+        )
+
+    def applied_to(self, current: StreamConfig) -> StreamConfig:
+        """`current` with this spec's history and TTL (the dedupe window may not exceed it)."""
+        window = current.duplicate_window
+        if self.ttl_s:
+            window = min(window or DUPLICATE_WINDOW_S, self.ttl_s)
+        return current.evolve(
+            max_msgs_per_subject=self.history, max_age=self.ttl_s, duplicate_window=window
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Every stream and bucket of one installation."""
+
+    subjects: Subjects = field(default_factory=Subjects)
+    telemetry_max_age_s: float = 7 * 86400.0
+    telemetry_max_bytes: int = 1 << 30
+    node_ttl_s: float = 10.0
+
+    def _name(self, what: str) -> str:
+        return f"{self.subjects.prefix.replace('.', '_').upper()}_{what}"
+
+    def _bucket(self, what: str) -> str:
+        return f"{self.subjects.prefix.replace('.', '_')}_{what}"
+
+    @property
+    def runner_stream(self) -> StreamSpec:
+        """Runner telemetry: flight-recorder entries, memory snapshots, status changes."""
+        return StreamSpec(
+            self._name("RUNNER"),
+            (self.subjects.runner_all(),),
+            max_age_s=self.telemetry_max_age_s,
+            max_bytes=self.telemetry_max_bytes,
+        )
+
+    @property
+    def placement_stream(self) -> StreamSpec:
+        """Placement decisions, kept as long as their bytes fit: they rebuild the views."""
+        return StreamSpec(
+            self._name("PLACEMENT"), (self.subjects.placement_all(),), max_bytes=256 << 20
+        )
+
+    @property
+    def tasks_stream(self) -> StreamSpec:
+        """Tasks and task status."""
+        return StreamSpec(
+            self._name("TASKS"),
+            (self.subjects.tasks_all(),),
+            max_age_s=self.telemetry_max_age_s,
+            max_bytes=256 << 20,
+        )
+
+    @property
+    def ranktable_stream(self) -> StreamSpec:
+        """Rank tables; the latest per job stays readable, with a short history behind it."""
+        return StreamSpec(
+            self._name("RANKTABLE"), (self.subjects.ranktable_all(),), max_msgs_per_subject=64
+        )
+
+    @property
+    def diagnosis_stream(self) -> StreamSpec:
+        """Findings as they appear and clear."""
+        return StreamSpec(
+            self._name("DIAGNOSIS"),
+            (self.subjects.diagnosis_all(),),
+            max_age_s=self.telemetry_max_age_s,
+            max_bytes=256 << 20,
+        )
+
+    @property
+    def deadletter_stream(self) -> StreamSpec:
+        """Messages no consumer could apply, kept for a post-mortem."""
+        return StreamSpec(
+            self._name("DEADLETTER"),
+            (self.subjects.deadletter(),),
+            max_age_s=self.telemetry_max_age_s,
+            max_bytes=64 << 20,
+        )
+
+    @property
+    def streams(self) -> tuple[StreamSpec, ...]:
+        """All streams."""
+        return (
+            self.runner_stream,
+            self.placement_stream,
+            self.tasks_stream,
+            self.ranktable_stream,
+            self.diagnosis_stream,
+            self.deadletter_stream,
+        )
+
+    @property
+    def runners_bucket(self) -> BucketSpec:
+        """Runner specs by id, with a little history for audits."""
+        return BucketSpec(self._bucket("runners"), history=8)
+
+    @property
+    def nodes_bucket(self) -> BucketSpec:
+        """Node inventory; an entry expires when its heartbeat stops."""
+        return BucketSpec(self._bucket("nodes"), ttl_s=self.node_ttl_s)
+
+    @property
+    def buckets(self) -> tuple[BucketSpec, ...]:
+        """All KV buckets."""
+        return (self.runners_bucket, self.nodes_bucket)
+
+
+async def ensure(js: JetStreamContext, layout: Layout) -> None:
+    """Create every stream and bucket of `layout`, or update those whose limits differ.
+
+    Safe to call from every service at start-up, concurrently and repeatedly.
+    """
+    for stream in layout.streams:
+        try:
+            info = await js.stream_info(stream.name)
+        except NotFoundError:
+            await js.add_stream(stream.config())
+            log.info("created stream %s", stream.name)
+            continue
+        if stream.differs_from(info.config):
+            await js.update_stream(stream.applied_to(info.config))
+            log.info("updated stream %s", stream.name)
+    for bucket in layout.buckets:
+        try:
+            info = await js.stream_info(bucket.stream_name)
+        except NotFoundError:
+            await js.create_key_value(bucket.config())
+            log.info("created bucket %s", bucket.bucket)
+            continue
+        if bucket.differs_from(info.config):
+            await js.update_stream(bucket.applied_to(info.config))
+            log.info("updated bucket %s", bucket.bucket)

@@ -1,0 +1,192 @@
+"""One frozen settings object, read once from flags and `RANKSCOPE_*` variables.
+
+Each setting `x_y` is the flag `--x-y` and the variable `RANKSCOPE_X_Y`; a flag wins over
+the variable, the variable over the default. A bad value stops start-up with one line that
+names where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from shared.quantity import parse_bytes
+
+__all__ = ["ENV_PREFIX", "Settings", "SettingsError", "add_arguments", "env_name", "load"]
+
+ENV_PREFIX = "RANKSCOPE_"
+
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+class SettingsError(ValueError):
+    """A setting with a bad value; the message starts with the flag or variable."""
+
+
+def _duration(text: str) -> float:
+    match = _DURATION.match(text)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"expected a positive duration such as 10, 2.5s, 500ms, 7d; got {text!r}")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise ValueError(f"expected a port from 0 to 65535, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    value = parse_bytes(text)
+    if value <= 0:
+        raise ValueError(f"expected a positive size such as 512Mi or 1Gi, got {text!r}")
+    return value
+
+
+def _nats_urls(text: str) -> str:
+    for url in text.split(","):
+        if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+$", url.strip()):
+            raise ValueError(
+                f"expected nats://host:port (comma separated for several), got {url!r}"
+            )
+    return text
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}; got {text!r}")
+        return value
+
+    return parse
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(word.strip() for word in text.split(",") if word.strip())
+
+
+def _text(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return text.strip()
+
+
+def _prefix(text: str) -> str:
+    if not re.match(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$", text):
+        raise ValueError(f"expected dot-separated letters, digits, '-' or '_'; got {text!r}")
+    return text
+
+
+def _setting(default: Any, parse: Callable[[str], Any], help: str, *, secret: bool = False) -> Any:
+    return field(default=default, metadata={"parse": parse, "help": help, "secret": secret})
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything an operator can configure, for every service."""
+
+    nats_url: str | None = _setting(
+        None, _nats_urls, "NATS server URL(s); `up` starts an embedded server when unset."
+    )
+    nats_user: str | None = _setting(None, _text, "NATS user name.")
+    nats_password: str | None = _setting(None, _text, "NATS password.", secret=True)
+    nats_token: str | None = _setting(None, _text, "NATS token.", secret=True)
+    nats_creds: Path | None = _setting(None, Path, "NATS credentials file (JWT + nkey).")
+    nats_tls_ca: Path | None = _setting(None, Path, "CA bundle to verify the NATS server.")
+    nats_tls_cert: Path | None = _setting(None, Path, "Client certificate for NATS TLS.")
+    nats_tls_key: Path | None = _setting(None, Path, "Client key for NATS TLS.")
+    nats_port: int = _setting(4222, _port, "Client port of the embedded nats-server (0: any).")
+    subject_prefix: str = _setting("rankscope", _prefix, "First token of every subject.")
+    data_dir: Path = _setting(Path(".rankscope"), Path, "Where local state lives.")
+    node_id: str | None = _setting(None, _text, "This node's id (default: kept in data dir).")
+    friendly_name: str | None = _setting(None, _text, "This node's display name (hostname).")
+    node_address: str = _setting("127.0.0.1", _text, "Address peers reach this node at.")
+    nodepool: str = _setting("default", _text, "Nodepool this node belongs to.")
+    node_labels: tuple[str, ...] = _setting((), _words, "Comma-separated node labels.")
+    heartbeat_ttl: float = _setting(10.0, _duration, "Node entry lifetime without heartbeat.")
+    telemetry_max_age: float = _setting(7 * 86400.0, _duration, "Telemetry retention (age).")
+    telemetry_max_bytes: int = _setting(1 << 30, _size, "Telemetry retention (bytes).")
+    gateway_host: str = _setting("127.0.0.1", _text, "Address the HTTP gateway binds.")
+    gateway_port: int = _setting(8000, _port, "Port of the HTTP gateway.")
+    grpc_port: int = _setting(8899, _port, "Port of the rank-table gRPC service.")
+    log_format: Literal["text", "json"] = _setting("text", _choice("text", "json"), "Log lines.")
+    log_level: str = _setting(
+        "info", _choice("debug", "info", "warning", "error"), "Lowest level logged."
+    )
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """The NATS servers to connect to (the local default port when unset)."""
+        if self.nats_url is None:
+            return [f"nats://127.0.0.1:{self.nats_port or 4222}"]
+        return [url.strip() for url in self.nats_url.split(",")]
+
+    def __repr__(self) -> str:
+        shown = []
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.metadata["secret"] and value is not None:
+                value = "***"
+            shown.append(f"{spec.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
+
+
+def env_name(name: str) -> str:
+    """The environment variable of setting `name`."""
+    return ENV_PREFIX + name.upper()
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one `--flag` per setting; unset flags leave the variable or default in force."""
+    group = parser.add_argument_group("settings (flag or RANKSCOPE_* variable)")
+    for spec in fields(Settings):
+        group.add_argument(
+            _flag(spec.name),
+            dest=f"setting_{spec.name}",
+            metavar=spec.name.split("_")[-1].upper(),
+            help=f"{spec.metadata['help']} [{env_name(spec.name)}]",
+        )
+
+
+def load(
+    flags: argparse.Namespace | Mapping[str, str | None] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build the settings from flags (as parsed by `add_arguments`) and the environment.
+
+    Raises:
+        SettingsError: a value does not parse; the message names the flag or variable.
+    """
+    given: Mapping[str, Any] = (
+        {k.removeprefix("setting_"): v for k, v in vars(flags).items()}
+        if isinstance(flags, argparse.Namespace)
+        else (flags or {})
+    )
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for spec in fields(Settings):
+        raw, origin = given.get(spec.name), _flag(spec.name)
+        if raw is None:
+            raw, origin = env.get(env_name(spec.name)), env_name(spec.name)
+        if raw is None:
+            continue
+        try:
+            values[spec.name] = spec.metadata["parse"](raw)
+        except ValueError as exc:
+            raise SettingsError(f"{origin}: {exc}") from None
+    return Settings(**values)

@@ -1,0 +1,116 @@
+"""Every NATS subject rankscope uses, built in one place.
+
+Ids become subject tokens through `token`, which escapes what NATS reserves (`.`, `*`,
+`>`, white space) reversibly, so two different ids never share a subject; the raw id
+always travels in the payload too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Subjects", "TelemetryKind", "token", "untoken"]
+
+TelemetryKind = Literal["phase", "memory", "status"]
+
+_SAFE = re.compile(r"[A-Za-z0-9_\-]")
+_PREFIX = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+
+
+def token(raw: str | int) -> str:
+    """Make an id safe as one subject token (`%XX` escapes for anything else).
+
+    Raises:
+        ValueError: the id is empty.
+    """
+    text = str(raw)
+    if not text:
+        raise ValueError("an empty id cannot name a subject")
+    return "".join(c if _SAFE.match(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in text)
+
+
+def untoken(escaped: str) -> str:
+    """Invert `token`."""
+    raw = bytearray()
+    i = 0
+    while i < len(escaped):
+        if escaped[i] == "%":
+            raw.append(int(escaped[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw += escaped[i].encode()
+            i += 1
+    return raw.decode()
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject builders under one prefix (default `rankscope`)."""
+
+    prefix: str = "rankscope"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX.match(self.prefix):
+            raise ValueError(f"subject prefix {self.prefix!r} must be dot-separated plain tokens")
+
+    def runner(self, node_id: str, instance_id: str, rank: int, kind: TelemetryKind) -> str:
+        """Telemetry of one rank: `<prefix>.runner.<nodeId>.<instanceId>.<rank>.<kind>`."""
+        return f"{self.prefix}.runner.{token(node_id)}.{token(instance_id)}.{rank}.{kind}"
+
+    def runner_all(self) -> str:
+        """Every rank's telemetry."""
+        return f"{self.prefix}.runner.>"
+
+    def runner_node(self, node_id: str) -> str:
+        """Every telemetry subject of one node (what that node's agent may publish)."""
+        return f"{self.prefix}.runner.{token(node_id)}.>"
+
+    def placement(self, instance_id: str) -> str:
+        """Placement decisions of one instance."""
+        return f"{self.prefix}.placement.{token(instance_id)}"
+
+    def placement_all(self) -> str:
+        """Placement decisions of every instance."""
+        return f"{self.prefix}.placement.>"
+
+    def tasks(self, instance_id: str) -> str:
+        """Tasks and task status of one instance."""
+        return f"{self.prefix}.tasks.{token(instance_id)}"
+
+    def tasks_all(self) -> str:
+        """Tasks of every instance."""
+        return f"{self.prefix}.tasks.>"
+
+    def ranktable(self, job_id: str) -> str:
+        """The rank table of one job (= instance)."""
+        return f"{self.prefix}.ranktable.{token(job_id)}"
+
+    def ranktable_all(self) -> str:
+        """Rank tables of every job."""
+        return f"{self.prefix}.ranktable.>"
+
+    def diagnosis(self, instance_id: str) -> str:
+        """Findings of one instance as they appear and clear."""
+        return f"{self.prefix}.diagnosis.{token(instance_id)}"
+
+    def diagnosis_all(self) -> str:
+        """Findings of every instance."""
+        return f"{self.prefix}.diagnosis.>"
+
+    def node_diagnostics(self, node_id: str) -> str:
+        """Live request to one agent for its supervisors' state."""
+        return f"{self.prefix}.node.{token(node_id)}.diagnostics"
+
+    def query(self, view: str) -> str:
+        """Request to the aggregator for one view."""
+        return f"{self.prefix}.query.{token(view)}"
+
+    def output(self, command_id: str) -> str:
+        """Generated token chunks of one command (core NATS)."""
+        return f"{self.prefix}.output.{token(command_id)}"
+
+    def deadletter(self) -> str:
+        """Copies of messages that could not be applied."""
+        return f"{self.prefix}.deadletter"

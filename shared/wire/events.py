@@ -1,0 +1,185 @@
+"""rankscope's own bus events, as tagged unions (`type` names the variant).
+
+Runner telemetry carries a per-runner, gap-free `seq` shared by all three kinds, so a
+consumer can dedupe retries and count what never arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from shared.wire.base import CamelStruct
+from shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
+from shared.wire.memory import MlxMemorySnapshot
+from shared.wire.timeline import Attrs
+
+__all__ = [
+    "ChatMessage",
+    "FlightEntry",
+    "GenerationRequest",
+    "InstanceCreated",
+    "InstanceReleased",
+    "MemorySampled",
+    "PhaseEntries",
+    "PlacementEvent",
+    "RunnerAssignment",
+    "RunnerRef",
+    "RunnerStatusChanged",
+    "RunnerTelemetry",
+    "TaskCreated",
+    "TaskEvent",
+    "TaskStatusChanged",
+    "TokenChunk",
+]
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class RunnerRef(CamelStruct, kw_only=True, frozen=True):
+    """Who emitted a telemetry message: one rank of one instance on one node."""
+
+    runnerId: str
+    nodeId: str
+    instanceId: str
+    modelId: str
+    deviceRank: NonNegative
+    worldSize: Positive
+
+
+class FlightEntry(CamelStruct, kw_only=True, frozen=True):
+    """One phase transition as the runner recorded it (seed 001 `timeline[]` minus the
+    runner's identity, which travels once per batch in `RunnerRef`)."""
+
+    seq: NonNegative
+    at: str
+    phase: Phase
+    event: str
+    detail: str | None = None
+    attrs: Attrs = {}
+    taskId: str | None = None
+    commandId: str | None = None
+    mlxMemory: MlxMemorySnapshot | None = None
+
+
+class _Telemetry(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
+    runner: RunnerRef
+
+
+class PhaseEntries(_Telemetry, kw_only=True, frozen=True):
+    """A batch of consecutive flight-recorder entries of one runner."""
+
+    entries: list[FlightEntry]
+
+
+class MemorySampled(_Telemetry, kw_only=True, frozen=True):
+    """A periodic MLX memory snapshot of one runner."""
+
+    seq: NonNegative
+    snapshot: MlxMemorySnapshot
+
+
+class RunnerStatusChanged(_Telemetry, kw_only=True, frozen=True):
+    """The supervisor's view of a runner changed: status, process liveness, exit cause."""
+
+    seq: NonNegative
+    at: str
+    statusKind: RunnerStatusKind
+    pid: int | None = None
+    processAlive: bool
+    detail: str | None = None
+    exitCode: int | None = None
+    signal: str | None = None
+
+
+RunnerTelemetry = PhaseEntries | MemorySampled | RunnerStatusChanged
+
+
+class RunnerAssignment(CamelStruct, kw_only=True, frozen=True):
+    """One rank of a placed instance: where it runs and which layers it holds."""
+
+    runnerId: str
+    nodeId: str
+    deviceRank: NonNegative
+    worldSize: Positive
+    startLayer: NonNegative
+    endLayer: Positive
+    nLayers: Positive
+    host: str
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class _Placement(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
+    at: str
+    instanceId: str
+
+
+class InstanceCreated(_Placement, kw_only=True, frozen=True):
+    """An instance of a Runner spec was placed; `assignments` are ordered by rank."""
+
+    runnerSpecId: str
+    modelId: str
+    modelPath: str | None = None
+    assignments: list[RunnerAssignment]
+
+
+class InstanceReleased(_Placement, kw_only=True, frozen=True):
+    """An instance was taken down; `reason` says why."""
+
+    reason: str
+
+
+PlacementEvent = InstanceCreated | InstanceReleased
+
+
+class ChatMessage(CamelStruct, kw_only=True, frozen=True):
+    """One message of a chat request."""
+
+    role: str
+    content: str
+
+
+class GenerationRequest(CamelStruct, kw_only=True, frozen=True):
+    """What a text-generation task asks for; greedy when `temperature` is 0."""
+
+    messages: list[ChatMessage] = []
+    prompt: str | None = None
+    maxTokens: Positive = 128
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
+class _Task(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
+    at: str
+    taskId: str
+    instanceId: str
+
+
+class TaskCreated(_Task, kw_only=True, frozen=True):
+    """A task was submitted to every rank of an instance."""
+
+    taskKind: TaskKind
+    commandId: str | None = None
+    modelId: str | None = None
+    request: GenerationRequest | None = None
+
+
+class TaskStatusChanged(_Task, kw_only=True, frozen=True):
+    """A task moved on; `runnerId` is set when one rank reports for itself."""
+
+    taskStatus: TaskStatus
+    runnerId: str | None = None
+    detail: str | None = None
+
+
+TaskEvent = TaskCreated | TaskStatusChanged
+
+
+class TokenChunk(CamelStruct, kw_only=True, frozen=True):
+    """Generated text for one command, in order of `seq`; the last has `finishReason`."""
+
+    commandId: str
+    seq: NonNegative
+    text: str
+    finishReason: str | None = None

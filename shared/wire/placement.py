@@ -1,0 +1,36 @@
+"""Event-sourced placement details per runner assignment (seed 000)."""
+
+from __future__ import annotations
+
+from shared.wire.base import CamelStruct
+
+__all__ = ["PlacementRunnerDiagnostics", "PlacementTaskDiagnostics"]
+
+
+class PlacementTaskDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """A task that concerns one runner assignment."""
+
+    taskId: str
+    taskKind: str
+    taskStatus: str
+    instanceId: str
+    commandId: str | None = None
+    runnerId: str | None = None
+    modelId: str | None = None
+
+
+class PlacementRunnerDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """Placement of one runner: its node, rank and layer shard `[startLayer, endLayer)`."""
+
+    runnerId: str
+    nodeId: str
+    friendlyName: str | None = None
+    statusKind: str | None = None
+    deviceRank: int
+    worldSize: int
+    startLayer: int
+    endLayer: int
+    nLayers: int
+    isLocal: bool
+    isMaster: bool
+    tasks: list[PlacementTaskDiagnostics] = []
