@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format proto clean
 
 demo: $(INSTALLED)
 	$(BIN)/rankscope up --demo
@@ -23,6 +23,11 @@ lint: $(INSTALLED)
 format: $(INSTALLED)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# The gRPC modules are committed; regenerate them after editing the .proto.
+proto: $(INSTALLED)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
+		services/ranktable/grpcapi/config.proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

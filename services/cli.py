@@ -32,6 +32,12 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
     return run(settings, demo=args.demo)
 
 
+def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
+    from services.ranktable.main import run
+
+    return run(settings)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rankscope",
@@ -43,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--demo", action="store_true", help="add a demo cluster with a tiny model")
     up.set_defaults(handler=_up)
     add_arguments(up)
+
+    ranktable = commands.add_parser(
+        "ranktable", help="run the rank-table service (placement, rank tables, gRPC)"
+    )
+    ranktable.set_defaults(handler=_ranktable)
+    add_arguments(ranktable)
 
     tiny = commands.add_parser("tiny-model", help="write a tiny mlx-lm model directory")
     tiny.add_argument("directory", help="where to write the model")

@@ -13,6 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from shared.settings import Settings
 from shared.subjects import Subjects
 
 __all__ = ["DUPLICATE_WINDOW_S", "Layout", "StreamSpec", "ensure"]
@@ -117,6 +118,16 @@ class Layout:
     telemetry_max_bytes: int = 1 << 30
     node_ttl_s: float = 10.0
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Layout:
+        """The layout an installation's settings describe."""
+        return cls(
+            subjects=Subjects(settings.subject_prefix),
+            telemetry_max_age_s=settings.telemetry_max_age,
+            telemetry_max_bytes=settings.telemetry_max_bytes,
+            node_ttl_s=settings.heartbeat_ttl,
+        )
+
     def _name(self, what: str) -> str:
         return f"{self.subjects.prefix.replace('.', '_').upper()}_{what}"
 
@@ -195,6 +206,11 @@ class Layout:
         return BucketSpec(self._bucket("runners"), history=8)
 
     @property
+    def runner_status_bucket(self) -> BucketSpec:
+        """What the rank-table service observed of each Runner spec."""
+        return BucketSpec(self._bucket("runner_status"))
+
+    @property
     def nodes_bucket(self) -> BucketSpec:
         """Node inventory; an entry expires when its heartbeat stops."""
         return BucketSpec(self._bucket("nodes"), ttl_s=self.node_ttl_s)
@@ -202,7 +218,7 @@ class Layout:
     @property
     def buckets(self) -> tuple[BucketSpec, ...]:
         """All KV buckets."""
-        return (self.runners_bucket, self.nodes_bucket)
+        return (self.runners_bucket, self.runner_status_bucket, self.nodes_bucket)
 
 
 async def ensure(js: JetStreamContext, layout: Layout) -> None:

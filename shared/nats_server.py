@@ -111,13 +111,18 @@ class EmbeddedNats:
         self._ports_dir = tempfile.TemporaryDirectory(prefix="rankscope-nats-")
         args = [
             str(find_binary()),
-            "--addr", self.host,
-            "--port", str(self.port or -1),
+            "--addr",
+            self.host,
+            "--port",
+            str(self.port or -1),
             "--jetstream",
-            "--store_dir", str(self.store_dir),
-            "--ports_file_dir", self._ports_dir.name,
-            "--log", str(self.log_path),
-        ]  # fmt: skip
+            "--store_dir",
+            str(self.store_dir),
+            "--ports_file_dir",
+            self._ports_dir.name,
+            "--log",
+            str(self.log_path),
+        ]
         if self.monitor:
             args += ["--http_port", "-1"]
         args += self.extra_args

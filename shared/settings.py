@@ -114,11 +114,15 @@ class Settings:
     node_address: str = _setting("127.0.0.1", _text, "Address peers reach this node at.")
     nodepool: str = _setting("default", _text, "Nodepool this node belongs to.")
     node_labels: tuple[str, ...] = _setting((), _words, "Comma-separated node labels.")
+    ring_port_base: int = _setting(
+        52000, _port, "First port handed to ranks for their ring connections."
+    )
     heartbeat_ttl: float = _setting(10.0, _duration, "Node entry lifetime without heartbeat.")
     telemetry_max_age: float = _setting(7 * 86400.0, _duration, "Telemetry retention (age).")
     telemetry_max_bytes: int = _setting(1 << 30, _size, "Telemetry retention (bytes).")
     gateway_host: str = _setting("127.0.0.1", _text, "Address the HTTP gateway binds.")
     gateway_port: int = _setting(8000, _port, "Port of the HTTP gateway.")
+    grpc_host: str = _setting("127.0.0.1", _text, "Address the rank-table gRPC service binds.")
     grpc_port: int = _setting(8899, _port, "Port of the rank-table gRPC service.")
     log_format: Literal["text", "json"] = _setting("text", _choice("text", "json"), "Log lines.")
     log_level: str = _setting(

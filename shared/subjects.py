@@ -1,8 +1,8 @@
 """Every NATS subject rankscope uses, built in one place.
 
 Ids become subject tokens through `token`, which escapes what NATS reserves (`.`, `*`,
-`>`, white space) reversibly, so two different ids never share a subject; the raw id
-always travels in the payload too.
+`>`, white space) reversibly as `=XX`, so two different ids never share a subject; the
+same tokens are valid KV keys. The raw id always travels in the payload too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _PREFIX = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 
 
 def token(raw: str | int) -> str:
-    """Make an id safe as one subject token (`%XX` escapes for anything else).
+    """Make an id safe as one subject token and KV key (`=XX` escapes for the rest).
 
     Raises:
         ValueError: the id is empty.
@@ -28,7 +28,7 @@ def token(raw: str | int) -> str:
     text = str(raw)
     if not text:
         raise ValueError("an empty id cannot name a subject")
-    return "".join(c if _SAFE.match(c) else "".join(f"%{b:02X}" for b in c.encode()) for c in text)
+    return "".join(c if _SAFE.match(c) else "".join(f"={b:02X}" for b in c.encode()) for c in text)
 
 
 def untoken(escaped: str) -> str:
@@ -36,7 +36,7 @@ def untoken(escaped: str) -> str:
     raw = bytearray()
     i = 0
     while i < len(escaped):
-        if escaped[i] == "%":
+        if escaped[i] == "=":
             raw.append(int(escaped[i + 1 : i + 3], 16))
             i += 3
         else:

@@ -33,7 +33,7 @@ def test_mlx_lm_loads_it_offline_and_generates(
     loaded = mlx_lm.load(str(tiny_model))
     model, tokenizer = loaded[0], loaded[1]
     assert len(model.layers) == 3
-    prompt = tokenizer.apply_chat_template(  # type: ignore[no-untyped-call]
+    prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "which rank is stuck?"}], add_generation_prompt=True
     )
     tokens = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=8)]

@@ -19,6 +19,7 @@ from shared.wire import (
     Phase,
     PhaseEntries,
     PlacementEvent,
+    ReleaseCause,
     RunnerAssignment,
     RunnerRef,
     RunnerStatusChanged,
@@ -82,7 +83,9 @@ PLACEMENT = [
     InstanceCreated(
         at=now(), instanceId="i-1", runnerSpecId="spec", modelId="tiny", assignments=[ASSIGNMENT]
     ),
-    InstanceReleased(at=now(), instanceId="i-1", reason="node node-b lost"),
+    InstanceReleased(
+        at=now(), instanceId="i-1", cause=ReleaseCause.NODE_LOST, reason="node node-b lost"
+    ),
 ]
 TASKS = [
     TaskCreated(
@@ -99,17 +102,17 @@ TASKS = [
 
 @pytest.mark.parametrize("event", TELEMETRY, ids=lambda e: type(e).__name__)
 def test_telemetry_round_trips_through_its_union(event: object) -> None:
-    assert decode(encode(event), RunnerTelemetry) == event  # type: ignore[arg-type]
+    assert decode(encode(event), RunnerTelemetry) == event
 
 
 @pytest.mark.parametrize("event", PLACEMENT, ids=lambda e: type(e).__name__)
 def test_placement_round_trips_through_its_union(event: object) -> None:
-    assert decode(encode(event), PlacementEvent) == event  # type: ignore[arg-type]
+    assert decode(encode(event), PlacementEvent) == event
 
 
 @pytest.mark.parametrize("event", TASKS, ids=lambda e: type(e).__name__)
 def test_task_events_round_trip_through_their_union(event: object) -> None:
-    assert decode(encode(event), TaskEvent) == event  # type: ignore[arg-type]
+    assert decode(encode(event), TaskEvent) == event
 
 
 def test_variant_is_named_by_type_and_fields_are_camel_case() -> None:
@@ -121,21 +124,21 @@ def test_variant_is_named_by_type_and_fields_are_camel_case() -> None:
 
 def test_unknown_variant_is_refused() -> None:
     with pytest.raises(WireError, match=r"Invalid value 'Bogus' - at `\$\.type`"):
-        decode(b'{"type": "Bogus"}', RunnerTelemetry)  # type: ignore[arg-type]
+        decode(b'{"type": "Bogus"}', RunnerTelemetry)
 
 
 def test_negative_rank_is_refused() -> None:
     wire = json.loads(encode(TELEMETRY[1]))
     wire["runner"]["deviceRank"] = -1
     with pytest.raises(WireError, match=r"`\$\.runner\.deviceRank`"):
-        decode(json.dumps(wire), RunnerTelemetry)  # type: ignore[arg-type]
+        decode(json.dumps(wire), RunnerTelemetry)
 
 
 def test_assignment_port_must_be_a_port() -> None:
     wire = json.loads(encode(PLACEMENT[0]))
     wire["assignments"][0]["port"] = 70000
     with pytest.raises(WireError, match=r"`\$\.assignments\[0\]\.port`"):
-        decode(json.dumps(wire), PlacementEvent)  # type: ignore[arg-type]
+        decode(json.dumps(wire), PlacementEvent)
 
 
 def test_terminal_task_statuses() -> None:

@@ -14,22 +14,11 @@ from shared.connection import connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings
-from shared.subjects import Subjects
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 
-__all__ = ["demo_model", "layout_for", "run"]
+__all__ = ["demo_model", "run"]
 
 log = logging.getLogger("rankscope.up")
-
-
-def layout_for(settings: Settings) -> Layout:
-    """The streams and buckets of this installation."""
-    return Layout(
-        subjects=Subjects(settings.subject_prefix),
-        telemetry_max_age_s=settings.telemetry_max_age,
-        telemetry_max_bytes=settings.telemetry_max_bytes,
-        node_ttl_s=settings.heartbeat_ttl,
-    )
 
 
 def demo_model(settings: Settings) -> Path:
@@ -57,7 +46,7 @@ async def _serve(settings: Settings, *, demo: bool) -> None:
             settings = replace(settings, nats_url=server.url)
         nc = await connect(settings, "rankscope-up")
         stack.push_async_callback(nc.drain)
-        await ensure(nc.jetstream(), layout_for(settings))
+        await ensure(nc.jetstream(), Layout.from_settings(settings))
         print(f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready)")
         if demo:
             print(f"demo model  {demo_model(settings)}")

@@ -11,6 +11,7 @@ from shared.wire.events import (
     MemorySampled,
     PhaseEntries,
     PlacementEvent,
+    ReleaseCause,
     RunnerAssignment,
     RunnerRef,
     RunnerStatusChanged,
@@ -45,6 +46,7 @@ from shared.wire.runner_spec import (
     Worker,
     WorkerModel,
 )
+from shared.wire.spec_status import RunnerSpecStatus
 from shared.wire.timeline import (
     Attrs,
     AttrValue,
@@ -80,10 +82,12 @@ __all__ = [
     "RankTable",
     "RankTableStatus",
     "RankTableStream",
+    "ReleaseCause",
     "Runner",
     "RunnerAssignment",
     "RunnerMetrics",
     "RunnerRef",
+    "RunnerSpecStatus",
     "RunnerStatusChanged",
     "RunnerStatusKind",
     "RunnerSynopsis",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import msgspec
 
@@ -34,10 +34,13 @@ def decoder(tp: Any) -> msgspec.json.Decoder[Any]:
     return found
 
 
-def decode(data: bytes | str, tp: type[T]) -> T:
+@overload
+def decode(data: bytes | str, tp: type[T]) -> T: ...
+@overload
+def decode(data: bytes | str, tp: Any) -> Any: ...  # unions: annotate the result
+def decode(data: bytes | str, tp: Any) -> Any:
     """Decode `data` as `tp`, raising `WireError` that names the offending JSON path."""
     try:
-        result: T = decoder(tp).decode(data)
+        return decoder(tp).decode(data)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise WireError(str(exc)) from None
-    return result

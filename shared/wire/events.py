@@ -6,6 +6,7 @@ consumer can dedupe retries and count what never arrived.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated
 
 import msgspec
@@ -24,6 +25,7 @@ __all__ = [
     "MemorySampled",
     "PhaseEntries",
     "PlacementEvent",
+    "ReleaseCause",
     "RunnerAssignment",
     "RunnerRef",
     "RunnerStatusChanged",
@@ -117,17 +119,34 @@ class _Placement(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=T
 
 
 class InstanceCreated(_Placement, kw_only=True, frozen=True):
-    """An instance of a Runner spec was placed; `assignments` are ordered by rank."""
+    """An instance of a Runner spec was placed; `assignments` are ordered by rank.
+
+    An instance placed again (after a node loss) keeps its id, so its job and rank table
+    live on; `attempt` counts its placements and is part of every new runner id.
+    """
 
     runnerSpecId: str
     modelId: str
     modelPath: str | None = None
+    attempt: NonNegative = 0
+    specDigest: str = ""
     assignments: list[RunnerAssignment]
 
 
-class InstanceReleased(_Placement, kw_only=True, frozen=True):
-    """An instance was taken down; `reason` says why."""
+class ReleaseCause(StrEnum):
+    """Why an instance was taken down."""
 
+    SPEC_DELETED = "spec_deleted"
+    SPEC_CHANGED = "spec_changed"
+    SCALED_DOWN = "scaled_down"
+    PREEMPTED = "preempted"
+    NODE_LOST = "node_lost"
+
+
+class InstanceReleased(_Placement, kw_only=True, frozen=True):
+    """An instance was taken down; `reason` says why in words, `cause` for machines."""
+
+    cause: ReleaseCause
     reason: str
 
 

@@ -8,7 +8,12 @@ __all__ = ["NodeInfo"]
 
 
 class NodeInfo(CamelStruct, kw_only=True, frozen=True):
-    """One node as its agent last described it."""
+    """One node as its agent last described it.
+
+    `memoryAvailableBytes` is what rankscope runners may use: memory that is free, plus
+    what the agent's own runners hold, so placement does not count a loaded shard twice.
+    `address` is where peers reach this node (ring connections, rank tables).
+    """
 
     nodeId: str
     friendlyName: str

@@ -1,0 +1,63 @@
+"""ClusterD-compatible gRPC `config.Config`: `Register` and `SubscribeRankTable`.
+
+Unlike ClusterD, a second subscriber to a job does not evict the first, and a job that
+does not exist yet is waited for rather than refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
+from services.ranktable.hub import TableHub
+
+__all__ = ["MAX_JOB_ID", "serve"]
+
+log = logging.getLogger(__name__)
+
+MAX_JOB_ID = 128
+
+
+async def _check_job_id(job_id: str, context: grpc.aio.ServicerContext) -> None:
+    if not job_id or len(job_id) > MAX_JOB_ID:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"jobId must be 1 to {MAX_JOB_ID} characters, got {len(job_id)}",
+        )
+
+
+class ConfigService(config_pb2_grpc.ConfigServicer):
+    """Serves rank tables from the hub."""
+
+    def __init__(self, hub: TableHub) -> None:
+        self._hub = hub
+
+    async def Register(  # noqa: N802 - the proto's name
+        self, request: config_pb2.ClientInfo, context: grpc.aio.ServicerContext
+    ) -> config_pb2.Status:
+        await _check_job_id(request.jobId, context)
+        known = self._hub.latest(request.jobId) is not None
+        info = "registered" if known else "registered; the job has no rank table yet"
+        return config_pb2.Status(code=0, info=info)
+
+    async def SubscribeRankTable(  # noqa: N802 - the proto's name
+        self, request: config_pb2.ClientInfo, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[config_pb2.RankTableStream]:
+        await _check_job_id(request.jobId, context)
+        log.info("rank-table subscriber", extra={"jobId": request.jobId, "role": request.role})
+        async for _, table in self._hub.follow(request.jobId):
+            yield config_pb2.RankTableStream(jobId=table.jobId, rankTable=table.rankTable)
+
+
+async def serve(hub: TableHub, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC server; returns it and the bound port (`port` 0 picks one)."""
+    server = grpc.aio.server()
+    config_pb2_grpc.add_ConfigServicer_to_server(ConfigService(hub), server)  # type: ignore[no-untyped-call]
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the rank-table gRPC port {host}:{port}")
+    await server.start()
+    return server, bound

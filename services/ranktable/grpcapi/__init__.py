@@ -1,0 +1,1 @@
+"""Generated gRPC modules for ClusterD's `config.Config` service (`make proto`)."""

@@ -1,0 +1,43 @@
+"""Fan each job's latest rank table out to any number of in-process subscribers.
+
+Tables are whole, never deltas, so a subscriber that falls behind skips straight to the
+newest one instead of queueing stale tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from shared.wire import RankTableStream
+
+__all__ = ["TableHub"]
+
+
+class TableHub:
+    """Latest table and version per job, and a wake-up for those who follow it."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[int, RankTableStream]] = {}
+        self._changed: dict[str, asyncio.Event] = {}
+
+    def latest(self, job_id: str) -> tuple[int, RankTableStream] | None:
+        """The newest version and table of a job, if it has one."""
+        return self._latest.get(job_id)
+
+    def publish(self, job_id: str, version: int, table: RankTableStream) -> None:
+        """Record a job's new table and wake its followers."""
+        self._latest[job_id] = (version, table)
+        self._changed.pop(job_id, asyncio.Event()).set()
+
+    async def follow(self, job_id: str) -> AsyncIterator[tuple[int, RankTableStream]]:
+        """The current table (after waiting for the job if it has none yet), then every
+        newer one, for as long as the caller iterates."""
+        seen = 0
+        while True:
+            current = self._latest.get(job_id)
+            if current is not None and current[0] > seen:
+                seen = current[0]
+                yield current
+                continue
+            await self._changed.setdefault(job_id, asyncio.Event()).wait()

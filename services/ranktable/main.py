@@ -1,0 +1,49 @@
+"""`rankscope ranktable`: the rank-table service with its gRPC `config.Config` server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from services.ranktable.grpc_server import serve
+from services.ranktable.hub import TableHub
+from services.ranktable.service import RankTableService
+from shared.connection import connect
+from shared.jetstream import Layout, ensure
+from shared.settings import Settings
+
+__all__ = ["run", "serve_until"]
+
+log = logging.getLogger("rankscope.ranktable")
+
+
+async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
+    """Run the service and its gRPC server until `stop` is set."""
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await connect(settings, "rankscope-ranktable")
+        stack.push_async_callback(nc.drain)
+        js = nc.jetstream()
+        layout = Layout.from_settings(settings)
+        await ensure(js, layout)
+        hub = TableHub()
+        server, port = await serve(hub, settings.grpc_host, settings.grpc_port)
+        stack.push_async_callback(server.stop, 1.0)
+        service = RankTableService(js=js, layout=layout, hub=hub, port_base=settings.ring_port_base)
+        log.info("rank-table service up; gRPC config.Config on port %d", port)
+        await service.run(stop)
+
+
+def run(settings: Settings) -> int:
+    """Run in the foreground until SIGINT or SIGTERM; returns the exit code."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await serve_until(settings, stop)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,371 @@
+"""The rank-table service's I/O: follow specs, nodes and runner status; place; publish
+placement events, rank tables and spec status.
+
+State is rebuilt from the placement stream and the buckets on start, so a restart keeps
+every placement that is still alive. One reconcile runs at a time; every input only marks
+the world dirty, so bursts of changes coalesce into one pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.kv import KeyValue
+
+from services.ranktable.hub import TableHub
+from services.ranktable.placement import NodeView, Plan, plan
+from services.ranktable.specs import PlacementSpec, SpecError, validate
+from services.ranktable.state import PlacementState, Readiness, apply_placement, apply_status
+from services.ranktable.tables import rank_table
+from shared.jetstream import Layout
+from shared.replay import Follower, follow
+from shared.subjects import token, untoken
+from shared.timestamps import now, to_epoch
+from shared.wire import (
+    InstanceCreated,
+    InstanceReleased,
+    NodeInfo,
+    PlacementEvent,
+    RankTable,
+    RankTableStream,
+    Runner,
+    RunnerMetrics,
+    RunnerSpecStatus,
+    RunnerStatusChanged,
+    RunnerTelemetry,
+    WireError,
+    decode,
+    encode,
+)
+
+__all__ = ["VERSION_HEADER", "RankTableService"]
+
+log = logging.getLogger(__name__)
+
+VERSION_HEADER = "Rankscope-Table-Version"
+"""Header carrying a job's rank-table version, bumped on every change."""
+
+
+class RankTableService:
+    """Places Runner specs onto live nodes and keeps every job's rank table current.
+
+    Args:
+        js: JetStream context.
+        layout: streams and buckets of this installation.
+        hub: where in-process subscribers (gRPC) follow rank tables.
+        port_base: first ring port handed out per node.
+        clock: monotonic seconds, for node expiry.
+    """
+
+    def __init__(
+        self,
+        *,
+        js: JetStreamContext,
+        layout: Layout,
+        hub: TableHub,
+        port_base: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._js = js
+        self._layout = layout
+        self._hub = hub
+        self._port_base = port_base
+        self._clock = clock
+        self._specs: dict[str, PlacementSpec] = {}
+        self._refused: dict[str, tuple[int, str]] = {}
+        self._nodes: dict[str, NodeView] = {}
+        self._deadlines: dict[str, float] = {}
+        self._state = PlacementState()
+        self._readiness = Readiness()
+        self._tables: dict[str, tuple[int, RankTable]] = {}
+        self._statuses: dict[str, RunnerSpecStatus] = {}
+        self._status_kv: KeyValue | None = None
+        self._dirty = asyncio.Event()
+        self.ready = asyncio.Event()
+        self.bad_messages = 0
+
+    @property
+    def placements(self) -> dict[str, InstanceCreated]:
+        """Live instances by id."""
+        return dict(self._state.instances)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Rebuild, then place and publish on every change until `stop` is set."""
+        subjects = self._layout.subjects
+        await self._replay_placements()
+        await self._replay_tables()
+        status = await follow(
+            self._js,
+            f"{subjects.runner_all()[:-1]}*.*.*.status",
+            self._on_status,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        )
+        specs_kv = await self._js.key_value(self._layout.runners_bucket.bucket)
+        nodes_kv = await self._js.key_value(self._layout.nodes_bucket.bucket)
+        self._status_kv = await self._js.key_value(self._layout.runner_status_bucket.bucket)
+        async with asyncio.TaskGroup() as tasks:
+            specs_loaded, nodes_loaded = asyncio.Event(), asyncio.Event()
+            watchers = [
+                tasks.create_task(self._watch(specs_kv, self._on_spec, specs_loaded)),
+                tasks.create_task(self._watch(nodes_kv, self._on_node, nodes_loaded)),
+                tasks.create_task(self._expire_nodes(stop)),
+            ]
+            await specs_loaded.wait()
+            await nodes_loaded.wait()
+            await status.caught_up.wait()
+            reconciler = tasks.create_task(self._reconcile_forever(stop))
+            await stop.wait()
+            reconciler.cancel()
+            for watcher in watchers:
+                watcher.cancel()
+        await status.stop()
+
+    async def _replay_placements(self) -> None:
+        async def handle(msg: Msg) -> None:
+            try:
+                event: PlacementEvent = decode(msg.data, PlacementEvent)
+            except WireError as exc:
+                self._count_bad(msg.subject, exc)
+                return
+            self._state = apply_placement(self._state, event, msg.metadata.sequence.stream)
+
+        await self._drain(follow(self._js, self._layout.subjects.placement_all(), handle))
+
+    async def _replay_tables(self) -> None:
+        async def handle(msg: Msg) -> None:
+            try:
+                wire = decode(msg.data, RankTableStream)
+                table = decode(wire.rankTable, RankTable)
+                version = int((msg.headers or {}).get(VERSION_HEADER, "0"))
+            except (WireError, ValueError) as exc:
+                self._count_bad(msg.subject, exc)
+                return
+            self._tables[wire.jobId] = (version, table)
+            self._hub.publish(wire.jobId, version, wire)
+
+        await self._drain(
+            follow(
+                self._js,
+                self._layout.subjects.ranktable_all(),
+                handle,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            )
+        )
+
+    @staticmethod
+    async def _drain(starting: Awaitable[Follower]) -> None:
+        follower = await starting
+        await follower.caught_up.wait()
+        await follower.stop()
+
+    def _count_bad(self, subject: str, error: Exception) -> None:
+        self.bad_messages += 1
+        log.warning("skipped a message that does not decode: %s", error, extra={"subject": subject})
+
+    async def _on_status(self, msg: Msg) -> None:
+        try:
+            event: RunnerTelemetry = decode(msg.data, RunnerTelemetry)
+        except WireError as exc:
+            self._count_bad(msg.subject, exc)
+            return
+        if isinstance(event, RunnerStatusChanged):
+            self._readiness = apply_status(self._readiness, event)
+            self._dirty.set()
+
+    async def _watch(
+        self, kv: KeyValue, apply: Callable[[KeyValue.Entry], None], loaded: asyncio.Event
+    ) -> None:
+        watcher = await kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                loaded.set()
+                continue
+            apply(entry)
+            self._dirty.set()
+
+    def _on_spec(self, entry: KeyValue.Entry) -> None:
+        spec_id = untoken(entry.key)
+        self._specs.pop(spec_id, None)
+        self._refused.pop(spec_id, None)
+        if entry.operation is not None:  # deleted or purged
+            return
+        revision = entry.revision or 0
+        try:
+            runner = decode(entry.value or b"", Runner)
+            if runner.id and runner.id != spec_id:
+                raise SpecError(f"id {runner.id!r} does not match its key {spec_id!r}")
+            spec = validate(msgspec.structs.replace(runner, id=spec_id), revision)
+        except (WireError, SpecError) as exc:
+            self._refused[spec_id] = (revision, f"rejected: {exc}")
+            log.warning("Runner spec rejected: %s", exc, extra={"runnerId": spec_id})
+            return
+        self._specs[spec_id] = spec
+
+    def _on_node(self, entry: KeyValue.Entry) -> None:
+        node_id = untoken(entry.key)
+        if entry.operation is not None:
+            self._forget_node(node_id, "left")
+            return
+        try:
+            info = decode(entry.value or b"", NodeInfo)
+        except WireError as exc:
+            self._count_bad(f"{self._layout.nodes_bucket.bucket}/{entry.key}", exc)
+            return
+        self._nodes[node_id] = NodeView.of(info)
+        self._deadlines[node_id] = self._clock() + self._layout.node_ttl_s
+
+    def _forget_node(self, node_id: str, how: str) -> None:
+        if self._nodes.pop(node_id, None) is not None:
+            log.warning("node %s", how, extra={"nodeId": node_id})
+        self._deadlines.pop(node_id, None)
+
+    async def _expire_nodes(self, stop: asyncio.Event) -> None:
+        period = self._layout.node_ttl_s / 4
+        while not stop.is_set():
+            moment = self._clock()
+            for node_id, deadline in list(self._deadlines.items()):
+                if deadline <= moment:
+                    self._forget_node(node_id, "lost: no heartbeat within the TTL")
+                    self._dirty.set()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), period)
+
+    async def _reconcile_forever(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self.reconcile()
+            except (TimeoutError, NatsError, OSError) as exc:
+                log.warning("reconcile failed, retrying: %s", exc)
+                await asyncio.sleep(0.5)
+                self._dirty.set()
+            self.ready.set()
+
+    async def reconcile(self) -> Plan:
+        """Place, release, then publish every changed rank table and spec status."""
+        decided = plan(
+            self._specs.values(),
+            self._nodes,
+            self._state.instances,
+            self._state.attempts,
+            port_base=self._port_base,
+        )
+        for release in decided.releases:
+            instance = self._state.instances[release.instance_id]
+            await self._publish_placement(
+                InstanceReleased(
+                    at=now(),
+                    instanceId=release.instance_id,
+                    cause=release.cause,
+                    reason=release.reason,
+                ),
+                msg_id=f"{release.instance_id}:released:{instance.attempt}",
+            )
+            log.info("released %s: %s", release.instance_id, release.reason)
+        for new in decided.placements:
+            await self._publish_placement(
+                InstanceCreated(
+                    at=now(),
+                    instanceId=new.instance_id,
+                    runnerSpecId=new.spec.runner_id,
+                    modelId=new.spec.model_id,
+                    modelPath=new.spec.model_path,
+                    attempt=new.attempt,
+                    specDigest=new.spec.digest,
+                    assignments=list(new.assignments),
+                ),
+                msg_id=f"{new.instance_id}:created:{new.attempt}",
+            )
+            layers = ", ".join(f"{a.nodeId}[{a.startLayer},{a.endLayer})" for a in new.assignments)
+            log.info("placed %s: %s", new.instance_id, layers)
+        await self._publish_tables()
+        await self._publish_statuses(decided)
+        return decided
+
+    async def _publish_placement(
+        self, event: InstanceCreated | InstanceReleased, msg_id: str
+    ) -> None:
+        subject = self._layout.subjects.placement(event.instanceId)
+        ack = await self._js.publish(subject, encode(event), headers={"Nats-Msg-Id": msg_id})
+        self._state = apply_placement(self._state, event, ack.seq)
+
+    def _jobs(self) -> set[str]:
+        wanted = {s.instance_id(r) for s in self._specs.values() for r in range(s.replicas)}
+        return wanted | set(self._state.instances) | set(self._tables)
+
+    async def _publish_tables(self) -> None:
+        for job_id in sorted(self._jobs()):
+            table = rank_table(self._state.instances.get(job_id), self._readiness.is_ready)
+            version, previous = self._tables.get(job_id, (0, None))
+            if table == previous:
+                continue
+            version += 1
+            wire = RankTableStream(jobId=job_id, rankTable=encode(table).decode())
+            await self._js.publish(
+                self._layout.subjects.ranktable(job_id),
+                encode(wire),
+                headers={"Nats-Msg-Id": f"{job_id}:{version}", VERSION_HEADER: str(version)},
+            )
+            self._tables[job_id] = (version, table)
+            self._hub.publish(job_id, version, wire)
+            log.info("rank table %s v%d %s", job_id, version, table.status.value)
+
+    def _metrics(self, spec_id: str) -> RunnerMetrics:
+        instances = [i for i in self._state.instances.values() if i.runnerSpecId == spec_id]
+        runners = [a.runnerId for i in instances for a in i.assignments]
+        ready = [r for r in runners if self._readiness.is_ready(r)]
+        moment = time.time()
+        running = sum(
+            moment - to_epoch(self._readiness.ready_since[r])
+            for r in ready
+            if r in self._readiness.ready_since
+        )
+        return RunnerMetrics(
+            pods_total=len(runners),
+            pods_running=len(ready),
+            total_pods_running_time_s=max(int(running), 0),
+            pods_preempted_total=self._state.preempted_pods.get(spec_id, 0),
+        )
+
+    async def _publish_statuses(self, decided: Plan) -> None:
+        statuses: dict[str, RunnerSpecStatus] = {}
+        for spec_id, (revision, reason) in self._refused.items():
+            statuses[spec_id] = RunnerSpecStatus(
+                runner_id=spec_id,
+                revision=revision,
+                accepted=False,
+                reason=reason,
+                runner_metrics=self._metrics(spec_id),
+                updated_at="",
+            )
+        for spec_id, spec in self._specs.items():
+            statuses[spec_id] = RunnerSpecStatus(
+                runner_id=spec_id,
+                revision=spec.revision,
+                accepted=True,
+                reason=decided.refusals.get(spec_id),
+                instances=sorted(
+                    i for i, p in self._state.instances.items() if p.runnerSpecId == spec_id
+                ),
+                runner_metrics=self._metrics(spec_id),
+                updated_at="",
+            )
+        for spec_id, status in statuses.items():
+            if self._statuses.get(spec_id) != status and self._status_kv is not None:
+                stamped = msgspec.structs.replace(status, updated_at=now())
+                await self._status_kv.put(token(spec_id), encode(stamped))
+                self._statuses[spec_id] = status
+        for spec_id in set(self._statuses) - set(statuses):
+            if self._status_kv is not None:
+                await self._status_kv.delete(token(spec_id))
+            del self._statuses[spec_id]

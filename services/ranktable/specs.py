@@ -1,0 +1,186 @@
+"""Validate a Runner spec into what placement needs, or refuse it with a reason."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.quantity import parse_bytes, parse_quantity
+from shared.wire import Runner
+
+__all__ = ["ModelShape", "PlacementSpec", "SpecError", "model_shape", "validate"]
+
+DEFAULT_NODEPOOL = "default"
+
+
+class SpecError(ValueError):
+    """A spec that cannot be placed as written; the message is the reason for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """How many layers a model has and how many bytes its weights take."""
+
+    n_layers: int
+    model_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementSpec:
+    """A validated Runner spec: everything placement reads, nothing it does not."""
+
+    runner_id: str
+    revision: int
+    created_at: str
+    model_id: str
+    model_path: str | None
+    model: ModelShape
+    nodepool: str
+    labels: frozenset[str]
+    ranks: int
+    replicas: int
+    min_replicas: int
+    priority: int
+    rank_bytes: int | None
+    max_ranks_per_node: int
+
+    def instance_id(self, replica: int) -> str:
+        """The stable id of one replica (= the job id of its rank table)."""
+        return f"{self.runner_id}-{replica}"
+
+    @property
+    def digest(self) -> str:
+        """Fingerprint of what shapes an instance; a change means the instance is re-placed.
+        Replica counts and priority are left out: they change how many, not how."""
+        shape = [
+            self.model_id,
+            self.model_path,
+            self.model.n_layers,
+            self.model.model_bytes,
+            self.nodepool,
+            sorted(self.labels),
+            self.ranks,
+            self.rank_bytes,
+            self.max_ranks_per_node,
+        ]
+        return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
+
+    def rank_demand(self, layers: int) -> int:
+        """Bytes one rank holding `layers` layers needs."""
+        if self.rank_bytes is not None:
+            return self.rank_bytes
+        return -(-self.model.model_bytes * layers // self.model.n_layers)
+
+
+def model_shape(directory: Path) -> ModelShape:
+    """Read layer count from `config.json` and weight bytes from the safetensors files.
+
+    Raises:
+        SpecError: the directory is not a readable model.
+    """
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecError(
+            f"metadata.modelPath {str(directory)!r}: no readable config.json ({exc})"
+        ) from None
+    config = config.get("text_config", config)
+    layers = next(
+        (config[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in config), None
+    )
+    if not isinstance(layers, int) or layers < 1:
+        raise SpecError(f"metadata.modelPath {str(directory)!r}: config.json has no layer count")
+    weights = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    if weights == 0:
+        raise SpecError(f"metadata.modelPath {str(directory)!r}: no *.safetensors weights")
+    return ModelShape(n_layers=layers, model_bytes=weights)
+
+
+def _metadata_shape(metadata: dict[str, Any]) -> ModelShape | None:
+    if "nLayers" not in metadata and "modelBytes" not in metadata:
+        return None
+    layers, size = metadata.get("nLayers"), metadata.get("modelBytes")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise SpecError(f"metadata.nLayers must be a positive integer, got {layers!r}")
+    if isinstance(size, str):
+        size = _bytes("metadata.modelBytes", size)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise SpecError(f"metadata.modelBytes must be a positive size, got {size!r}")
+    return ModelShape(n_layers=layers, model_bytes=size)
+
+
+def _bytes(field: str, text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise SpecError(f"{field}: {exc}") from None
+
+
+def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
+    """Check a spec and extract its placement needs.
+
+    Raises:
+        SpecError: the first problem, worded for the operator who wrote the spec.
+    """
+    if not runner.id:
+        raise SpecError("id is required")
+    model = runner.worker.model if runner.worker else None
+    if model is None or not model.id:
+        raise SpecError("worker.model.id is required: it names the model to serve")
+    compute = runner.compute_info
+    if compute is None or compute.num_accelerators < 1:
+        raise SpecError("compute_info.num_accelerators must be at least 1 (ranks per instance)")
+    if runner.min_replicas > runner.num_replicas:
+        raise SpecError(
+            f"min_replicas ({runner.min_replicas}) exceeds num_replicas ({runner.num_replicas})"
+        )
+    for name in ("cpu_limit", "cpu_requests"):
+        if value := getattr(compute, name):
+            try:
+                parse_quantity(value)
+            except ValueError as exc:
+                raise SpecError(f"compute_info.{name}: {exc}") from None
+    for name in ("cpu_memory", "cpu_memory_requests"):
+        if value := getattr(compute, name):
+            _bytes(f"compute_info.{name}", value)
+    rank_bytes = (
+        _bytes("compute_info.accelerator_memory", compute.accelerator_memory)
+        if compute.accelerator_memory
+        else None
+    )
+    per_node = runner.metadata.get("maxRanksPerNode", 1)
+    if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1:
+        raise SpecError(f"metadata.maxRanksPerNode must be a positive integer, got {per_node!r}")
+    path = runner.metadata.get("modelPath")
+    if path is not None and not isinstance(path, str):
+        raise SpecError(f"metadata.modelPath must be a path, got {path!r}")
+    shape = model_shape(Path(path)) if path else _metadata_shape(runner.metadata)
+    if shape is None:
+        raise SpecError(
+            "the model's size is unknown: set metadata.modelPath to a model directory the "
+            "rank-table service can read, or metadata.nLayers and metadata.modelBytes"
+        )
+    if shape.n_layers < compute.num_accelerators:
+        raise SpecError(
+            f"the model has {shape.n_layers} layers, fewer than the "
+            f"{compute.num_accelerators} ranks that must each hold one"
+        )
+    return PlacementSpec(
+        runner_id=runner.id,
+        revision=revision,
+        created_at=runner.created_at or "",
+        model_id=model.id,
+        model_path=path,
+        model=shape,
+        nodepool=runner.nodepool.id if runner.nodepool else DEFAULT_NODEPOOL,
+        labels=frozenset(runner.labels),
+        ranks=compute.num_accelerators,
+        replicas=runner.num_replicas,
+        min_replicas=runner.min_replicas,
+        priority=runner.priority,
+        rank_bytes=rank_bytes,
+        max_ranks_per_node=per_node,
+    )

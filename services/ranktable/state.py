@@ -1,0 +1,75 @@
+"""Event-sourced state of the rank-table service: placements from placement events,
+readiness from runner status events. Pure reducers, applied in stream order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from shared.wire import (
+    InstanceCreated,
+    PlacementEvent,
+    ReleaseCause,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+)
+
+__all__ = ["PlacementState", "Readiness", "apply_placement", "apply_status"]
+
+_READY = frozenset({RunnerStatusKind.READY, RunnerStatusKind.RUNNING})
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementState:
+    """Live instances, placements made per instance, and pods preempted per spec."""
+
+    instances: dict[str, InstanceCreated] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+    preempted_pods: dict[str, int] = field(default_factory=dict)
+    last_seq: int = 0
+
+
+def apply_placement(state: PlacementState, event: PlacementEvent, seq: int) -> PlacementState:
+    """Apply one placement event at stream sequence `seq`; a sequence already applied
+    changes nothing, so redelivery is harmless."""
+    if seq <= state.last_seq:
+        return state
+    instances = dict(state.instances)
+    if isinstance(event, InstanceCreated):
+        instances[event.instanceId] = event
+        attempts = state.attempts | {event.instanceId: event.attempt + 1}
+        return replace(state, instances=instances, attempts=attempts, last_seq=seq)
+    released = instances.pop(event.instanceId, None)
+    preempted = state.preempted_pods
+    if released is not None and event.cause is ReleaseCause.PREEMPTED:
+        spec_id = released.runnerSpecId
+        pods = len(released.assignments)
+        preempted = preempted | {spec_id: preempted.get(spec_id, 0) + pods}
+    return replace(state, instances=instances, preempted_pods=preempted, last_seq=seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Latest status per runner id, and since when each ready runner has been ready."""
+
+    status: dict[str, RunnerStatusChanged] = field(default_factory=dict)
+    ready_since: dict[str, str] = field(default_factory=dict)
+
+    def is_ready(self, runner_id: str) -> bool:
+        """Whether the runner last reported itself ready (or serving)."""
+        latest = self.status.get(runner_id)
+        return latest is not None and latest.processAlive and latest.statusKind in _READY
+
+
+def apply_status(readiness: Readiness, event: RunnerStatusChanged) -> Readiness:
+    """Apply one runner status event; older `seq`s than the latest known are ignored."""
+    runner_id = event.runner.runnerId
+    latest = readiness.status.get(runner_id)
+    if latest is not None and event.seq <= latest.seq:
+        return readiness
+    status = readiness.status | {runner_id: event}
+    since = dict(readiness.ready_since)
+    if event.processAlive and event.statusKind in _READY:
+        since.setdefault(runner_id, event.at)
+    else:
+        since.pop(runner_id, None)
+    return Readiness(status=status, ready_since=since)

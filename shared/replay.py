@@ -1,0 +1,58 @@
+"""Follow a stream with an ordered consumer and know when the backlog is applied.
+
+This is how views are rebuilt: replay from the start (or the last message per subject),
+report caught up when nothing is pending, and keep following live messages after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+
+__all__ = ["Follower", "follow"]
+
+
+class Follower:
+    """A live ordered consumer; `caught_up` is set once the backlog has been handled."""
+
+    def __init__(self, handle: Callable[[Msg], Awaitable[None]]) -> None:
+        self.caught_up = asyncio.Event()
+        self._handle = handle
+        self._subscription: JetStreamContext.PushSubscription | None = None
+
+    async def _on_msg(self, msg: Msg) -> None:
+        await self._handle(msg)
+        if msg.metadata.num_pending == 0:
+            self.caught_up.set()
+
+    async def stop(self) -> None:
+        """Stop following."""
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+            self._subscription = None
+
+
+async def follow(
+    js: JetStreamContext,
+    subject: str,
+    handle: Callable[[Msg], Awaitable[None]],
+    *,
+    deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+) -> Follower:
+    """Start an ordered consumer on `subject` calling `handle` for each message in order.
+
+    `handle` must not raise for bad payloads: it is the place to count and skip them.
+    Await `follower.caught_up` before trusting state built from the backlog.
+    """
+    follower = Follower(handle)
+    follower._subscription = await js.subscribe(
+        subject, cb=follower._on_msg, ordered_consumer=True, deliver_policy=deliver_policy
+    )
+    info = await follower._subscription.consumer_info()
+    if info.num_pending == 0 and not (info.delivered and info.delivered.stream_seq):
+        follower.caught_up.set()
+    return follower

@@ -1,0 +1,379 @@
+"""The rank-table service against a real nats-server: placement from KV, rank tables on
+NATS and gRPC, readiness, node loss, restarts and bad specs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+import grpc
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from services.ranktable.grpc_server import serve
+from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
+from services.ranktable.hub import TableHub
+from services.ranktable.service import VERSION_HEADER, RankTableService
+from shared.heartbeat import Heartbeat
+from shared.jetstream import Layout, ensure
+from shared.subjects import token
+from shared.timestamps import now
+from shared.wire import (
+    InstanceCreated,
+    NodeInfo,
+    PlacementEvent,
+    RankTable,
+    RankTableStatus,
+    RankTableStream,
+    Runner,
+    RunnerRef,
+    RunnerSpecStatus,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+    decode,
+    encode,
+)
+from tests.ranktable.builders import node_info, runner
+
+pytestmark = pytest.mark.nats
+
+WAIT = 10.0
+
+
+@dataclass
+class Stack:
+    js: JetStreamContext
+    nc: Client
+    layout: Layout
+    hub: TableHub
+    grpc_target: str
+    service: RankTableService | None = None
+    stop: asyncio.Event | None = None
+    task: asyncio.Task[None] | None = None
+
+    async def start(self) -> RankTableService:
+        self.stop = asyncio.Event()
+        self.service = RankTableService(
+            js=self.js, layout=self.layout, hub=self.hub, port_base=52000
+        )
+        self.task = asyncio.create_task(self.service.run(self.stop))
+        await asyncio.wait_for(self.service.ready.wait(), WAIT)
+        return self.service
+
+    async def halt(self) -> None:
+        assert self.stop is not None
+        assert self.task is not None
+        self.stop.set()
+        await self.task
+
+    async def put_node(self, info: NodeInfo) -> None:
+        kv = await self.js.key_value(self.layout.nodes_bucket.bucket)
+        await kv.put(token(info.nodeId), encode(info))
+
+    async def put_spec(self, spec: Runner | bytes, key: str | None = None) -> None:
+        kv = await self.js.key_value(self.layout.runners_bucket.bucket)
+        if isinstance(spec, Runner):
+            key, spec = key or spec.id, encode(spec)
+        assert key is not None
+        await kv.put(token(key), spec)
+
+    async def status(self, spec_id: str) -> RunnerSpecStatus:
+        kv = await self.js.key_value(self.layout.runner_status_bucket.bucket)
+        return decode((await kv.get(token(spec_id))).value or b"", RunnerSpecStatus)
+
+    async def report(self, instance: InstanceCreated, kind: RunnerStatusKind, seq: int = 1) -> None:
+        for a in instance.assignments:
+            ref = RunnerRef(
+                runnerId=a.runnerId,
+                nodeId=a.nodeId,
+                instanceId=instance.instanceId,
+                modelId=instance.modelId,
+                deviceRank=a.deviceRank,
+                worldSize=a.worldSize,
+            )
+            event = RunnerStatusChanged(
+                runner=ref,
+                seq=seq,
+                at=now(),
+                statusKind=kind,
+                processAlive=True,
+                pid=1000 + a.deviceRank,
+            )
+            subject = self.layout.subjects.runner(
+                a.nodeId, instance.instanceId, a.deviceRank, "status"
+            )
+            await self.js.publish(subject, encode(event))
+
+
+async def _stack(nc: Client, layout: Layout) -> AsyncIterator[Stack]:
+    js = nc.jetstream()
+    await ensure(js, layout)
+    hub = TableHub()
+    server, port = await serve(hub, "127.0.0.1", 0)
+    stack = Stack(js=js, nc=nc, layout=layout, hub=hub, grpc_target=f"127.0.0.1:{port}")
+    yield stack
+    if stack.task is not None and not stack.task.done():
+        await stack.halt()
+    await server.stop(0)
+
+
+@pytest.fixture
+async def stack(nc: Client, layout: Layout) -> AsyncIterator[Stack]:
+    async for built in _stack(nc, layout):
+        yield built
+
+
+@pytest.fixture
+async def fast_stack(nc: Client, layout: Layout) -> AsyncIterator[Stack]:
+    """A stack whose node entries live 2 s without a heartbeat."""
+    async for built in _stack(nc, replace(layout, node_ttl_s=2.0)):
+        yield built
+
+
+async def _next(queue: asyncio.Queue[Msg]) -> Msg:
+    return await asyncio.wait_for(queue.get(), WAIT)
+
+
+async def _tables(stack: Stack, job: str) -> asyncio.Queue[Msg]:
+    queue: asyncio.Queue[Msg] = asyncio.Queue()
+    await stack.nc.subscribe(stack.layout.subjects.ranktable(job), cb=queue.put)
+    return queue
+
+
+def _table(msg: Msg) -> tuple[int, RankTable]:
+    wire = decode(msg.data, RankTableStream)
+    return int((msg.headers or {})[VERSION_HEADER]), decode(wire.rankTable, RankTable)
+
+
+async def _place(stack: Stack, spec: Runner, instance_id: str = "llm-0") -> InstanceCreated:
+    """Put a spec and wait for its instance's placement event."""
+    events: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await stack.nc.subscribe(stack.layout.subjects.placement(instance_id), cb=events.put)
+    await stack.put_spec(spec)
+    event: PlacementEvent = decode((await _next(events)).data, PlacementEvent)
+    await sub.unsubscribe()
+    assert isinstance(event, InstanceCreated)
+    return event
+
+
+async def _until_version(stack: Stack, job: str, version: int) -> None:
+    async def reached() -> None:
+        async for seen, _ in stack.hub.follow(job):
+            if seen >= version:
+                return
+
+    await asyncio.wait_for(reached(), WAIT)
+
+
+async def test_two_nodes_one_spec_place_one_instance_in_proportion(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    tables = await _tables(stack, "llm-0")
+    await stack.start()
+    await stack.put_spec(runner())
+    version, table = _table(await _next(tables))
+    assert version == 1
+    assert table.status is RankTableStatus.INITIALIZING
+    placed = stack.service.placements["llm-0"]  # type: ignore[union-attr]
+    assert [(a.nodeId, a.startLayer, a.endLayer) for a in placed.assignments] == [
+        ("node-a", 0, 24),
+        ("node-b", 24, 32),
+    ]
+    assert [s.server_id for s in table.server_group_list[0].server_list] == ["node-a", "node-b"]
+    events = await stack.js.stream_info(stack.layout.placement_stream.name)
+    assert events.state.messages == 1
+    status = await stack.status("llm")
+    assert status.accepted
+    assert status.instances == ["llm-0"]
+    assert status.runner_metrics.pods_total == 2
+
+
+async def test_nats_and_grpc_subscribers_see_initializing_then_completed(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    tables = await _tables(stack, "llm-0")
+    async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+        stub = config_pb2_grpc.ConfigStub(channel)
+        call = stub.SubscribeRankTable(config_pb2.ClientInfo(jobId="llm-0", role="controller"))
+        await stack.put_spec(runner())
+        first = await asyncio.wait_for(call.read(), WAIT)
+        assert first.jobId == "llm-0"
+        assert json.loads(first.rankTable)["status"] == "initializing"
+        v1, _ = _table(await _next(tables))
+        await stack.report(stack.service.placements["llm-0"], RunnerStatusKind.READY)  # type: ignore[union-attr]
+        second = await asyncio.wait_for(call.read(), WAIT)
+        assert json.loads(second.rankTable)["status"] == "completed"
+        v2, table = _table(await _next(tables))
+        assert (v1, v2) == (1, 2)
+        assert table.status is RankTableStatus.COMPLETED
+        call.cancel()
+    assert (await stack.status("llm")).runner_metrics.pods_running == 2
+
+
+async def test_identical_tables_are_not_sent_again(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    placed = await _place(stack, runner())
+    await stack.report(placed, RunnerStatusKind.READY, seq=1)
+    await stack.report(placed, RunnerStatusKind.RUNNING, seq=2)
+    await stack.put_node(node_info("node-a", 20))  # memory moves; placement stays
+    await stack.put_spec(runner(description="same shape"))
+    await stack.service.reconcile()  # type: ignore[union-attr]
+    info = await stack.js.stream_info(stack.layout.ranktable_stream.name)
+    assert info.state.messages == 2  # initializing, then completed; nothing else
+
+
+async def test_restart_keeps_placements(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    before = await _place(stack, runner())
+    await stack.report(before, RunnerStatusKind.READY)
+    await stack.halt()
+    service = await stack.start()
+    assert service.placements == {"llm-0": before}
+    placement = await stack.js.stream_info(stack.layout.placement_stream.name)
+    assert placement.state.messages == 1
+    assert stack.hub.latest("llm-0") is not None
+    assert stack.hub.latest("llm-0")[0] == 2  # type: ignore[index]
+
+
+async def test_lost_node_re_places_on_the_remaining_capacity(fast_stack: Stack) -> None:
+    stack = fast_stack
+    beats: dict[str, asyncio.Task[None]] = {}
+    kv = await stack.js.key_value(stack.layout.nodes_bucket.bucket)
+
+    def describer(info: NodeInfo) -> Callable[[], NodeInfo]:
+        return lambda: msgspec.structs.replace(info, lastHeartbeat=now())
+
+    for info in (node_info("node-a", 24), node_info("node-b", 8), node_info("node-c", 6)):
+        beat = Heartbeat(kv=kv, describe=describer(info), interval=0.5)
+        await beat.beat()
+        beats[info.nodeId] = asyncio.create_task(beat.run(asyncio.Event()))
+    await stack.start()
+    first = await _place(stack, runner())
+    assert {a.nodeId for a in first.assignments} == {"node-a", "node-b"}
+    await _until_version(stack, "llm-0", 1)
+    tables = await _tables(stack, "llm-0")
+    placements: asyncio.Queue[Msg] = asyncio.Queue()
+    await stack.nc.subscribe(stack.layout.subjects.placement("llm-0"), cb=placements.put)
+    beats.pop("node-b").cancel()  # a crash: no goodbye, the entry just stops being renewed
+    released: PlacementEvent = decode(
+        (await asyncio.wait_for(placements.get(), 2 * 2.0)).data, PlacementEvent
+    )
+    assert "node node-b lost" in released.reason  # type: ignore[union-attr]
+    again: PlacementEvent = decode((await _next(placements)).data, PlacementEvent)
+    assert isinstance(again, InstanceCreated)
+    assert {a.nodeId for a in again.assignments} == {"node-a", "node-c"}
+    assert again.attempt == 1
+    _, table = _table(await _next(tables))
+    assert [s.server_id for s in table.server_group_list[0].server_list] == ["node-a", "node-c"]
+    assert table.status is RankTableStatus.INITIALIZING
+    for task in beats.values():
+        task.cancel()
+
+
+async def test_lost_node_without_spare_capacity_is_refused_with_a_reason(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    await _place(stack, runner())
+    await _until_version(stack, "llm-0", 1)
+    tables = await _tables(stack, "llm-0")
+    kv = await stack.js.key_value(stack.layout.nodes_bucket.bucket)
+    await kv.delete(token("node-b"))
+    _, table = _table(await _next(tables))
+    assert table.status is RankTableStatus.INITIALIZING
+    assert table.server_group_list[0].server_list == []
+    status = await stack.status("llm")
+    assert status.reason is not None
+    assert "need 2 nodes, but nodepool 'default' has 1 live" in status.reason
+
+
+async def test_bad_spec_is_rejected_and_others_still_place(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    await stack.put_spec(b'{"id": "broken", "priority": 12}', key="broken")
+    await stack.put_spec(runner("sizeless", metadata={}), key="sizeless")
+    await _place(stack, runner())
+    mismatched = runner("other")
+    await stack.put_spec(mismatched, key="mismatch")
+    await _until_version(stack, "llm-0", 1)
+    broken = await stack.status("broken")
+    assert not broken.accepted
+    assert broken.reason == "rejected: Expected `int` <= 9 - at `$.priority`"
+    sizeless = await stack.status("sizeless")
+    assert sizeless.reason is not None
+    assert "model's size is unknown" in sizeless.reason
+    mismatch = await stack.status("mismatch")
+    assert mismatch.reason == "rejected: id 'other' does not match its key 'mismatch'"
+    assert set(stack.service.placements) == {"llm-0"}  # type: ignore[union-attr]
+
+
+async def test_deleting_a_spec_releases_its_instances(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    await _place(stack, runner())
+    await _until_version(stack, "llm-0", 1)
+    tables = await _tables(stack, "llm-0")
+    kv = await stack.js.key_value(stack.layout.runners_bucket.bucket)
+    await kv.delete(token("llm"))
+    _, table = _table(await _next(tables))
+    assert table.server_group_list[0].server_list == []
+    assert stack.service.placements == {}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("job_id", ["", "x" * 129])
+async def test_grpc_refuses_a_bad_job_id(stack: Stack, job_id: str) -> None:
+    async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+        stub = config_pb2_grpc.ConfigStub(channel)
+        call = stub.SubscribeRankTable(config_pb2.ClientInfo(jobId=job_id))
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await asyncio.wait_for(call.read(), WAIT)
+        assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await stub.Register(config_pb2.ClientInfo(jobId=job_id))
+        assert "1 to 128 characters" in (failure.value.details() or "")
+
+
+async def test_grpc_waits_for_an_unknown_job_and_serves_many_subscribers(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+        stub = config_pb2_grpc.ConfigStub(channel)
+        registered = await stub.Register(config_pb2.ClientInfo(jobId="llm-0"))
+        assert registered.code == 0
+        calls = [stub.SubscribeRankTable(config_pb2.ClientInfo(jobId="llm-0")) for _ in range(3)]
+        reads = [asyncio.ensure_future(call.read()) for call in calls]
+        done, _ = await asyncio.wait(reads, timeout=0.2)
+        assert not done  # no job yet: the subscribers wait rather than fail
+        await stack.put_spec(runner())
+        tables = await asyncio.wait_for(asyncio.gather(*reads), WAIT)
+        assert {t.jobId for t in tables} == {"llm-0"}
+        for call in calls:
+            call.cancel()
+
+
+async def test_subscriber_joining_late_gets_the_current_table_first(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    await stack.report(await _place(stack, runner()), RunnerStatusKind.READY)
+    await _until_version(stack, "llm-0", 2)
+    async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+        call = config_pb2_grpc.ConfigStub(channel).SubscribeRankTable(
+            config_pb2.ClientInfo(jobId="llm-0")
+        )
+        current = await asyncio.wait_for(call.read(), WAIT)
+        assert json.loads(current.rankTable)["status"] == "completed"
+        call.cancel()

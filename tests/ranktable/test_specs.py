@@ -1,0 +1,87 @@
+"""Runner specs are validated into placement needs, or refused with a reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.ranktable.specs import SpecError, model_shape, validate
+from shared.tiny_model import TinyModelSpec, write_tiny_model
+from shared.wire import ComputeInfo, Nodepool, Worker
+from tests.ranktable.builders import GiB, runner
+
+
+def test_valid_spec_from_metadata() -> None:
+    spec = validate(runner(labels=["ultra"]), revision=3)
+    assert (spec.ranks, spec.replicas, spec.revision) == (2, 1, 3)
+    assert (spec.model.n_layers, spec.model.model_bytes) == (32, 8 * GiB)
+    assert spec.labels == frozenset({"ultra"})
+    assert spec.instance_id(0) == "llm-0"
+
+
+def test_model_shape_is_read_from_the_model_directory(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "m", TinyModelSpec(layers=6, hidden=32))
+    spec = validate(runner(metadata={"modelPath": str(model)}))
+    assert spec.model.n_layers == 6
+    assert spec.model.model_bytes == (model / "model.safetensors").stat().st_size
+    assert spec.model_path == str(model)
+    assert model_shape(model) == spec.model
+
+
+def test_accelerator_memory_is_the_per_rank_demand() -> None:
+    spec = validate(runner(compute_info=ComputeInfo(num_accelerators=2, accelerator_memory="3Gi")))
+    assert spec.rank_demand(layers=1) == spec.rank_demand(layers=20) == 3 * GiB
+
+
+def test_model_share_is_the_per_rank_demand_without_accelerator_memory() -> None:
+    assert validate(runner()).rank_demand(layers=8) == 2 * GiB
+
+
+def test_unknown_nodepool_is_accepted() -> None:
+    assert validate(runner(nodepool=Nodepool(id="elsewhere"))).nodepool == "elsewhere"
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"id": ""}, "id is required"),
+        ({"worker": Worker()}, "worker.model.id is required"),
+        ({"compute_info": ComputeInfo(num_accelerators=0)}, "num_accelerators must be at least 1"),
+        ({"num_replicas": 1, "min_replicas": 2}, r"min_replicas \(2\) exceeds num_replicas \(1\)"),
+        (
+            {"compute_info": ComputeInfo(num_accelerators=2, accelerator_memory="lots")},
+            "compute_info.accelerator_memory: 'lots' is not a quantity",
+        ),
+        (
+            {"compute_info": ComputeInfo(num_accelerators=2, cpu_limit="4 cores")},
+            "compute_info.cpu_limit",
+        ),
+        (
+            {"compute_info": ComputeInfo(num_accelerators=2, cpu_memory="8GB")},
+            "compute_info.cpu_memory",
+        ),
+        ({"metadata": {}}, "the model's size is unknown: set metadata.modelPath"),
+        ({"metadata": {"nLayers": 32}}, "metadata.modelBytes must be a positive size"),
+        (
+            {"metadata": {"nLayers": "32", "modelBytes": 1}},
+            "metadata.nLayers must be a positive integer",
+        ),
+        (
+            {"metadata": {"nLayers": 1, "modelBytes": 1}},
+            "the model has 1 layers, fewer than the 2 ranks",
+        ),
+        ({"metadata": {"modelPath": "/nonexistent"}}, "no readable config.json"),
+        ({"metadata": {"nLayers": 32, "modelBytes": 9, "maxRanksPerNode": 0}}, "maxRanksPerNode"),
+    ],
+)
+def test_bad_specs_are_refused_with_a_reason(changes: dict[str, Any], reason: str) -> None:
+    with pytest.raises(SpecError, match=reason):
+        validate(runner(**changes))
+
+
+def test_digest_changes_with_shape_not_with_count() -> None:
+    base = validate(runner())
+    assert validate(runner(num_replicas=3, priority=5)).digest == base.digest
+    assert validate(runner(ranks=3)).digest != base.digest
