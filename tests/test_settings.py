@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.settings import Settings, SettingsError, add_arguments, env_name, load
+from shared.settings import Settings, SettingsError, add_arguments, env_name, load, to_environ
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -101,3 +101,19 @@ def test_cli_stops_with_one_line_naming_the_variable(tmp_path: Path) -> None:
         "rankscope: RANKSCOPE_HEARTBEAT_TTL: expected a positive duration such as 10, 2.5s, "
         "500ms, 7d; got 'never'"
     ]
+
+
+def test_child_processes_get_the_same_settings_through_the_environment() -> None:
+    settings = load(
+        {},
+        environ={
+            "RANKSCOPE_NATS_URL": "nats://a:4222,nats://b:4222",
+            "RANKSCOPE_NODE_LABELS": "m2,ultra",
+            "RANKSCOPE_HEARTBEAT_TTL": "2.5s",
+            "RANKSCOPE_TELEMETRY_MAX_BYTES": "512Mi",
+            "RANKSCOPE_DATA_DIR": "/srv/rankscope",
+            "RANKSCOPE_NATS_PASSWORD": "hunter2",
+        },
+    )
+    assert load({}, environ=to_environ(settings)) == settings
+    assert "RANKSCOPE_GATEWAY_PORT" not in to_environ(settings)

@@ -1,5 +1,6 @@
-"""`rankscope up`: an embedded NATS with rankscope's streams and buckets, and with
-`--demo` the tiny model the demo cluster serves. Runs until Ctrl-C or SIGTERM."""
+"""`rankscope up`: an embedded NATS with rankscope's streams and buckets, the services
+as supervised child processes, and with `--demo` the tiny model the demo cluster serves.
+Runs until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
+from services.stack.supervisor import ChildSpec, Supervisor
 from shared.connection import connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
-from shared.settings import Settings
+from shared.settings import Settings, to_environ
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 
 __all__ = ["demo_model", "run"]
 
 log = logging.getLogger("rankscope.up")
+
+SERVICES = (ChildSpec("ranktable", ["ranktable"]),)
+"""The services this build runs; each is a `rankscope` subcommand."""
 
 
 def demo_model(settings: Settings) -> Path:
@@ -50,10 +55,15 @@ async def _serve(settings: Settings, *, demo: bool) -> None:
         print(f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready)")
         if demo:
             print(f"demo model  {demo_model(settings)}")
+        supervisor = Supervisor(SERVICES, env=to_environ(settings))
+        await supervisor.start()
+        supervising = asyncio.create_task(supervisor.run(stop))
+        print(f"ranktable   gRPC config.Config on {settings.grpc_host}:{settings.grpc_port}")
         print(f"watch       nats sub '{settings.subject_prefix}.>' --server {servers[0]}")
         print("Ctrl-C stops everything.", flush=True)
         await stop.wait()
         log.info("stopping")
+        await supervising
 
 
 def run(settings: Settings, *, demo: bool) -> int:

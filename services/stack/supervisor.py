@@ -1,0 +1,121 @@
+"""Run rankscope services as child processes: restart a crashed one (with backoff) and
+say so, stop them all on the way out (SIGTERM, then SIGKILL)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from shared.processes import die_with_parent, signal_name
+
+__all__ = ["ChildSpec", "Supervisor"]
+
+log = logging.getLogger("rankscope.up")
+
+_BACKOFF_START_S = 0.5
+_BACKOFF_MAX_S = 30.0
+_STABLE_AFTER_S = 60.0
+_GRACE_S = 8.0  # within `up`'s promise: everything stopped in 10 s
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """One service: a `rankscope` subcommand with its arguments and extra environment."""
+
+    name: str
+    args: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    process: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    restarts: int = 0
+
+
+class Supervisor:
+    """Keeps every child running until `stop`; `pids` shows who runs now."""
+
+    def __init__(self, children: Sequence[ChildSpec], *, env: Mapping[str, str]) -> None:
+        self._children = [_Child(spec) for spec in children]
+        self._env = {**os.environ, **env}
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Process ids of the running children by name."""
+        return {c.spec.name: c.process.pid for c in self._children if c.process is not None}
+
+    async def _start(self, child: _Child) -> asyncio.subprocess.Process:
+        child.started = time.monotonic()
+        child.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.cli",
+            *child.spec.args,
+            env={**self._env, **child.spec.env},
+            stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),
+        )
+        return child.process
+
+    async def start(self) -> None:
+        """Start every child once."""
+        for child in self._children:
+            await self._start(child)
+
+    async def _keep(self, child: _Child, stop: asyncio.Event) -> None:
+        backoff = _BACKOFF_START_S
+        process = child.process or await self._start(child)
+        while True:
+            code = await process.wait()
+            if stop.is_set():
+                return
+            if time.monotonic() - child.started > _STABLE_AFTER_S:
+                backoff = _BACKOFF_START_S
+            child.restarts += 1
+            cause = signal_name(code) or f"exit code {code}"
+            log.error(
+                "%s stopped (%s); restart %d in %.1fs",
+                child.spec.name,
+                cause,
+                child.restarts,
+                backoff,
+            )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff)
+            if stop.is_set():
+                return
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            process = await self._start(child)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep every child running until `stop` is set, then stop them all."""
+        keepers = [asyncio.create_task(self._keep(child, stop)) for child in self._children]
+        await stop.wait()
+        await self.terminate()
+        await asyncio.gather(*keepers)
+
+    async def terminate(self) -> None:
+        """SIGTERM every child, then SIGKILL what is left after a grace period."""
+        running = [c.process for c in self._children if c.process and c.process.returncode is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        waits = [asyncio.create_task(process.wait()) for process in running]
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=_GRACE_S)
+            for process in running:
+                if process.returncode is None:
+                    log.warning("killing a child that ignored SIGTERM", extra={"pid": process.pid})
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+            await asyncio.gather(*late)
