@@ -22,6 +22,7 @@ from shared.wire.events import (
     TokenChunk,
 )
 from shared.wire.memory import Memory, MlxMemorySnapshot
+from shared.wire.node_diagnostics import NodeDiagnostics, RunnerSupervisorDiagnostics
 from shared.wire.nodes import NodeInfo
 from shared.wire.placement import PlacementRunnerDiagnostics, PlacementTaskDiagnostics
 from shared.wire.ranktable import (
@@ -72,6 +73,7 @@ __all__ = [
     "MemorySampled",
     "MlxMemorySnapshot",
     "ModelVersion",
+    "NodeDiagnostics",
     "NodeInfo",
     "Nodepool",
     "Phase",
@@ -90,6 +92,7 @@ __all__ = [
     "RunnerSpecStatus",
     "RunnerStatusChanged",
     "RunnerStatusKind",
+    "RunnerSupervisorDiagnostics",
     "RunnerSynopsis",
     "RunnerTelemetry",
     "Server",

@@ -176,12 +176,14 @@ class _Task(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
 
 
 class TaskCreated(_Task, kw_only=True, frozen=True):
-    """A task was submitted to every rank of an instance."""
+    """A task was submitted to every rank of an instance; a `CancelTask` names the task it
+    cancels in `targetTaskId`."""
 
     taskKind: TaskKind
     commandId: str | None = None
     modelId: str | None = None
     request: GenerationRequest | None = None
+    targetTaskId: str | None = None
 
 
 class TaskStatusChanged(_Task, kw_only=True, frozen=True):

@@ -236,13 +236,18 @@ async def test_restart_keeps_placements(stack: Stack) -> None:
     await stack.start()
     before = await _place(stack, runner())
     await stack.report(before, RunnerStatusKind.READY)
+    await _until_version(stack, "llm-0", 2)
     await stack.halt()
     service = await stack.start()
     assert service.placements == {"llm-0": before}
     placement = await stack.js.stream_info(stack.layout.placement_stream.name)
     assert placement.state.messages == 1
-    assert stack.hub.latest("llm-0") is not None
-    assert stack.hub.latest("llm-0")[0] == 2  # type: ignore[index]
+    latest = stack.hub.latest("llm-0")
+    assert latest is not None
+    assert latest[0] == 2
+    await service.reconcile()
+    tables = await stack.js.stream_info(stack.layout.ranktable_stream.name)
+    assert tables.state.messages == 2  # the restart re-sent nothing
 
 
 async def test_lost_node_re_places_on_the_remaining_capacity(fast_stack: Stack) -> None:
