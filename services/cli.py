@@ -32,6 +32,12 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
     return run(settings, demo=args.demo)
 
 
+def _agent(args: argparse.Namespace, settings: Settings) -> int:
+    from services.agent.main import run
+
+    return run(settings)
+
+
 def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
     from services.ranktable.main import run
 
@@ -49,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--demo", action="store_true", help="add a demo cluster with a tiny model")
     up.set_defaults(handler=_up)
     add_arguments(up)
+
+    agent = commands.add_parser("agent", help="run this node's agent (runners, flight recorder)")
+    agent.set_defaults(handler=_agent)
+    add_arguments(agent)
 
     ranktable = commands.add_parser(
         "ranktable", help="run the rank-table service (placement, rank tables, gRPC)"

@@ -1,0 +1,219 @@
+"""The node agent's core: follow placements for this node, run a supervisor per local
+rank, feed them their instance's tasks, and answer live diagnostics requests."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from services.agent.publisher import TelemetryPublisher
+from services.agent.runner.config import RunnerConfig, Timeouts
+from services.agent.supervisor import RunnerSupervisor
+from shared.jetstream import Layout
+from shared.replay import Follower, follow
+from shared.timestamps import now
+from shared.wire import (
+    InstanceCreated,
+    InstanceReleased,
+    NodeDiagnostics,
+    NodeInfo,
+    PhaseEntries,
+    PlacementEvent,
+    RunnerRef,
+    RunnerTelemetry,
+    TaskEvent,
+    TaskStatus,
+    TaskStatusChanged,
+    TokenChunk,
+    WireError,
+    decode,
+    encode,
+)
+
+__all__ = ["Agent"]
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    """Everything one node runs.
+
+    Args:
+        nc: NATS connection (core publishes and request/reply).
+        js: JetStream context.
+        layout: streams and buckets.
+        node: describes this node (its id, name and address).
+        publisher: telemetry publisher shared by the runners.
+        timeouts: deadlines handed to every runner.
+    """
+
+    def __init__(
+        self,
+        *,
+        nc: Client,
+        js: JetStreamContext,
+        layout: Layout,
+        node: Callable[[], NodeInfo],
+        publisher: TelemetryPublisher,
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self._layout = layout
+        self._node = node
+        self._node_id = node().nodeId
+        self._publisher = publisher
+        self._timeouts = timeouts or Timeouts()
+        self.supervisors: dict[str, RunnerSupervisor] = {}
+        self._placed: dict[str, InstanceCreated] = {}
+        self._task_followers: dict[str, Follower] = {}
+        self._final_tasks: set[str] = set()
+        self._outputs: set[asyncio.Task[None]] = set()
+        self.bad_messages = 0
+
+    def _bad(self, subject: str, error: Exception) -> None:
+        self.bad_messages += 1
+        log.warning("skipped a message that does not decode: %s", error, extra={"subject": subject})
+
+    async def on_placement(self, msg: Msg) -> None:
+        """Start, keep or stop local runners to match the latest placement of an instance."""
+        try:
+            event: PlacementEvent = decode(msg.data, PlacementEvent)
+        except WireError as exc:
+            self._bad(msg.subject, exc)
+            return
+        if isinstance(event, InstanceReleased):
+            await self._release_instance(event.instanceId, keep=set())
+            return
+        local = [a for a in event.assignments if a.nodeId == self._node_id]
+        await self._release_instance(event.instanceId, keep={a.runnerId for a in local})
+        if not local:
+            return
+        self._placed[event.instanceId] = event
+        for assignment in local:
+            if assignment.runnerId in self.supervisors:
+                continue
+            ref = RunnerRef(
+                runnerId=assignment.runnerId,
+                nodeId=self._node_id,
+                instanceId=event.instanceId,
+                modelId=event.modelId,
+                deviceRank=assignment.deviceRank,
+                worldSize=assignment.worldSize,
+            )
+            config = RunnerConfig(
+                runner=ref,
+                assignment=assignment,
+                assignments=tuple(event.assignments),
+                model_path=event.modelPath or "",
+                timeouts=self._timeouts,
+            )
+            supervisor = RunnerSupervisor(
+                config=config,
+                subjects=self._layout.subjects,
+                publisher=self._publisher,
+                first_seq=await self._resume_seq(ref),
+                on_output=self._output,
+                on_task=functools.partial(self._task_status, ref),
+            )
+            self.supervisors[assignment.runnerId] = supervisor
+            supervisor.start()
+        if event.instanceId not in self._task_followers:
+            self._task_followers[event.instanceId] = await follow(
+                self._js, self._layout.subjects.tasks(event.instanceId), self._on_task
+            )
+
+    async def _resume_seq(self, ref: RunnerRef) -> int:
+        """One past the highest `seq` this runner already has in the stream."""
+        last = -1
+        for kind in ("phase", "memory", "status"):
+            subject = self._layout.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, kind)
+            try:
+                raw = await self._js.get_last_msg(self._layout.runner_stream.name, subject)
+                event: RunnerTelemetry = decode(raw.data or b"", RunnerTelemetry)
+            except (NotFoundError, WireError):
+                continue
+            if event.runner.runnerId != ref.runnerId:
+                continue
+            seqs = (
+                [e.seq for e in event.entries] if isinstance(event, PhaseEntries) else [event.seq]
+            )
+            last = max(last, *seqs)
+        return last + 1
+
+    async def _release_instance(self, instance_id: str, keep: set[str]) -> None:
+        for runner_id, supervisor in list(self.supervisors.items()):
+            if supervisor.config.runner.instanceId == instance_id and runner_id not in keep:
+                del self.supervisors[runner_id]
+                await supervisor.release()
+        if not keep:
+            self._placed.pop(instance_id, None)
+            follower = self._task_followers.pop(instance_id, None)
+            if follower is not None:
+                await follower.stop()
+
+    async def _on_task(self, msg: Msg) -> None:
+        try:
+            event: TaskEvent = decode(msg.data, TaskEvent)
+        except WireError as exc:
+            self._bad(msg.subject, exc)
+            return
+        if isinstance(event, TaskStatusChanged):
+            if event.taskStatus.is_final:
+                self._final_tasks.add(event.taskId)
+            return
+        placed = self._placed.get(event.instanceId)
+        if placed is None or event.at < placed.at or event.taskId in self._final_tasks:
+            return  # for an earlier placement of this instance, or already done
+        for supervisor in self.supervisors.values():
+            if supervisor.config.runner.instanceId == event.instanceId:
+                supervisor.submit(msg.metadata.sequence.stream, event)
+
+    def _output(self, chunk: TokenChunk) -> None:
+        # Core NATS, in order: tasks start in the order they are created.
+        subject = self._layout.subjects.output(chunk.commandId)
+        task = asyncio.get_running_loop().create_task(self._nc.publish(subject, encode(chunk)))
+        self._outputs.add(task)
+        task.add_done_callback(self._outputs.discard)
+
+    def _task_status(
+        self, ref: RunnerRef, task_id: str, status: TaskStatus, detail: str | None
+    ) -> None:
+        event = TaskStatusChanged(
+            at=now(),
+            taskId=task_id,
+            instanceId=ref.instanceId,
+            taskStatus=status,
+            runnerId=ref.runnerId,
+            detail=detail,
+        )
+        subject = self._layout.subjects.tasks(ref.instanceId)
+        msg_id = f"{task_id}:{ref.runnerId}:{status.value}"
+        self._publisher.message(subject, encode(event), msg_id)
+
+    async def answer(self, msg: Msg) -> None:
+        """Reply to a live diagnostics request with every supervisor's state."""
+        node = self._node()
+        reply = NodeDiagnostics(
+            nodeId=node.nodeId,
+            friendlyName=node.friendlyName,
+            address=node.address,
+            generatedAt=now(),
+            runners=[s.live() for s in self.supervisors.values()],
+        )
+        await msg.respond(encode(reply))
+
+    async def shutdown(self) -> None:
+        """Release every runner and stop following tasks."""
+        for instance_id in {s.config.runner.instanceId for s in self.supervisors.values()}:
+            await self._release_instance(instance_id, keep=set())
+        for follower in self._task_followers.values():
+            await follower.stop()
+        self._task_followers.clear()

@@ -1,0 +1,104 @@
+"""`rankscope agent`: one per node."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import uuid
+from pathlib import Path
+
+from services.agent.agent import Agent
+from services.agent.publisher import TelemetryPublisher
+from shared.connection import connect
+from shared.heartbeat import Heartbeat
+from shared.host import hostname, memory_bytes
+from shared.jetstream import Layout, ensure
+from shared.replay import follow
+from shared.settings import Settings
+from shared.timestamps import now
+from shared.wire import NodeInfo
+
+__all__ = ["node_id", "run", "serve_until"]
+
+log = logging.getLogger("rankscope.agent")
+
+AGENT_VERSION = "0.1.0"
+
+
+def node_id(settings: Settings) -> str:
+    """The configured node id, else one generated once and kept in the data dir."""
+    if settings.node_id:
+        return settings.node_id
+    path = Path(settings.data_dir) / "node-id"
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    generated = f"{hostname()}-{uuid.uuid4().hex[:6]}"
+    path.write_text(generated + "\n")
+    return generated
+
+
+async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
+    """Run the agent until `stop` is set, then release every runner and leave the inventory."""
+    identity = node_id(settings)
+
+    def describe() -> NodeInfo:
+        total, available = memory_bytes()
+        return NodeInfo(
+            nodeId=identity,
+            friendlyName=settings.friendly_name or hostname(),
+            address=settings.node_address,
+            memoryTotalBytes=total,
+            memoryAvailableBytes=available,
+            labels=list(settings.node_labels),
+            nodepool=settings.nodepool,
+            agentVersion=AGENT_VERSION,
+            lastHeartbeat=now(),
+        )
+
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await connect(settings, f"rankscope-agent-{identity}")
+        stack.push_async_callback(nc.drain)
+        js = nc.jetstream()
+        layout = Layout.from_settings(settings)
+        await ensure(js, layout)
+        publisher = TelemetryPublisher(js=js)
+        publishing_stop = asyncio.Event()
+        publishing = asyncio.create_task(publisher.run(publishing_stop))
+        agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=publisher)
+        kv = await js.key_value(layout.nodes_bucket.bucket)
+        beat_stop = asyncio.Event()
+        beating = asyncio.create_task(
+            Heartbeat(kv=kv, describe=describe, interval=settings.heartbeat_ttl / 3).run(beat_stop)
+        )
+        diagnostics = await nc.subscribe(
+            layout.subjects.node_diagnostics(identity), cb=agent.answer
+        )
+        placements = await follow(js, layout.subjects.placement_all(), agent.on_placement)
+        log.info("agent up", extra={"nodeId": identity})
+        await stop.wait()
+        await placements.stop()
+        await diagnostics.unsubscribe()
+        await agent.shutdown()
+        beat_stop.set()
+        await beating
+        publishing_stop.set()
+        await publishing
+        if publisher.dropped_entries:
+            log.warning("telemetry dropped: %d entries", publisher.dropped_entries)
+
+
+def run(settings: Settings) -> int:
+    """Run in the foreground until SIGINT or SIGTERM; returns the exit code."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await serve_until(settings, stop)
+
+    asyncio.run(main())
+    return 0

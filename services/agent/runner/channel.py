@@ -1,0 +1,47 @@
+"""Messages from a runner process to its agent, as plain tuples (cheap to pickle).
+
+Two queues: telemetry (bounded; a full queue drops and counts, never stalls inference) and
+control (status, task status, generated text: must all arrive, and are few).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from shared.wire import Attrs, MlxMemorySnapshot
+
+__all__ = [
+    "ENTRY",
+    "MEMORY",
+    "OUTPUT",
+    "STATUS",
+    "TASK",
+    "EntryMessage",
+    "MemoryMessage",
+    "OutputMessage",
+    "StatusMessage",
+    "TaskMessage",
+]
+
+ENTRY: Literal["entry"] = "entry"
+MEMORY: Literal["memory"] = "memory"
+STATUS: Literal["status"] = "status"
+TASK: Literal["task"] = "task"
+OUTPUT: Literal["output"] = "output"
+
+EntryMessage = tuple[
+    Literal["entry"],
+    str,  # at
+    str,  # phase
+    str,  # event
+    str | None,  # detail
+    Attrs,
+    str | None,  # taskId
+    str | None,  # commandId
+    MlxMemorySnapshot | None,
+    int,  # entries dropped before this one
+]
+MemoryMessage = tuple[Literal["memory"], MlxMemorySnapshot]
+StatusMessage = tuple[Literal["status"], str, str | None]  # statusKind, detail
+TaskMessage = tuple[Literal["task"], str, str, str | None]  # taskId, taskStatus, detail
+OutputMessage = tuple[Literal["output"], str, int, str, str | None]  # commandId, seq, text, finish

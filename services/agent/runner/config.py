@@ -1,0 +1,37 @@
+"""What a runner process is told when the agent spawns it (pickled across the spawn)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.wire import RunnerAssignment, RunnerRef
+
+__all__ = ["RunnerConfig", "Timeouts"]
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Deadlines of the runner's blocking steps, in seconds."""
+
+    connect: float = 120.0
+    warmup: float = 300.0
+    collective: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """One rank: who it is, where its peers listen, which model and layers it holds."""
+
+    runner: RunnerRef
+    assignment: RunnerAssignment
+    assignments: tuple[RunnerAssignment, ...]
+    model_path: str
+    timeouts: Timeouts = Timeouts()
+    memory_interval: float = 1.0
+    idle_tick: float = 0.02
+    record: bool = True
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last layers and so speaks for the instance's output."""
+        return self.assignment.deviceRank == self.assignment.worldSize - 1

@@ -1,0 +1,180 @@
+"""One text generation across the pipeline, recorded phase by phase.
+
+Every rank runs the same loop on the same tokens (the pipeline all-gathers the last
+hidden state), so every rank samples the same token and stops at the same step; the last
+stage speaks for the instance and sends the text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from services.agent.runner.config import RunnerConfig
+from services.agent.runner.recorder import Recorder
+from services.agent.runner.shard import LoadedShard
+from services.agent.runner.watchdog import Watchdog
+from shared.wire import Attrs, Phase, TaskCreated
+
+__all__ = ["CANCEL_CHECK_EVERY", "Generation", "barrier"]
+
+CANCEL_CHECK_EVERY = 4
+"""Tokens between collective checks for a cancel (every rank stops at the same step)."""
+
+
+def barrier(group: Any) -> None:
+    """Wait until every rank gets here."""
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+
+
+class Generation:
+    """Runs text-generation tasks for one rank.
+
+    Args:
+        config: the rank.
+        shard: the loaded model slice and tokenizer.
+        group: the ring group.
+        recorder: where phases go.
+        watchdog: deadlines for blocking steps.
+        cancelled: whether this rank has seen a cancel for a task id.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: RunnerConfig,
+        shard: LoadedShard,
+        group: Any,
+        recorder: Recorder,
+        watchdog: Watchdog,
+        cancelled: Callable[[str], bool],
+    ) -> None:
+        self._config = config
+        self._shard = shard
+        self._group = group
+        self._recorder = recorder
+        self._watchdog = watchdog
+        self._cancelled = cancelled
+        self.step = 0
+
+    def _attrs(self, **extra: int | float | str) -> Attrs:
+        rank = self._config.assignment
+        return {
+            "step": self.step,
+            "rank": rank.deviceRank,
+            "world_size": rank.worldSize,
+            "src": rank.deviceRank - 1,
+            "dst": rank.deviceRank + 1,
+            **extra,
+        }
+
+    def _agree_cancel(self, task_id: str) -> bool:
+        local = self._cancelled(task_id)
+        with self._watchdog.guard("cancel_check", self._config.timeouts.collective):
+            votes = mx.distributed.all_sum(
+                mx.array(1 if local else 0), group=self._group, stream=mx.cpu
+            )
+            return bool(votes.item())
+
+    def run(self, task: TaskCreated) -> str:
+        """Generate for `task`; returns the finish reason (`stop`, `length`, `cancelled`)."""
+        request = task.request
+        assert request is not None
+
+        def record(
+            phase: Phase, event: str, *, attrs: Attrs | None = None, memory: bool = False
+        ) -> None:
+            self._recorder.record(
+                phase,
+                event,
+                attrs=attrs,
+                memory=memory,
+                task_id=task.taskId,
+                command_id=task.commandId,
+            )
+
+        tokenizer, timeouts = self._shard.tokenizer, self._config.timeouts
+        record(Phase.PROMPT_BUILD, "start")
+        if request.messages:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            prompt = tokenizer.apply_chat_template(  # type: ignore[no-untyped-call]
+                messages, add_generation_prompt=True
+            )
+        else:
+            prompt = tokenizer.encode(request.prompt or "")
+        record(Phase.KV_CACHE_LOOKUP, "fresh_cache", attrs={"prompt_tokens": len(prompt)})
+        cache = make_prompt_cache(self._shard.model)
+        record(Phase.PREFILL_BARRIER, "enter")
+        with self._watchdog.guard("prefill_barrier", timeouts.collective):
+            barrier(self._group)
+        sampler = make_sampler(temp=request.temperature) if request.temperature > 0 else None
+        tokens = generate_step(
+            mx.array(prompt),
+            self._shard.model,
+            max_tokens=request.maxTokens,
+            sampler=sampler,
+            prompt_cache=cache,
+        )
+        self.step += 1
+        record(
+            Phase.PREFILL_PIPELINE,
+            "eval",
+            attrs=self._attrs(prompt_tokens=len(prompt)),
+            memory=True,
+        )
+        with self._watchdog.guard("prefill_pipeline", timeouts.collective):
+            first = next(tokens, None)
+        record(Phase.DECODE_BARRIER, "enter", attrs=self._attrs())
+        with self._watchdog.guard("decode_barrier", timeouts.collective):
+            barrier(self._group)
+        record(
+            Phase.DECODE_WAIT_FIRST_TOKEN,
+            "first_token",
+            attrs={"prompt_tokens": len(prompt), "max_tokens": request.maxTokens},
+        )
+        detokenizer = tokenizer.detokenizer
+        detokenizer.reset()
+        produced, finish, started, chunk = 0, "length", time.perf_counter(), 0
+        current = first
+        while current is not None:
+            token = int(cast(int, current[0]))
+            if token in tokenizer.eos_token_ids:
+                finish = "stop"
+                break
+            produced += 1
+            detokenizer.add_token(token)
+            segment = detokenizer.last_segment  # reading it consumes it
+            if self._config.is_last_stage and segment:
+                self._recorder.output(task.commandId or task.taskId, chunk, segment)
+                chunk += 1
+            if produced % CANCEL_CHECK_EVERY == 0 and self._agree_cancel(task.taskId):
+                record(Phase.CANCEL_OBSERVED, "agreed", attrs=self._attrs(tokens=produced))
+                finish = "cancelled"
+                break
+            self.step += 1
+            record(Phase.DECODE_STREAM, "token", attrs=self._attrs(token_index=produced))
+            with self._watchdog.guard("decode_stream", timeouts.collective):
+                current = next(tokens, None)
+        record(Phase.PARSER, "finalize")
+        detokenizer.finalize()
+        elapsed = time.perf_counter() - started
+        if self._config.is_last_stage:
+            self._recorder.output(
+                task.commandId or task.taskId, chunk, detokenizer.last_segment, finish
+            )
+        record(
+            Phase.COMPLETION,
+            finish,
+            memory=True,
+            attrs={
+                "tokens": produced,
+                "tokens_per_second": round(produced / elapsed, 2) if elapsed > 0 else 0.0,
+            },
+        )
+        return finish

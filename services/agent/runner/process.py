@@ -1,0 +1,229 @@
+"""The runner process: join the ring, load the shard, warm up, then serve tasks that every
+rank has agreed on. Spawned by the agent; talks to it only through queues."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import traceback
+from multiprocessing.queues import Queue
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+
+from services.agent.runner.config import RunnerConfig
+from services.agent.runner.generation import Generation, barrier
+from services.agent.runner.memory import snapshot
+from services.agent.runner.recorder import Recorder
+from services.agent.runner.shard import connect_group, load_shard, ring_hosts
+from services.agent.runner.watchdog import Watchdog
+from shared.processes import die_with_parent
+from shared.wire import (
+    GenerationRequest,
+    Phase,
+    RunnerStatusKind,
+    TaskCreated,
+    TaskKind,
+    TaskStatus,
+)
+
+__all__ = ["STOP", "runner_main"]
+
+STOP = "stop"
+"""Put on the task queue to ask the runner to shut down cleanly."""
+
+_NO_TASK = -1
+
+
+class _Runner:
+    def __init__(self, config: RunnerConfig, recorder: Recorder, tasks: Queue[Any]) -> None:
+        self.config = config
+        self.recorder = recorder
+        self.tasks = tasks
+        self.watchdog = Watchdog(recorder)
+        self.pending: dict[int, TaskCreated] = {}
+        self.cancelled: set[str] = set()
+        self.stopping = threading.Event()
+
+    def start(self) -> tuple[Any, Generation]:
+        config, record, status = self.config, self.recorder.record, self.recorder.status
+        rank, timeouts = config.assignment, config.timeouts
+        status(RunnerStatusKind.CONNECTING)
+        record(
+            Phase.CONNECT_GROUP,
+            "init",
+            attrs={
+                "world_size": rank.worldSize,
+                "rank": rank.deviceRank,
+                "backend": "ring" if rank.worldSize > 1 else "none",
+            },
+        )
+        with self.watchdog.guard("connect_group", timeouts.connect):
+            group = connect_group(rank, ring_hosts(config.assignments))
+        status(RunnerStatusKind.CONNECTED)
+        status(RunnerStatusKind.LOADING, f"layers [{rank.startLayer}, {rank.endLayer})")
+        record(
+            Phase.LOAD_MODEL,
+            "start",
+            detail=config.model_path,
+            attrs={
+                "startLayer": rank.startLayer,
+                "endLayer": rank.endLayer,
+                "nLayers": rank.nLayers,
+            },
+        )
+        with self.watchdog.guard("load_model", timeouts.warmup):
+            shard = load_shard(Path(config.model_path), group, config.assignments, rank)
+        record(
+            Phase.LOAD_MODEL,
+            "loaded",
+            memory=True,
+            attrs={"layers": shard.layers, "parameterBytes": shard.parameter_bytes},
+        )
+        status(RunnerStatusKind.LOADED)
+        status(RunnerStatusKind.WARMING_UP)
+        record(Phase.WARMUP, "start")
+        generation = Generation(
+            config=config,
+            shard=shard,
+            group=group,
+            recorder=self.recorder,
+            watchdog=self.watchdog,
+            cancelled=self.cancelled.__contains__,
+        )
+        warm = TaskCreated(
+            at="",
+            taskId="warmup",
+            instanceId=config.runner.instanceId,
+            taskKind=TaskKind.START_WARMUP,
+            request=GenerationRequest(prompt="warm up", maxTokens=2),
+        )
+        with self.watchdog.guard("warmup", timeouts.warmup):
+            barrier(group)
+            generation.run(warm)
+        record(Phase.IDLE, "runner_ready", memory=True)
+        status(RunnerStatusKind.READY)
+        return group, generation
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self.tasks.get_nowait()
+            except queue.Empty:
+                return
+            if item == STOP:
+                self.stopping.set()
+                continue
+            seq, task = item
+            self.recorder.record(
+                Phase.TASK_SUBMISSION,
+                "task_acknowledged",
+                task_id=task.taskId,
+                command_id=task.commandId,
+                attrs={"seq": seq},
+            )
+            if task.taskKind is TaskKind.CANCEL_TASK and task.targetTaskId:
+                self.cancelled.add(task.targetTaskId)
+                self.recorder.record(Phase.CANCEL_REQUESTED, "cancel", task_id=task.targetTaskId)
+            else:
+                self.pending[seq] = task
+
+    def _agree(self, group: Any) -> TaskCreated | None:
+        """All ranks share their oldest pending task; run it only when every rank has it.
+        A task older than some rank's oldest never reached that rank: it is dropped."""
+        local = min(self.pending, default=_NO_TASK)
+        with self.watchdog.guard("task_agreement", self.config.timeouts.collective):
+            gathered = mx.distributed.all_gather(
+                mx.array([local], dtype=mx.int64), group=group, stream=mx.cpu
+            )
+            oldest = cast(list[int], gathered.tolist())
+        if _NO_TASK in oldest:
+            return None
+        target = max(oldest)
+        for seq in [s for s in self.pending if s < target]:
+            dropped = self.pending.pop(seq)
+            cancelled = dropped.taskId in self.cancelled
+            self.recorder.task(
+                dropped.taskId,
+                TaskStatus.CANCELLED if cancelled else TaskStatus.FAILED,
+                None if cancelled else "the task did not reach every rank",
+            )
+        if len(set(oldest)) > 1:
+            return None
+        task = self.pending.pop(target)
+        self.recorder.record(
+            Phase.TASK_AGREEMENT,
+            "agreed",
+            task_id=task.taskId,
+            command_id=task.commandId,
+            attrs={"agreed": 1, "different": 0, "queued": len(self.pending)},
+        )
+        return task
+
+    def serve(self, group: Any, generation: Generation) -> None:
+        status = self.recorder.status
+        while not self.stopping.is_set():
+            self._drain()
+            task = self._agree(group)
+            if task is None:
+                self.stopping.wait(self.config.idle_tick)
+                continue
+            if task.taskId in self.cancelled:
+                self.recorder.task(task.taskId, TaskStatus.CANCELLED)
+                continue
+            status(RunnerStatusKind.RUNNING, task.taskId)
+            self.recorder.task(task.taskId, TaskStatus.RUNNING)
+            finish = generation.run(task)
+            self.recorder.task(
+                task.taskId,
+                TaskStatus.CANCELLED if finish == "cancelled" else TaskStatus.COMPLETE,
+                finish,
+            )
+            self.recorder.record(Phase.IDLE, "task_done", task_id=task.taskId)
+            status(RunnerStatusKind.READY)
+
+
+def _sample_memory(recorder: Recorder, every: float, stop: threading.Event) -> None:
+    while not stop.wait(every):
+        recorder.sample_memory()
+
+
+def runner_main(
+    config: RunnerConfig, telemetry: Queue[Any], control: Queue[Any], tasks: Queue[Any]
+) -> None:
+    """Entry point of the spawned runner process."""
+    tie = die_with_parent()
+    if tie is not None:
+        tie()
+    recorder = Recorder(telemetry=telemetry, control=control, memory=snapshot)
+    runner = _Runner(config, recorder, tasks)
+    signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
+    recorder.record(Phase.CREATED, "process_started", memory=True, attrs={"pid": os.getpid()})
+    sampler = threading.Thread(
+        target=_sample_memory, daemon=True, args=(recorder, config.memory_interval, runner.stopping)
+    )
+    sampler.start()
+    code = 0
+    try:
+        group, generation = runner.start()
+        runner.serve(group, generation)
+        recorder.status(RunnerStatusKind.SHUTTING_DOWN)
+        recorder.record(Phase.SHUTDOWN_CLEANUP, "stopping", memory=True)
+        recorder.status(RunnerStatusKind.SHUTDOWN)
+    except Exception as exc:
+        recorder.record(
+            Phase.ERROR,
+            type(exc).__name__,
+            detail=str(exc)[:500],
+            memory=True,
+            attrs={"failedIn": recorder.phase.value, "traceback": traceback.format_exc()[-2000:]},
+        )
+        recorder.status(RunnerStatusKind.FAILED, f"{type(exc).__name__}: {exc}")
+        code = 1
+    runner.stopping.set()
+    sampler.join()
+    recorder.flush()
+    os._exit(code)

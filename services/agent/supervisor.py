@@ -1,0 +1,363 @@
+"""Supervise one runner process: spawn it, turn what it reports into numbered telemetry,
+classify how it ended, restart it (up to a crash breaker), and tear it down on release.
+
+The supervisor numbers every telemetry message of its runner (entries, memory samples,
+status changes) with one gap-free `seq`, continuing where the stream left off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from typing import Any
+
+from services.agent.publisher import TelemetryPublisher
+from services.agent.runner.channel import ENTRY, MEMORY, OUTPUT, STATUS, TASK
+from services.agent.runner.config import RunnerConfig
+from services.agent.runner.process import STOP, runner_main
+from services.agent.runner.watchdog import WEDGED_EXIT
+from shared.processes import signal_name
+from shared.subjects import Subjects, TelemetryKind
+from shared.timestamps import now
+from shared.wire import (
+    FlightEntry,
+    MemorySampled,
+    MlxMemorySnapshot,
+    Phase,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+    RunnerSupervisorDiagnostics,
+    TaskCreated,
+    TaskStatus,
+    TimelineEntry,
+    TokenChunk,
+    encode,
+)
+
+__all__ = ["CRASH_LIMIT", "CRASH_WINDOW_S", "RunnerSupervisor", "exit_cause"]
+
+log = logging.getLogger(__name__)
+
+CRASH_LIMIT = 3
+CRASH_WINDOW_S = 60.0
+KEEP_ENTRIES = 128
+_TELEMETRY_QUEUE = 1024
+_STOP_GRACE_S = 5.0
+
+
+def exit_cause(code: int) -> str:
+    """How a runner process ended, in words."""
+    if code == WEDGED_EXIT:
+        return "watchdog: a collective did not finish in time"
+    name = signal_name(code)
+    return f"killed by {name}" if name else f"exit code {code}"
+
+
+class RunnerSupervisor:
+    """One runner process and everything known about it.
+
+    Args:
+        config: the rank to run.
+        subjects: subject builders.
+        publisher: where telemetry goes.
+        first_seq: the next `seq` (one past the last one in the stream).
+        on_output: called with each chunk of generated text.
+        on_task: called with (task id, status, detail) as this rank reports them.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: RunnerConfig,
+        subjects: Subjects,
+        publisher: TelemetryPublisher,
+        first_seq: int,
+        on_output: Callable[[TokenChunk], None],
+        on_task: Callable[[str, TaskStatus, str | None], None],
+    ) -> None:
+        self.config = config
+        self._subjects = subjects
+        self._publisher = publisher
+        self._seq = first_seq
+        self._on_output = on_output
+        self._on_task = on_task
+        self._context = multiprocessing.get_context("spawn")
+        self._process: BaseProcess | None = None
+        self._tasks: Queue[Any] | None = None
+        self._readers: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._crashes: deque[float] = deque()
+        self._releasing = False
+        self.exited = asyncio.Event()
+        self.gave_up = False
+        self.restarts = 0
+        self.status = RunnerStatusKind.IDLE
+        self.phase: Phase | None = None
+        self.phase_detail: str | None = None
+        self.phase_since = time.monotonic()
+        self.last_progress_at: str | None = None
+        self.active_task_id: str | None = None
+        self.active_command_id: str | None = None
+        self.last_memory: MlxMemorySnapshot | None = None
+        self.dropped_entries = 0
+        self.entries: deque[TimelineEntry] = deque(maxlen=KEEP_ENTRIES)
+
+    @property
+    def runner_id(self) -> str:
+        """The runner's id."""
+        return self.config.runner.runnerId
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while it runs."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the runner process is alive."""
+        return self._process is not None and self._process.is_alive()
+
+    def _subject(self, kind: TelemetryKind) -> str:
+        ref = self.config.runner
+        return self._subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, kind)
+
+    def _next_seq(self) -> int:
+        seq, self._seq = self._seq, self._seq + 1
+        return seq
+
+    def start(self) -> None:
+        """Spawn the runner process and start listening to it."""
+        self._loop = asyncio.get_running_loop()
+        telemetry: Queue[Any] = self._context.Queue(_TELEMETRY_QUEUE)
+        control: Queue[Any] = self._context.Queue()
+        self._tasks = self._context.Queue()
+        self._process = self._context.Process(
+            target=runner_main,
+            args=(self.config, telemetry, control, self._tasks),
+            name=f"runner-{self.runner_id}",
+        )
+        self._process.start()
+        self.exited.clear()
+        self._readers = [
+            threading.Thread(target=self._read, args=(channel, self._process), daemon=True)
+            for channel in (telemetry, control)
+        ]
+        for reader in self._readers:
+            reader.start()
+        self._loop.add_reader(self._process.sentinel, self._on_exit_signal)
+        log.info("runner started", extra={"runnerId": self.runner_id, "pid": self.pid})
+
+    def _read(self, channel: Queue[Any], process: BaseProcess) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                item = channel.get(timeout=0.2)
+            except queue.Empty:
+                if not process.is_alive():
+                    return
+                continue
+            except (EOFError, OSError):
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._handle, item)
+            except RuntimeError:  # the agent's loop is gone: nobody is listening any more
+                return
+
+    def _handle(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == ENTRY:
+            _, at, phase, event, detail, attrs, task_id, command_id, memory, dropped = item
+            if dropped:
+                attrs = {**attrs, "droppedBefore": dropped}
+                self.dropped_entries += dropped
+            self._record(
+                FlightEntry(
+                    seq=self._next_seq(),
+                    at=at,
+                    phase=Phase(phase),
+                    event=event,
+                    detail=detail,
+                    attrs=attrs,
+                    taskId=task_id,
+                    commandId=command_id,
+                    mlxMemory=memory,
+                )
+            )
+        elif kind == MEMORY:
+            self.last_memory = item[1]
+            sample = MemorySampled(
+                runner=self.config.runner, seq=self._next_seq(), snapshot=item[1]
+            )
+            self._publisher.message(
+                self._subject("memory"), encode(sample), f"{self.runner_id}:{sample.seq}"
+            )
+        elif kind == STATUS:
+            self._set_status(RunnerStatusKind(item[1]), item[2])
+        elif kind == TASK:
+            self._on_task(item[1], TaskStatus(item[2]), item[3])
+        elif kind == OUTPUT:
+            _, command_id, seq, text, finish = item
+            self._on_output(
+                TokenChunk(commandId=command_id, seq=seq, text=text, finishReason=finish)
+            )
+
+    def _record(self, entry: FlightEntry) -> None:
+        if entry.phase is not self.phase:
+            self.phase, self.phase_since = entry.phase, time.monotonic()
+        self.phase_detail = entry.detail
+        self.last_progress_at = entry.at
+        if entry.phase is Phase.IDLE:
+            self.active_task_id = self.active_command_id = None
+        elif entry.taskId is not None:
+            self.active_task_id, self.active_command_id = entry.taskId, entry.commandId
+        if entry.mlxMemory is not None:
+            self.last_memory = entry.mlxMemory
+        ref, rank = self.config.runner, self.config.assignment
+        self.entries.append(
+            TimelineEntry(
+                at=entry.at,
+                nodeId=ref.nodeId,
+                runnerId=ref.runnerId,
+                deviceRank=rank.deviceRank,
+                worldSize=rank.worldSize,
+                phase=entry.phase,
+                event=entry.event,
+                detail=entry.detail,
+                attrs=entry.attrs,
+                taskId=entry.taskId,
+                commandId=entry.commandId,
+                mlxMemory=entry.mlxMemory,
+            )
+        )
+        self._publisher.entry(ref, self._subject("phase"), entry)
+
+    def _set_status(
+        self,
+        kind: RunnerStatusKind,
+        detail: str | None = None,
+        exit_code: int | None = None,
+        signal: str | None = None,
+    ) -> None:
+        self.status = kind
+        event = RunnerStatusChanged(
+            runner=self.config.runner,
+            seq=self._next_seq(),
+            at=now(),
+            statusKind=kind,
+            pid=self.pid,
+            processAlive=self.alive,
+            detail=detail,
+            exitCode=exit_code,
+            signal=signal,
+        )
+        self._publisher.message(
+            self._subject("status"), encode(event), f"{self.runner_id}:{event.seq}"
+        )
+
+    def submit(self, seq: int, task: TaskCreated) -> None:
+        """Hand a task (with its stream sequence, the order all ranks agree on) to the runner."""
+        if self._tasks is not None and self.alive:
+            self._tasks.put((seq, task))
+
+    def _on_exit_signal(self) -> None:
+        assert self._loop is not None
+        assert self._process is not None
+        self._loop.remove_reader(self._process.sentinel)
+        self._loop.create_task(self._after_exit(self._process))
+
+    async def _after_exit(self, process: BaseProcess) -> None:
+        process.join()
+        for reader in self._readers:
+            await asyncio.to_thread(reader.join)
+        code = process.exitcode if process.exitcode is not None else -1
+        cause = exit_cause(code)
+        if self._releasing:
+            if self.status is not RunnerStatusKind.SHUTDOWN:
+                self._set_status(RunnerStatusKind.SHUTDOWN, cause, code, signal_name(code))
+        else:
+            self._crash(code, cause)
+        self.exited.set()
+
+    def _crash(self, code: int, cause: str) -> None:
+        log.error("runner died: %s", cause, extra={"runnerId": self.runner_id})
+        self._record(
+            FlightEntry(
+                seq=self._next_seq(),
+                at=now(),
+                phase=Phase.ERROR,
+                event="process_exited",
+                detail=cause,
+                attrs={"exitCode": code, "failedIn": (self.phase or Phase.CREATED).value},
+            )
+        )
+        moment = time.monotonic()
+        self._crashes.append(moment)
+        while self._crashes and self._crashes[0] < moment - CRASH_WINDOW_S:
+            self._crashes.popleft()
+        self.gave_up = len(self._crashes) >= CRASH_LIMIT
+        detail = cause + (
+            f"; gave up after {CRASH_LIMIT} crashes in {CRASH_WINDOW_S:g}s"
+            if self.gave_up
+            else "; restarting"
+        )
+        self._set_status(RunnerStatusKind.FAILED, detail, code, signal_name(code))
+        if not self.gave_up:
+            self.restarts += 1
+            assert self._loop is not None
+            self._loop.call_later(1.0, self._restart)
+
+    def _restart(self) -> None:
+        if not self._releasing:
+            self.start()
+
+    async def release(self) -> None:
+        """Ask the runner to stop; SIGTERM after a grace period, SIGKILL after another."""
+        self._releasing = True
+        process = self._process
+        if process is None or not process.is_alive():
+            return
+        if self._tasks is not None:
+            self._tasks.put(STOP)
+        for action in (None, process.terminate, process.kill):
+            if action is not None and process.is_alive():
+                action()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.exited.wait(), _STOP_GRACE_S)
+                return
+
+    def live(self) -> RunnerSupervisorDiagnostics:
+        """The supervisor's view right now."""
+        ref, rank = self.config.runner, self.config.assignment
+        return RunnerSupervisorDiagnostics(
+            runnerId=ref.runnerId,
+            nodeId=ref.nodeId,
+            instanceId=ref.instanceId,
+            modelId=ref.modelId,
+            deviceRank=rank.deviceRank,
+            worldSize=rank.worldSize,
+            startLayer=rank.startLayer,
+            endLayer=rank.endLayer,
+            nLayers=rank.nLayers,
+            pid=self.pid,
+            processAlive=self.alive,
+            statusKind=self.status.value,
+            phase=self.phase,
+            phaseDetail=self.phase_detail,
+            secondsInPhase=round(time.monotonic() - self.phase_since, 3),
+            lastProgressAt=self.last_progress_at,
+            activeTaskId=self.active_task_id,
+            activeCommandId=self.active_command_id,
+            lastMlxMemory=self.last_memory,
+            restarts=self.restarts,
+            droppedEntries=self.dropped_entries,
+            entries=list(self.entries),
+        )
