@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import ssl
 from typing import Any
 
@@ -11,6 +12,8 @@ from nats.aio.client import Client
 from shared.settings import Settings
 
 __all__ = ["connect"]
+
+log = logging.getLogger(__name__)
 
 
 def _tls(settings: Settings) -> ssl.SSLContext | None:
@@ -27,12 +30,28 @@ def _tls(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
+async def _error(error: Exception) -> None:
+    log.warning("NATS: %s", error or type(error).__name__)
+
+
+async def _disconnected() -> None:
+    log.warning("NATS disconnected; reconnecting")
+
+
+async def _reconnected() -> None:
+    log.info("NATS reconnected")
+
+
 async def connect(settings: Settings, name: str, **options: Any) -> Client:
-    """Connect as client `name`, reconnecting forever once connected.
+    """Connect as client `name`, reconnecting forever once connected; connection trouble
+    is logged in one line each, not as tracebacks.
 
     Raises:
         nats.errors.NoServersError: no server answered the first connect.
     """
+    options.setdefault("error_cb", _error)
+    options.setdefault("disconnected_cb", _disconnected)
+    options.setdefault("reconnected_cb", _reconnected)
     return await nats.connect(
         servers=settings.nats_servers,
         name=name,

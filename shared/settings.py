@@ -128,6 +128,9 @@ class Settings:
     heartbeat_ttl: float = _setting(10.0, _duration, "Node entry lifetime without heartbeat.")
     telemetry_max_age: float = _setting(7 * 86400.0, _duration, "Telemetry retention (age).")
     telemetry_max_bytes: int = _setting(1 << 30, _size, "Telemetry retention (bytes).")
+    collective_timeout: float = _setting(
+        60.0, _duration, "Longest a runner waits in one collective before it gives up."
+    )
     gateway_host: str = _setting("127.0.0.1", _text, "Address the HTTP gateway binds.")
     gateway_port: int = _setting(8000, _port, "Port of the HTTP gateway.")
     grpc_host: str = _setting("127.0.0.1", _text, "Address the rank-table gRPC service binds.")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from services.agent.agent import Agent
 from services.agent.publisher import TelemetryPublisher
+from services.agent.runner.config import Timeouts
 from shared.connection import connect
 from shared.heartbeat import Heartbeat
 from shared.host import hostname, memory_bytes
@@ -67,7 +68,14 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         publisher = TelemetryPublisher(js=js)
         publishing_stop = asyncio.Event()
         publishing = asyncio.create_task(publisher.run(publishing_stop))
-        agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=publisher)
+        agent = Agent(
+            nc=nc,
+            js=js,
+            layout=layout,
+            node=describe,
+            publisher=publisher,
+            timeouts=Timeouts(collective=settings.collective_timeout),
+        )
         kv = await js.key_value(layout.nodes_bucket.bucket)
         beat_stop = asyncio.Event()
         beating = asyncio.create_task(

@@ -1,0 +1,366 @@
+"""Two agents on loopback run the tiny model at world size 2 against a real nats-server:
+readiness, correct text, the flight recorder in order and complete, a killed runner, and
+a NATS outage in the middle of a generation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+
+from services.agent.main import serve_until
+from shared.connection import connect
+from shared.jetstream import Layout, ensure
+from shared.nats_server import EmbeddedNats
+from shared.settings import Settings
+from shared.timestamps import now
+from shared.tiny_model import TinyModelSpec, write_tiny_model
+from shared.wire import (
+    FlightEntry,
+    GenerationRequest,
+    InstanceCreated,
+    NodeDiagnostics,
+    Phase,
+    PhaseEntries,
+    RunnerAssignment,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+    RunnerTelemetry,
+    TaskCreated,
+    TaskEvent,
+    TaskKind,
+    TaskStatus,
+    TaskStatusChanged,
+    TokenChunk,
+    decode,
+    encode,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.asyncio(loop_scope="module")]
+
+WAIT = 60.0
+LAYERS = 5
+PROMPT = "Which node holds layer seven?"
+RANKS = ("i-a0-r0", "i-a0-r1")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    server: EmbeddedNats
+    store: Path
+    port: int
+    nc: Client
+    layout: Layout
+    model: Path
+    statuses: list[RunnerStatusChanged] = field(default_factory=list)
+    entries: dict[str, list[FlightEntry]] = field(default_factory=dict)
+    task_statuses: list[TaskStatusChanged] = field(default_factory=list)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def on_phase(self, msg: Msg) -> None:
+        batch = decode(msg.data, PhaseEntries)
+        async with self.changed:
+            self.entries.setdefault(batch.runner.runnerId, []).extend(batch.entries)
+            self.changed.notify_all()
+
+    async def on_task(self, msg: Msg) -> None:
+        event: TaskEvent = decode(msg.data, TaskEvent)
+        if isinstance(event, TaskStatusChanged):
+            async with self.changed:
+                self.task_statuses.append(event)
+                self.changed.notify_all()
+
+    def completed(self, task_id: str) -> bool:
+        return all(
+            any(
+                e.taskId == task_id and e.phase is Phase.COMPLETION for e in self.entries.get(r, [])
+            )
+            for r in RANKS
+        )
+
+    async def on_status(self, msg: Msg) -> None:
+        event: RunnerTelemetry = decode(msg.data, RunnerTelemetry)
+        if isinstance(event, RunnerStatusChanged):
+            async with self.changed:
+                self.statuses.append(event)
+                self.changed.notify_all()
+
+    async def until(self, check: Callable[[], bool]) -> None:
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(check), WAIT)
+
+    def latest(self, runner_id: str) -> RunnerStatusChanged | None:
+        mine = [s for s in self.statuses if s.runner.runnerId == runner_id]
+        return max(mine, key=lambda s: s.seq) if mine else None
+
+    def all_ready(self) -> bool:
+        latest = [self.latest(r) for r in RANKS]
+        return all(s is not None and s.statusKind is RunnerStatusKind.READY for s in latest)
+
+    async def submit(self, command_id: str, max_tokens: int) -> None:
+        task = TaskCreated(
+            at=now(),
+            taskId=f"task-{command_id}",
+            instanceId="i",
+            taskKind=TaskKind.TEXT_GENERATION,
+            commandId=command_id,
+            request=GenerationRequest(prompt=PROMPT, maxTokens=max_tokens),
+        )
+        await self.nc.jetstream().publish(self.layout.subjects.tasks("i"), encode(task))
+
+    async def generate(self, command_id: str, max_tokens: int = 20) -> tuple[str, str | None]:
+        """Run a generation and collect its text, insisting no chunk went missing."""
+        chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
+
+        async def keep(msg: Msg) -> None:
+            await chunks.put(decode(msg.data, TokenChunk))
+
+        sub = await self.nc.subscribe(self.layout.subjects.output(command_id), cb=keep)
+        await self.submit(command_id, max_tokens)
+        text, seqs = "", list[int]()
+        while True:
+            chunk = await asyncio.wait_for(chunks.get(), WAIT)
+            text, seqs = text + chunk.text, [*seqs, chunk.seq]
+            if chunk.finishReason:
+                break
+        await sub.unsubscribe()
+        assert seqs == list(range(len(seqs)))
+        return text, chunk.finishReason
+
+    async def diagnostics(self, node_id: str) -> NodeDiagnostics:
+        reply = await self.nc.request(self.layout.subjects.node_diagnostics(node_id), b"", 5)
+        return decode(reply.data, NodeDiagnostics)
+
+    async def stored(self) -> list[RunnerTelemetry]:
+        js = self.nc.jetstream()
+        info = await js.stream_info(self.layout.runner_stream.name)
+        sub = await js.subscribe(
+            self.layout.subjects.runner_all(),
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+        )
+        found: list[RunnerTelemetry] = []
+        for _ in range(info.state.messages):
+            found.append(decode((await sub.next_msg(timeout=5)).data, RunnerTelemetry))
+        await sub.unsubscribe()
+        return found
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    model = write_tiny_model(root / "model", TinyModelSpec(layers=LAYERS, hidden=64))
+    port, store = _free_port(), root / "nats"
+    server = EmbeddedNats(store_dir=store, port=port).start()
+    layout = Layout()
+    nc = await connect(Settings(nats_url=server.url), "cluster-test")
+    await ensure(nc.jetstream(), layout)
+    built = Cluster(server=server, store=store, port=port, nc=nc, layout=layout, model=model)
+    await nc.subscribe(f"{layout.subjects.prefix}.runner.*.*.*.status", cb=built.on_status)
+    await nc.subscribe(f"{layout.subjects.prefix}.runner.*.*.*.phase", cb=built.on_phase)
+    await nc.subscribe(layout.subjects.tasks_all(), cb=built.on_task)
+    stops = [asyncio.Event(), asyncio.Event()]
+    agents = [
+        asyncio.create_task(
+            serve_until(
+                Settings(
+                    nats_url=server.url, node_id=node, data_dir=root / node, collective_timeout=5.0
+                ),
+                stop,
+            )
+        )
+        for node, stop in zip(("node-a", "node-b"), stops, strict=True)
+    ]
+    ports = (_free_port(), _free_port())
+    assignments = [
+        RunnerAssignment(
+            runnerId=RANKS[0],
+            nodeId="node-a",
+            deviceRank=0,
+            worldSize=2,
+            startLayer=0,
+            endLayer=2,
+            nLayers=LAYERS,
+            host="127.0.0.1",
+            port=ports[0],
+        ),
+        RunnerAssignment(
+            runnerId=RANKS[1],
+            nodeId="node-b",
+            deviceRank=1,
+            worldSize=2,
+            startLayer=2,
+            endLayer=LAYERS,
+            nLayers=LAYERS,
+            host="127.0.0.1",
+            port=ports[1],
+        ),
+    ]
+    placed = InstanceCreated(
+        at=now(),
+        instanceId="i",
+        runnerSpecId="spec",
+        modelId="tiny",
+        modelPath=str(model),
+        assignments=assignments,
+    )
+    await nc.jetstream().publish(layout.subjects.placement("i"), encode(placed))
+    await built.until(built.all_ready)
+    yield built
+    for stop in stops:
+        stop.set()
+    await asyncio.gather(*agents)
+    await nc.close()
+    built.server.stop()
+
+
+async def test_both_ranks_load_only_their_shard(cluster: Cluster) -> None:
+    a, b = await cluster.diagnostics("node-a"), await cluster.diagnostics("node-b")
+    ((ra,), (rb,)) = a.runners, b.runners
+    assert (ra.deviceRank, ra.startLayer, ra.endLayer) == (0, 0, 2)
+    assert (rb.deviceRank, rb.startLayer, rb.endLayer) == (1, 2, LAYERS)
+    assert ra.processAlive
+    assert rb.processAlive
+    assert ra.statusKind == rb.statusKind == "RunnerReady"
+    loaded = {r.runnerId: e.attrs for r in (ra, rb) for e in r.entries if e.event == "loaded"}
+    full = (cluster.model / "model.safetensors").stat().st_size
+    assert loaded[RANKS[0]]["layers"] == 2
+    assert loaded[RANKS[1]]["layers"] == 3
+    for attrs in loaded.values():
+        assert 0 < attrs["parameterBytes"] < full  # type: ignore[operator]
+
+
+async def test_generation_matches_single_process_mlx_lm(cluster: Cluster) -> None:
+    import mlx_lm
+
+    text, finish = await cluster.generate("cmd-same")
+    loaded = mlx_lm.load(str(cluster.model))
+    expected = mlx_lm.generate(loaded[0], loaded[1], prompt=PROMPT, max_tokens=20)
+    assert text == expected
+    assert finish == "length"
+
+
+LIFECYCLE = [Phase.CREATED, Phase.CONNECT_GROUP, Phase.LOAD_MODEL, Phase.WARMUP, Phase.IDLE]
+TASK = [
+    Phase.TASK_SUBMISSION,
+    Phase.TASK_AGREEMENT,
+    Phase.PROMPT_BUILD,
+    Phase.KV_CACHE_LOOKUP,
+    Phase.PREFILL_BARRIER,
+    Phase.PREFILL_PIPELINE,
+    Phase.DECODE_BARRIER,
+    Phase.DECODE_WAIT_FIRST_TOKEN,
+    Phase.DECODE_STREAM,
+    Phase.PARSER,
+    Phase.COMPLETION,
+]
+
+
+def _in_order(phases: list[Phase], order: list[Phase]) -> bool:
+    firsts = [phases.index(p) for p in order]
+    return firsts == sorted(firsts)
+
+
+async def test_every_rank_records_every_phase_in_order_with_steps(cluster: Cluster) -> None:
+    await cluster.generate("cmd-order", max_tokens=6)
+    await cluster.until(lambda: cluster.completed("task-cmd-order"))
+    steps = {}
+    for runner_id in RANKS:
+        entries = sorted(cluster.entries[runner_id], key=lambda e: e.seq)
+        ready = next(i for i, e in enumerate(entries) if e.event == "runner_ready")
+        assert _in_order([e.phase for e in entries[: ready + 1]], LIFECYCLE)
+        task = [e for e in entries if e.taskId == "task-cmd-order"]
+        assert _in_order([e.phase for e in task], TASK), f"{runner_id}: {task}"
+        steps[runner_id] = [e.attrs["step"] for e in task if e.phase is Phase.DECODE_STREAM]
+        assert steps[runner_id] == sorted(steps[runner_id])
+    assert steps[RANKS[0]] == steps[RANKS[1]]  # the ranks move in lockstep
+
+
+async def test_each_rank_reports_its_task_status(cluster: Cluster) -> None:
+    await cluster.generate("cmd-status", max_tokens=3)
+
+    def reported() -> set[tuple[str | None, TaskStatus]]:
+        return {
+            (e.runnerId, e.taskStatus)
+            for e in cluster.task_statuses
+            if e.taskId == "task-cmd-status"
+        }
+
+    wanted = {(r, s) for r in RANKS for s in (TaskStatus.RUNNING, TaskStatus.COMPLETE)}
+    await cluster.until(lambda: wanted <= reported())
+
+
+def _seqs(stored: list[RunnerTelemetry], runner_id: str) -> list[int]:
+    seqs: list[int] = []
+    for message in stored:
+        if message.runner.runnerId != runner_id:
+            continue
+        seqs += (
+            [e.seq for e in message.entries] if isinstance(message, PhaseEntries) else [message.seq]
+        )
+    return sorted(seqs)
+
+
+async def test_a_nats_outage_during_generation_loses_no_entry(cluster: Cluster) -> None:
+    await cluster.submit("cmd-outage", max_tokens=200)
+    await cluster.until(
+        lambda: any(
+            e.taskId == "task-cmd-outage" and e.phase is Phase.DECODE_STREAM
+            for e in cluster.entries.get(RANKS[1], [])
+        )
+    )
+    cluster.server.stop()
+    await asyncio.sleep(5)  # the outage
+    cluster.server = EmbeddedNats(store_dir=cluster.store, port=cluster.port).start()
+    await cluster.until(lambda: cluster.completed("task-cmd-outage"))
+    for _ in range(50):  # retried batches may still be landing
+        stored = await cluster.stored()
+        seqs = {r: _seqs(stored, r) for r in RANKS}
+        if all(s == list(range(len(s))) for s in seqs.values()):
+            break
+        await asyncio.sleep(0.2)
+    for runner_id, found in seqs.items():
+        assert found == list(range(len(found))), f"{runner_id} has gaps or duplicates"
+        assert any(e.taskId == "task-cmd-outage" for e in cluster.entries[runner_id])
+
+
+async def test_a_killed_runner_is_failed_with_its_signal_and_the_cluster_heals(
+    cluster: Cluster,
+) -> None:
+    (victim,) = (await cluster.diagnostics("node-b")).runners
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+
+    def failed() -> bool:
+        latest = cluster.latest(RANKS[1])
+        return latest is not None and latest.statusKind is RunnerStatusKind.FAILED
+
+    await cluster.until(failed)
+    status = cluster.latest(RANKS[1])
+    assert status is not None
+    assert status.signal == "SIGKILL"
+    assert status.detail is not None
+    assert status.detail.startswith("killed by SIGKILL")
+    entries = (await cluster.diagnostics("node-b")).runners[0].entries
+    error = [e for e in entries if e.phase is Phase.ERROR]
+    assert error[-1].event == "process_exited"
+    assert error[-1].detail == "killed by SIGKILL"
+    await cluster.until(cluster.all_ready)  # the peer's watchdog fires, both restart
+    text, _ = await cluster.generate("cmd-healed", max_tokens=4)
+    assert text

@@ -1,0 +1,144 @@
+"""Telemetry reaches JetStream batched, deduplicated, in full across a NATS restart, and
+what cannot be kept is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+from nats.js.api import DeliverPolicy
+
+from services.agent.publisher import TelemetryPublisher
+from shared.connection import connect
+from shared.jetstream import Layout, ensure
+from shared.nats_server import EmbeddedNats
+from shared.settings import Settings
+from shared.timestamps import now
+from shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, decode
+
+pytestmark = pytest.mark.nats
+
+RUNNER = RunnerRef(
+    runnerId="i-a0-r0", nodeId="node-a", instanceId="i", modelId="m", deviceRank=0, worldSize=2
+)
+
+
+def _entry(seq: int) -> FlightEntry:
+    return FlightEntry(
+        seq=seq, at=now(), phase=Phase.DECODE_STREAM, event="token", attrs={"step": seq}
+    )
+
+
+async def _stored(nc: Client, layout: Layout) -> list[tuple[str, list[int]]]:
+    """Every phase message in the stream: its msg id and the seqs it carries."""
+    js = nc.jetstream()
+    info = await js.stream_info(layout.runner_stream.name)
+    found: list[tuple[str, list[int]]] = []
+    if not info.state.messages:
+        return found
+    sub = await js.subscribe(
+        layout.subjects.runner_all(), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+    )
+    for _ in range(info.state.messages):
+        msg = await sub.next_msg(timeout=5)
+        batch = decode(msg.data, PhaseEntries)
+        found.append(((msg.headers or {})["Nats-Msg-Id"], [e.seq for e in batch.entries]))
+    await sub.unsubscribe()
+    return found
+
+
+@contextlib.asynccontextmanager
+async def _running(publisher: TelemetryPublisher) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(publisher.run(stop))
+    yield
+    stop.set()
+    await task
+
+
+@pytest.fixture
+async def ready(nc: Client, layout: Layout) -> Layout:
+    await ensure(nc.jetstream(), layout)
+    return layout
+
+
+async def test_entries_are_batched_with_deterministic_ids(nc: Client, ready: Layout) -> None:
+    publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=10.0)
+    subject = ready.subjects.runner("node-a", "i", 0, "phase")
+    async with _running(publisher):
+        for seq in range(130):
+            publisher.entry(RUNNER, subject, _entry(seq))
+        publisher.entry(RUNNER, subject, _entry(130))  # lone entry: flushed on stop
+        assert publisher.pending == 131
+    stored = await _stored(nc, ready)
+    assert [msg_id for msg_id, _ in stored] == ["i-a0-r0:0-63", "i-a0-r0:64-127", "i-a0-r0:128-130"]
+    assert [seq for _, seqs in stored for seq in seqs] == list(range(131))
+    assert publisher.published_entries == 131
+
+
+async def test_a_quiet_runner_is_flushed_within_the_window(nc: Client, ready: Layout) -> None:
+    publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=0.05)
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def keep(msg: object) -> None:
+        await got.put(msg.data)  # type: ignore[attr-defined]
+
+    await nc.subscribe(ready.subjects.runner_all(), cb=keep)
+    async with _running(publisher):
+        publisher.entry(RUNNER, ready.subjects.runner("node-a", "i", 0, "phase"), _entry(0))
+        batch = decode(await asyncio.wait_for(got.get(), 5), PhaseEntries)
+        assert [e.seq for e in batch.entries] == [0]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_nothing_is_lost_across_a_nats_restart(tmp_path: Path, layout: Layout) -> None:
+    port, store = _free_port(), tmp_path / "nats"
+    server = EmbeddedNats(store_dir=store, port=port).start()
+    settings = Settings(nats_url=server.url, subject_prefix=layout.subjects.prefix)
+    nc = await connect(settings, "publisher-test")
+    await ensure(nc.jetstream(), layout)
+    publisher = TelemetryPublisher(js=nc.jetstream(), max_batch=8, ack_timeout=0.5)
+    subject = layout.subjects.runner("node-a", "i", 0, "phase")
+    try:
+        async with _running(publisher):
+            for seq in range(40):
+                publisher.entry(RUNNER, subject, _entry(seq))
+            await asyncio.wait_for(publisher.settled(), 10)
+            server.stop()
+            for seq in range(40, 100):
+                publisher.entry(RUNNER, subject, _entry(seq))
+            server = EmbeddedNats(store_dir=store, port=port).start()
+            await asyncio.wait_for(publisher.settled(), 30)
+        stored = await _stored(nc, layout)
+        seqs = sorted(seq for _, batch in stored for seq in batch)
+        assert seqs == list(range(100))  # complete, and no batch stored twice
+        assert publisher.dropped_entries == 0
+    finally:
+        await nc.close()
+        server.stop()
+
+
+async def test_past_the_bound_the_oldest_is_dropped_and_counted(
+    tmp_path: Path, layout: Layout
+) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "nats").start()
+    nc = await connect(Settings(nats_url=server.url), "publisher-test")
+    await ensure(nc.jetstream(), layout)
+    server.stop()  # NATS is gone before anything is sent
+    publisher = TelemetryPublisher(js=nc.jetstream(), max_batch=10, max_buffered=30)
+    subject = layout.subjects.runner("node-a", "i", 0, "phase")
+    for seq in range(100):
+        publisher.entry(RUNNER, subject, _entry(seq))
+    assert publisher.dropped_entries == 70
+    assert publisher.pending == 30
+    await nc.close()

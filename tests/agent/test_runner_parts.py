@@ -1,0 +1,68 @@
+"""Runner-side pieces that need no NATS: rank mapping, the recorder's bound, exit causes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+from typing import Any
+
+from services.agent.runner.channel import ENTRY
+from services.agent.runner.recorder import Recorder
+from services.agent.runner.shard import mlx_rank, ring_hosts, split
+from services.agent.runner.watchdog import WEDGED_EXIT
+from services.agent.supervisor import exit_cause
+from shared.timestamps import now
+from shared.wire import MlxMemorySnapshot, Phase, RunnerAssignment
+
+
+def _rank(rank: int, start: int, end: int) -> RunnerAssignment:
+    return RunnerAssignment(
+        runnerId=f"r{rank}",
+        nodeId=f"n{rank}",
+        deviceRank=rank,
+        worldSize=3,
+        startLayer=start,
+        endLayer=end,
+        nLayers=10,
+        host=f"10.0.0.{rank}",
+        port=5000 + rank,
+    )
+
+
+RANKS = [_rank(0, 0, 2), _rank(1, 2, 7), _rank(2, 7, 10)]
+
+
+def test_device_rank_zero_is_the_last_mlx_rank() -> None:
+    assert [mlx_rank(r, 3) for r in range(3)] == [2, 1, 0]
+
+
+def test_ring_and_split_are_in_mlx_rank_order() -> None:
+    assert ring_hosts(RANKS) == [["10.0.0.2:5002"], ["10.0.0.1:5001"], ["10.0.0.0:5000"]]
+    assert split(RANKS) == [3, 5, 2]
+
+
+def _snapshot() -> MlxMemorySnapshot:
+    return MlxMemorySnapshot(generatedAt=now(), source="test")
+
+
+def test_full_queue_drops_and_counts_without_blocking() -> None:
+    context = multiprocessing.get_context("spawn")
+    telemetry: Any = context.Queue(2)
+    recorder = Recorder(telemetry=telemetry, control=context.Queue(), memory=_snapshot)
+    for index in range(5):
+        recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index})
+    assert recorder.dropped == 3
+    kept = [telemetry.get(timeout=5), telemetry.get(timeout=5)]
+    assert [item[5]["i"] for item in kept] == [0, 1]
+    recorder.record(Phase.COMPLETION, "stop")
+    after = telemetry.get(timeout=5)
+    assert after[0] == ENTRY
+    assert after[-1] == 3  # the next entry that fits says how many went missing before it
+    recorder.flush()
+
+
+def test_exit_causes() -> None:
+    assert exit_cause(-signal.SIGKILL) == "killed by SIGKILL"
+    assert exit_cause(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert exit_cause(1) == "exit code 1"
+    assert exit_cause(WEDGED_EXIT) == "watchdog: a collective did not finish in time"
