@@ -5,6 +5,7 @@ a NATS outage in the middle of a generation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import pytest
 import pytest_asyncio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.api import DeliverPolicy
 
 from services.agent.main import serve_until
@@ -29,9 +31,11 @@ from shared.wire import (
     FlightEntry,
     GenerationRequest,
     InstanceCreated,
+    InstanceReleased,
     NodeDiagnostics,
     Phase,
     PhaseEntries,
+    ReleaseCause,
     RunnerAssignment,
     RunnerStatusChanged,
     RunnerStatusKind,
@@ -317,6 +321,21 @@ def _seqs(stored: list[RunnerTelemetry], runner_id: str) -> list[int]:
     return sorted(seqs)
 
 
+def _complete(stored: list[RunnerTelemetry], task_id: str) -> bool:
+    """Both ranks finished `task_id` and each rank's seqs run from 0 without a gap."""
+    for runner_id in RANKS:
+        seqs = _seqs(stored, runner_id)
+        finished = any(
+            e.taskId == task_id and e.phase is Phase.COMPLETION
+            for m in stored
+            if isinstance(m, PhaseEntries) and m.runner.runnerId == runner_id
+            for e in m.entries
+        )
+        if not finished or seqs != list(range(len(seqs))):
+            return False
+    return True
+
+
 async def test_a_nats_outage_during_generation_loses_no_entry(cluster: Cluster) -> None:
     await cluster.submit("cmd-outage", max_tokens=200)
     await cluster.until(
@@ -328,16 +347,19 @@ async def test_a_nats_outage_during_generation_loses_no_entry(cluster: Cluster) 
     cluster.server.stop()
     await asyncio.sleep(5)  # the outage
     cluster.server = EmbeddedNats(store_dir=cluster.store, port=cluster.port).start()
-    await cluster.until(lambda: cluster.completed("task-cmd-outage"))
-    for _ in range(50):  # retried batches may still be landing
-        stored = await cluster.stored()
-        seqs = {r: _seqs(stored, r) for r in RANKS}
-        if all(s == list(range(len(s))) for s in seqs.values()):
-            break
+    # Our own subscriptions may miss what the agents publish right after they reconnect,
+    # so the stream itself is the witness: poll it until the generation is in, in full.
+    stored: list[RunnerTelemetry] = []
+    for _ in range(150):
+        with contextlib.suppress(NatsError, TimeoutError):  # we may still be reconnecting
+            stored = await cluster.stored()
+            if _complete(stored, "task-cmd-outage"):
+                break
         await asyncio.sleep(0.2)
-    for runner_id, found in seqs.items():
-        assert found == list(range(len(found))), f"{runner_id} has gaps or duplicates"
-        assert any(e.taskId == "task-cmd-outage" for e in cluster.entries[runner_id])
+    for runner_id in RANKS:
+        seqs = _seqs(stored, runner_id)
+        assert seqs == list(range(len(seqs))), f"{runner_id} has gaps or duplicates"
+    assert _complete(stored, "task-cmd-outage")
 
 
 async def test_a_killed_runner_is_failed_with_its_signal_and_the_cluster_heals(
@@ -364,3 +386,145 @@ async def test_a_killed_runner_is_failed_with_its_signal_and_the_cluster_heals(
     await cluster.until(cluster.all_ready)  # the peer's watchdog fires, both restart
     text, _ = await cluster.generate("cmd-healed", max_tokens=4)
     assert text
+
+
+async def test_the_peer_of_a_killed_runner_records_the_lost_connection(cluster: Cluster) -> None:
+    await cluster.until(cluster.all_ready)
+    errors = [e for e in cluster.entries[RANKS[0]] if e.phase is Phase.ERROR]
+    assert errors[0].detail == "[ring] connection to a peer was lost"
+    assert errors[0].mlxMemory is not None
+
+
+async def test_a_stopped_peer_trips_the_watchdog_with_a_breadcrumb(cluster: Cluster) -> None:
+    await cluster.until(cluster.all_ready)
+    (victim,) = (await cluster.diagnostics("node-b")).runners
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGSTOP)  # alive but wedged: its socket stays open
+    try:
+        await cluster.until(
+            lambda: any(e.event == "pipeline_eval_timeout" for e in cluster.entries[RANKS[0]])
+        )
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    (breadcrumb,) = [e for e in cluster.entries[RANKS[0]] if e.event == "pipeline_eval_timeout"]
+    assert breadcrumb.attrs["site"] == "task_agreement"
+    assert breadcrumb.detail == "task_agreement did not finish within 5s"
+    assert breadcrumb.mlxMemory is not None
+
+    def wedge_reported() -> bool:
+        return any(
+            s.runner.runnerId == RANKS[0] and (s.detail or "").startswith("watchdog")
+            for s in cluster.statuses
+        )
+
+    await cluster.until(wedge_reported)
+    await cluster.until(cluster.all_ready)
+
+
+async def test_a_cancel_stops_every_rank_at_the_same_step(cluster: Cluster) -> None:
+    chunks: asyncio.Queue[TokenChunk] = asyncio.Queue()
+
+    async def keep(msg: Msg) -> None:
+        await chunks.put(decode(msg.data, TokenChunk))
+
+    await cluster.nc.subscribe(cluster.layout.subjects.output("cmd-cancel"), cb=keep)
+    await cluster.submit("cmd-cancel", max_tokens=2000)
+    await asyncio.wait_for(chunks.get(), WAIT)  # it is generating
+    cancel = TaskCreated(
+        at=now(),
+        taskId="cancel-1",
+        instanceId="i",
+        taskKind=TaskKind.CANCEL_TASK,
+        targetTaskId="task-cmd-cancel",
+    )
+    await cluster.nc.jetstream().publish(cluster.layout.subjects.tasks("i"), encode(cancel))
+    while (chunk := await asyncio.wait_for(chunks.get(), WAIT)).finishReason is None:
+        pass
+    assert chunk.finishReason == "cancelled"
+    wanted = {(r, TaskStatus.CANCELLED) for r in RANKS}
+    await cluster.until(
+        lambda: (
+            wanted
+            <= {
+                (e.runnerId, e.taskStatus)
+                for e in cluster.task_statuses
+                if e.taskId == "task-cmd-cancel"
+            }
+        )
+    )
+    await cluster.until(lambda: cluster.completed("task-cmd-cancel"))
+    observed = {
+        r: [e.attrs["step"] for e in cluster.entries[r] if e.phase is Phase.CANCEL_OBSERVED]
+        for r in RANKS
+    }
+    assert observed[RANKS[0]] == observed[RANKS[1]]
+    assert len(observed[RANKS[0]]) == 1
+    assert all(any(e.phase is Phase.CANCEL_REQUESTED for e in cluster.entries[r]) for r in RANKS)
+
+
+async def test_a_runner_that_cannot_load_fails_with_the_reason_then_gives_up(
+    cluster: Cluster,
+) -> None:
+    rank = RunnerAssignment(
+        runnerId="broken-a0-r0",
+        nodeId="node-a",
+        deviceRank=0,
+        worldSize=1,
+        startLayer=0,
+        endLayer=LAYERS,
+        nLayers=LAYERS,
+        host="127.0.0.1",
+        port=_free_port(),
+    )
+    placed = InstanceCreated(
+        at=now(),
+        instanceId="broken",
+        runnerSpecId="spec",
+        modelId="tiny",
+        modelPath="/nonexistent/model",
+        assignments=[rank],
+    )
+    await cluster.nc.jetstream().publish(
+        cluster.layout.subjects.placement("broken"), encode(placed)
+    )
+
+    def gave_up() -> bool:
+        latest = cluster.latest("broken-a0-r0")
+        return latest is not None and "gave up after 3 crashes" in (latest.detail or "")
+
+    await cluster.until(gave_up)
+    failures = [
+        s
+        for s in cluster.statuses
+        if s.runner.runnerId == "broken-a0-r0" and s.statusKind is RunnerStatusKind.FAILED
+    ]
+    assert any("FileNotFoundError" in (s.detail or "") for s in failures)
+    errors = [e for e in cluster.entries["broken-a0-r0"] if e.phase is Phase.ERROR]
+    assert errors[0].event == "FileNotFoundError"
+    assert errors[0].attrs["failedIn"] == "load_model"
+    (broken,) = [
+        r for r in (await cluster.diagnostics("node-a")).runners if r.runnerId == "broken-a0-r0"
+    ]
+    assert not broken.processAlive
+    assert broken.restarts == 2
+
+
+async def test_release_shuts_every_runner_down(cluster: Cluster) -> None:
+    released = InstanceReleased(
+        at=now(), instanceId="i", cause=ReleaseCause.SPEC_DELETED, reason="test over"
+    )
+    await cluster.nc.jetstream().publish(cluster.layout.subjects.placement("i"), encode(released))
+
+    def shut_down() -> bool:
+        latest = [cluster.latest(r) for r in RANKS]
+        return all(s is not None and s.statusKind is RunnerStatusKind.SHUTDOWN for s in latest)
+
+    await cluster.until(shut_down)
+    await cluster.until(
+        lambda: all(
+            any(e.phase is Phase.SHUTDOWN_CLEANUP for e in cluster.entries[r]) for r in RANKS
+        )
+    )
+    for node in ("node-a", "node-b"):
+        runners = (await cluster.diagnostics(node)).runners
+        assert all(r.instanceId != "i" for r in runners)

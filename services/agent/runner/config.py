@@ -29,7 +29,6 @@ class RunnerConfig:
     timeouts: Timeouts = Timeouts()
     memory_interval: float = 1.0
     idle_tick: float = 0.02
-    record: bool = True
 
     @property
     def is_last_stage(self) -> bool:

@@ -92,7 +92,7 @@ class _Runner:
             group=group,
             recorder=self.recorder,
             watchdog=self.watchdog,
-            cancelled=self.cancelled.__contains__,
+            cancelled=self.is_cancelled,
         )
         warm = TaskCreated(
             at="",
@@ -107,6 +107,11 @@ class _Runner:
         record(Phase.IDLE, "runner_ready", memory=True)
         status(RunnerStatusKind.READY)
         return group, generation
+
+    def is_cancelled(self, task_id: str) -> bool:
+        """Whether a cancel for `task_id` has reached this rank (checking for new ones)."""
+        self._drain()
+        return task_id in self.cancelled
 
     def _drain(self) -> None:
         while True:

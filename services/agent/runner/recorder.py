@@ -25,6 +25,7 @@ class Recorder:
         telemetry: bounded queue for entries and memory snapshots (may drop).
         control: queue for status, task status and output (never drops).
         memory: takes an MLX memory snapshot.
+        enabled: record entries at all (off only to measure what recording costs).
     """
 
     def __init__(
@@ -33,7 +34,9 @@ class Recorder:
         telemetry: Queue[Any],
         control: Queue[Any],
         memory: Callable[[], MlxMemorySnapshot],
+        enabled: bool = True,
     ) -> None:
+        self._enabled = enabled
         self._telemetry = telemetry
         self._control = control
         self._memory = memory
@@ -54,6 +57,8 @@ class Recorder:
     ) -> None:
         """Record one entry; with `memory`, attach an MLX memory snapshot."""
         self.phase = phase
+        if not self._enabled:
+            return
         message = (
             ENTRY,
             now(),
