@@ -38,6 +38,12 @@ def _agent(args: argparse.Namespace, settings: Settings) -> int:
     return run(settings)
 
 
+def _aggregator(args: argparse.Namespace, settings: Settings) -> int:
+    from services.aggregator.main import run
+
+    return run(settings)
+
+
 def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
     from services.ranktable.main import run
 
@@ -59,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     agent = commands.add_parser("agent", help="run this node's agent (runners, flight recorder)")
     agent.set_defaults(handler=_agent)
     add_arguments(agent)
+
+    aggregator = commands.add_parser(
+        "aggregator", help="run the aggregator (timeline, placement views, diagnosis)"
+    )
+    aggregator.set_defaults(handler=_aggregator)
+    add_arguments(aggregator)
 
     ranktable = commands.add_parser(
         "ranktable", help="run the rank-table service (placement, rank tables, gRPC)"

@@ -54,6 +54,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected a positive number, got {value}")
+    return value
+
+
 def _size(text: str) -> int:
     value = parse_bytes(text)
     if value <= 0:
@@ -130,6 +140,18 @@ class Settings:
     telemetry_max_bytes: int = _setting(1 << 30, _size, "Telemetry retention (bytes).")
     collective_timeout: float = _setting(
         60.0, _duration, "Longest a runner waits in one collective before it gives up."
+    )
+    stall_threshold: float = _setting(
+        10.0, _duration, "Seconds without progress before a working rank counts as stuck."
+    )
+    load_threshold: float = _setting(
+        300.0, _duration, "The same for connecting, loading and warming up."
+    )
+    retention_per_runner: int = _setting(
+        250_000, _positive_int, "Flight-recorder entries the aggregator keeps per runner."
+    )
+    retention_total: int = _setting(
+        2_000_000, _positive_int, "Flight-recorder entries the aggregator keeps in all."
     )
     gateway_host: str = _setting("127.0.0.1", _text, "Address the HTTP gateway binds.")
     gateway_port: int = _setting(8000, _port, "Port of the HTTP gateway.")

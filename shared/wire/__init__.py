@@ -1,6 +1,17 @@
 """Wire models: the seeds' shapes and rankscope's own events, as msgspec Structs."""
 
 from shared.wire.codec import WireError, decode, decoder, encode
+from shared.wire.diagnosis import (
+    Diagnosis,
+    Finding,
+    FindingKind,
+    InstanceState,
+    PlacementQuery,
+    QueryError,
+    RankEvidence,
+    RankState,
+    TimelineQuery,
+)
 from shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
 from shared.wire.events import (
     ChatMessage,
@@ -65,10 +76,14 @@ __all__ = [
     "ClusterTimeline",
     "ComputeInfo",
     "Device",
+    "Diagnosis",
+    "Finding",
+    "FindingKind",
     "FlightEntry",
     "GenerationRequest",
     "InstanceCreated",
     "InstanceReleased",
+    "InstanceState",
     "Memory",
     "MemorySampled",
     "MlxMemorySnapshot",
@@ -79,8 +94,12 @@ __all__ = [
     "Phase",
     "PhaseEntries",
     "PlacementEvent",
+    "PlacementQuery",
     "PlacementRunnerDiagnostics",
     "PlacementTaskDiagnostics",
+    "QueryError",
+    "RankEvidence",
+    "RankState",
     "RankTable",
     "RankTableStatus",
     "RankTableStream",
@@ -107,6 +126,7 @@ __all__ = [
     "TaskStatus",
     "TaskStatusChanged",
     "TimelineEntry",
+    "TimelineQuery",
     "TokenChunk",
     "UnreachableNode",
     "WireError",

@@ -1,0 +1,81 @@
+"""Decode what the aggregator consumes and refuse nonsense, with a reason per kind."""
+
+from __future__ import annotations
+
+from shared.wire import (
+    InstanceCreated,
+    PlacementEvent,
+    RunnerTelemetry,
+    TaskEvent,
+    WireError,
+    decode,
+)
+
+__all__ = ["BadInputError", "parse_placement", "parse_task", "parse_telemetry"]
+
+
+class BadInputError(ValueError):
+    """A message that cannot be applied; `kind` groups it for counting and logging."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+def parse_telemetry(data: bytes) -> RunnerTelemetry:
+    """A runner telemetry message.
+
+    Raises:
+        BadInputError: it does not decode, or names a rank outside its world.
+    """
+    try:
+        event: RunnerTelemetry = decode(data, RunnerTelemetry)
+    except WireError as exc:
+        raise BadInputError("telemetry_undecodable", str(exc)) from None
+    if event.runner.deviceRank >= event.runner.worldSize:
+        raise BadInputError(
+            "telemetry_rank_outside_world",
+            f"deviceRank {event.runner.deviceRank} >= worldSize {event.runner.worldSize}",
+        )
+    return event
+
+
+def parse_placement(data: bytes) -> PlacementEvent:
+    """A placement event.
+
+    Raises:
+        BadInputError: it does not decode, or its shards are not a partition of the layers.
+    """
+    try:
+        event: PlacementEvent = decode(data, PlacementEvent)
+    except WireError as exc:
+        raise BadInputError("placement_undecodable", str(exc)) from None
+    if isinstance(event, InstanceCreated):
+        if not event.assignments:
+            raise BadInputError("placement_nonsense", "an instance with no ranks")
+        for rank in event.assignments:
+            if rank.endLayer <= rank.startLayer or rank.endLayer > rank.nLayers:
+                raise BadInputError(
+                    "placement_nonsense",
+                    f"rank {rank.deviceRank} has layers [{rank.startLayer}, "
+                    f"{rank.endLayer}) of {rank.nLayers}",
+                )
+            if rank.deviceRank >= rank.worldSize:
+                raise BadInputError(
+                    "placement_nonsense",
+                    f"deviceRank {rank.deviceRank} >= worldSize {rank.worldSize}",
+                )
+    return event
+
+
+def parse_task(data: bytes) -> TaskEvent:
+    """A task or task status event.
+
+    Raises:
+        BadInputError: it does not decode.
+    """
+    try:
+        event: TaskEvent = decode(data, TaskEvent)
+    except WireError as exc:
+        raise BadInputError("task_undecodable", str(exc)) from None
+    return event

@@ -1,0 +1,53 @@
+"""`rankscope aggregator`: the views and the diagnosis, served on `rankscope.query.*`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+from services.aggregator.diagnosis import Thresholds
+from services.aggregator.service import AggregatorService
+from services.aggregator.store import EntryStore
+from services.aggregator.views import ClusterState
+from shared.connection import connect
+from shared.jetstream import Layout, ensure
+from shared.settings import Settings
+
+__all__ = ["run", "serve_until"]
+
+
+async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
+    """Run the aggregator until `stop` is set."""
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await connect(settings, "rankscope-aggregator")
+        stack.push_async_callback(nc.drain)
+        js = nc.jetstream()
+        layout = Layout.from_settings(settings)
+        await ensure(js, layout)
+        store = EntryStore(per_runner=settings.retention_per_runner, total=settings.retention_total)
+        service = AggregatorService(
+            nc=nc,
+            js=js,
+            layout=layout,
+            state=ClusterState(store=store),
+            node_id=settings.node_id or "aggregator",
+            thresholds=Thresholds(
+                working=settings.stall_threshold, loading=settings.load_threshold
+            ),
+        )
+        await service.run(stop)
+
+
+def run(settings: Settings) -> int:
+    """Run in the foreground until SIGINT or SIGTERM; returns the exit code."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await serve_until(settings, stop)
+
+    asyncio.run(main())
+    return 0

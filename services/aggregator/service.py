@@ -1,0 +1,345 @@
+"""The aggregator's I/O: replay and follow the streams, answer queries, probe nodes, and
+publish findings as they appear and clear."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from services.aggregator.diagnosis import Thresholds, diagnose
+from services.aggregator.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
+from services.aggregator.views import ClusterState
+from shared.jetstream import Layout
+from shared.replay import follow
+from shared.subjects import untoken
+from shared.timestamps import now
+from shared.wire import (
+    Diagnosis,
+    Finding,
+    FindingKind,
+    NodeDiagnostics,
+    NodeInfo,
+    PlacementQuery,
+    QueryError,
+    TimelineQuery,
+    UnreachableNode,
+    WireError,
+    decode,
+    encode,
+)
+
+__all__ = ["ERROR_HEADER", "AggregatorService"]
+
+log = logging.getLogger(__name__)
+
+ERROR_HEADER = "Rankscope-Error"
+"""Set (to the HTTP-like status) on a query reply that carries a `QueryError`."""
+
+
+class AggregatorService:
+    """Keeps `state` current and answers `rankscope.query.<view>`.
+
+    Args:
+        nc: NATS connection.
+        js: JetStream context.
+        layout: streams, buckets and subjects.
+        state: the views to fold events into.
+        node_id: this aggregator's node id (`localNodeId` of the timeline).
+        thresholds: when a rank counts as stuck.
+        probe_interval: seconds between live diagnostics requests to every node.
+        probe_timeout: overall deadline of one round of those requests.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        nc: Client,
+        js: JetStreamContext,
+        layout: Layout,
+        state: ClusterState,
+        node_id: str,
+        thresholds: Thresholds | None = None,
+        probe_interval: float = 2.0,
+        probe_timeout: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self._layout = layout
+        self.state = state
+        self._node_id = node_id
+        self._thresholds = thresholds or Thresholds()
+        self._probe_interval = probe_interval
+        self._probe_timeout = probe_timeout
+        self._clock = clock
+        self.ready = asyncio.Event()
+        self.bad: dict[str, int] = {}
+        self._placed_at: dict[str, float] = {}
+        self._heartbeats: dict[str, float] = {}
+        self._silent_probes: dict[str, float] = {}
+        self._open: dict[tuple[str, FindingKind], Finding] = {}
+        self._since: dict[tuple[str, FindingKind], str] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def _spawn(self, work: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _reject(self, msg: Msg, error: BadInputError) -> None:
+        first = error.kind not in self.bad
+        self.bad[error.kind] = self.bad.get(error.kind, 0) + 1
+        if first:
+            log.warning("bad input (%s) on %s: %s", error.kind, msg.subject, error)
+        headers = {
+            "Rankscope-Subject": msg.subject,
+            "Rankscope-Error": str(error)[:512],
+            "Rankscope-Kind": error.kind,
+        }
+        self._spawn(
+            self._js.publish(self._layout.subjects.deadletter(), msg.data or b"", headers=headers)
+        )
+
+    async def _on_telemetry(self, msg: Msg) -> None:
+        try:
+            self.state.apply_telemetry(parse_telemetry(msg.data))
+        except BadInputError as exc:
+            self._reject(msg, exc)
+
+    async def _on_placement(self, msg: Msg) -> None:
+        try:
+            event = parse_placement(msg.data)
+        except BadInputError as exc:
+            self._reject(msg, exc)
+            return
+        self.state.apply_placement(event)
+        self._placed_at[event.instanceId] = self._clock()
+
+    async def _on_task(self, msg: Msg) -> None:
+        try:
+            self.state.apply_task(parse_task(msg.data))
+        except BadInputError as exc:
+            self._reject(msg, exc)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Rebuild from the streams, then follow them until `stop` is set."""
+        subjects = self._layout.subjects
+        queries = await self._nc.subscribe(f"{subjects.prefix}.query.*", cb=self._answer)
+        followers = [
+            await follow(self._js, subjects.placement_all(), self._on_placement),
+            await follow(self._js, subjects.tasks_all(), self._on_task),
+            await follow(self._js, subjects.runner_all(), self._on_telemetry),
+        ]
+        nodes = await self._js.key_value(self._layout.nodes_bucket.bucket)
+        loaded = asyncio.Event()
+        watching = asyncio.create_task(self._watch_nodes(nodes, loaded))
+        for follower in followers:
+            await follower.caught_up.wait()
+        await loaded.wait()
+        self.ready.set()
+        log.info(
+            "aggregator caught up: %d entries from %d runners",
+            self.state.store.size,
+            len(self.state.runners),
+        )
+        loops = [
+            asyncio.create_task(self._diagnose_forever(stop)),
+            asyncio.create_task(self._probe_forever(stop)),
+        ]
+        await stop.wait()
+        for task in (*loops, watching):
+            task.cancel()
+        await asyncio.gather(*loops, watching, return_exceptions=True)
+        await queries.unsubscribe()
+        for follower in followers:
+            await follower.stop()
+
+    async def _watch_nodes(self, kv: KeyValue, loaded: asyncio.Event) -> None:
+        watcher = await kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                loaded.set()
+                continue
+            node_id = untoken(entry.key)
+            if entry.operation is not None:
+                self.state.set_node(node_id, None)
+                continue
+            try:
+                self.state.set_node(node_id, decode(entry.value or b"", NodeInfo))
+            except WireError as exc:
+                log.warning("node entry %s does not decode: %s", entry.key, exc)
+                continue
+            self._heartbeats[node_id] = self._clock()
+
+    # Findings
+
+    def _first_seen(self, instance_id: str, kind: FindingKind) -> str:
+        return self._since.setdefault((instance_id, kind), now())
+
+    def evaluate(self) -> tuple[list[Finding], list[Finding]]:
+        """Diagnose now; returns (findings that appeared, findings that cleared)."""
+        found = diagnose(
+            self.state,
+            now=self._clock(),
+            since=self._first_seen,
+            placed_at=lambda i: self._placed_at.get(i, self._clock()),
+            thresholds=self._thresholds,
+        )
+        current = {(f.instanceId, f.kind): f for f in found}
+        appeared = [
+            f
+            for key, f in current.items()
+            if key not in self._open or self._open[key].culpritRunnerIds != f.culpritRunnerIds
+        ]
+        cleared = [
+            msgspec.structs.replace(f, open=False)
+            for key, f in self._open.items()
+            if key not in current
+        ]
+        for key in set(self._since) - set(current):
+            del self._since[key]
+        self._open = current
+        return appeared, cleared
+
+    async def _diagnose_forever(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            appeared, cleared = self.evaluate()
+            for finding in [*appeared, *cleared]:
+                verb = "open" if finding.open else "cleared"
+                log.warning("finding %s %s: %s", finding.kind.value, verb, finding.summary)
+                with contextlib.suppress(NatsError, TimeoutError):
+                    await self._js.publish(
+                        self._layout.subjects.diagnosis(finding.instanceId), encode(finding)
+                    )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.25)
+
+    # Unreachable nodes
+
+    async def _probe(self, node_id: str) -> bool:
+        try:
+            reply = await self._nc.request(
+                self._layout.subjects.node_diagnostics(node_id), b"", timeout=self._probe_timeout
+            )
+            decode(reply.data, NodeDiagnostics)
+        except (NatsError, TimeoutError, WireError):
+            return False
+        return True
+
+    async def _probe_forever(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.probe()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._probe_interval)
+
+    async def probe(self) -> None:
+        """Ask every node of interest at once, under one deadline, and record who is silent."""
+        targets = sorted(self.state.placed_nodes() | set(self._heartbeats))
+        answers = await asyncio.gather(*(self._probe(n) for n in targets))
+        moment, ttl = self._clock(), self._layout.node_ttl_s
+        unreachable: dict[str, UnreachableNode] = {}
+        for node_id, answered in zip(targets, answers, strict=True):
+            if answered:
+                self._silent_probes.pop(node_id, None)
+            else:
+                self._silent_probes.setdefault(node_id, moment)
+            node = self.state.nodes.get(node_id)
+            url = node.address if node else None
+            beat = self._heartbeats.get(node_id)
+            if node is None:
+                age = (
+                    f"for {moment - beat:.1f}s"
+                    if beat is not None
+                    else "since this aggregator started"
+                )
+                unreachable[node_id] = UnreachableNode(
+                    nodeId=node_id,
+                    url=url,
+                    error=f"no heartbeat {age} (TTL {ttl:g}s); entry expired or never written",
+                )
+            elif not answered:
+                silent = moment - self._silent_probes[node_id]
+                unreachable[node_id] = UnreachableNode(
+                    nodeId=node_id,
+                    url=url,
+                    error=f"no answer to live diagnostics within {self._probe_timeout:g}s "
+                    f"(silent for {silent:.1f}s)",
+                )
+        self.state.unreachable = unreachable
+
+    # Queries
+
+    async def _answer(self, msg: Msg) -> None:
+        view = msg.subject.rsplit(".", 1)[-1]
+        try:
+            body = self._query(view, msg.data or b"{}")
+        except _QueryFailedError as failure:
+            if msg.reply:
+                await self._nc.publish(
+                    msg.reply,
+                    encode(failure.error),
+                    headers={ERROR_HEADER: str(failure.error.status)},
+                )
+            return
+        await msg.respond(body)
+
+    def _query(self, view: str, data: bytes) -> bytes:
+        if view == "health":
+            return encode(self.health())
+        if not self.ready.is_set():
+            raise _QueryFailedError(503, "the aggregator is still rebuilding its views")
+        try:
+            if view == "timeline":
+                query = decode(data, TimelineQuery)
+                return encode(self.state.timeline(query, local_node_id=self._node_id))
+            if view == "placement":
+                wanted = decode(data, PlacementQuery).runnerId
+                found = self.state.placement(local_node_id=self._node_id)
+                if wanted is None:
+                    return encode(found)
+                for item in found:
+                    if item.runnerId == wanted:
+                        return encode(item)
+                raise _QueryFailedError(404, f"no placed runner {wanted!r}")
+            if view == "diagnosis":
+                return encode(Diagnosis(generatedAt=now(), findings=list(self._open.values())))
+            if view == "instances":
+                return encode(self.state.instance_states())
+        except WireError as exc:
+            raise _QueryFailedError(422, f"bad {view} query: {exc}") from None
+        raise _QueryFailedError(
+            404, f"no view {view!r}; try timeline, placement, diagnosis, instances or health"
+        )
+
+    def health(self) -> dict[str, Any]:
+        """Readiness and counters, for /readyz and /metrics."""
+        return {
+            "ready": self.ready.is_set(),
+            "entries": self.state.store.size,
+            "evictedEntries": self.state.store.evicted,
+            "runners": len(self.state.runners),
+            "duplicates": self.state.duplicates,
+            "badMessages": dict(self.bad),
+            "missingSeqs": {
+                r: v.seqs.missing for r, v in self.state.runners.items() if v.seqs.missing
+            },
+            "openFindings": len(self._open),
+        }
+
+
+class _QueryFailedError(Exception):
+    def __init__(self, status: int, error: str) -> None:
+        super().__init__(error)
+        self.error = QueryError(status=status, error=error)

@@ -1,0 +1,338 @@
+"""The aggregator's state, folded from events by pure reducers, and the views built from it.
+
+Nothing here does I/O: events and the clock come in as arguments, so every view is
+testable without NATS. Telemetry is idempotent by (runner, seq).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from services.aggregator.store import EntryStore, SeqTracker, StoredEntry, micros
+from shared.timestamps import now, to_epoch
+from shared.wire import (
+    ClusterTimeline,
+    FlightEntry,
+    InstanceCreated,
+    InstanceReleased,
+    InstanceState,
+    MemorySampled,
+    MlxMemorySnapshot,
+    NodeInfo,
+    Phase,
+    PhaseEntries,
+    PlacementEvent,
+    PlacementRunnerDiagnostics,
+    PlacementTaskDiagnostics,
+    RankState,
+    RunnerAssignment,
+    RunnerRef,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+    RunnerSynopsis,
+    RunnerTelemetry,
+    TaskCreated,
+    TaskEvent,
+    TaskStatus,
+    TimelineEntry,
+    TimelineQuery,
+    UnreachableNode,
+)
+
+__all__ = ["ClusterState", "RunnerView", "TaskView"]
+
+TASKS_PER_INSTANCE = 128
+_READY = frozenset({RunnerStatusKind.READY, RunnerStatusKind.RUNNING})
+
+
+@dataclass(slots=True)
+class RunnerView:
+    """Everything known about one runner."""
+
+    ref: RunnerRef
+    assignment: RunnerAssignment | None = None
+    seqs: SeqTracker = field(default_factory=SeqTracker)
+    status: RunnerStatusChanged | None = None
+    phase: Phase | None = None
+    phase_detail: str | None = None
+    phase_since: str | None = None
+    last_at: str | None = None
+    progressed: float | None = None
+    heard: float | None = None
+    step: int | None = None
+    task_id: str | None = None
+    command_id: str | None = None
+    memory: MlxMemorySnapshot | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the supervisor last reported the process alive (unknown counts as yes)."""
+        return self.status is None or self.status.processAlive
+
+    @property
+    def ready(self) -> bool:
+        """Whether the runner last reported itself ready or serving."""
+        return self.status is not None and self.alive and self.status.statusKind in _READY
+
+
+@dataclass(slots=True)
+class TaskView:
+    """A task of an instance and each rank's status of it."""
+
+    created: TaskCreated
+    statuses: dict[str, TaskStatus] = field(default_factory=dict)
+
+
+class ClusterState:
+    """Runners, entries, placements, tasks and nodes.
+
+    Args:
+        store: where entries are kept.
+        clock: monotonic seconds, for progress (the runners' clocks are not trusted here).
+    """
+
+    def __init__(self, *, store: EntryStore, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self._clock = clock
+        self.runners: dict[str, RunnerView] = {}
+        self.instances: dict[str, InstanceCreated] = {}
+        self.tasks: dict[str, OrderedDict[str, TaskView]] = {}
+        self.nodes: dict[str, NodeInfo] = {}
+        self.unreachable: dict[str, UnreachableNode] = {}
+        self.duplicates = 0
+
+    def _runner(self, ref: RunnerRef) -> RunnerView:
+        view = self.runners.get(ref.runnerId)
+        if view is None:
+            view = self.runners[ref.runnerId] = RunnerView(ref=ref)
+        return view
+
+    def apply_telemetry(self, event: RunnerTelemetry) -> int:
+        """Apply one telemetry message; returns how many of its items were new."""
+        view = self._runner(event.runner)
+        view.heard = self._clock()
+        if isinstance(event, PhaseEntries):
+            fresh = [e for e in event.entries if view.seqs.add(e.seq)]
+            for entry in fresh:
+                self.store.add(view.ref.runnerId, entry)
+            self._progress(view, [e for e in fresh if view.last_at is None or e.at >= view.last_at])
+            self.duplicates += len(event.entries) - len(fresh)
+            return len(fresh)
+        if not view.seqs.add(event.seq):
+            self.duplicates += 1
+            return 0
+        if isinstance(event, MemorySampled):
+            view.memory = event.snapshot
+        elif view.status is None or event.seq > view.status.seq:
+            view.status = event
+        return 1
+
+    def _progress(self, view: RunnerView, entries: list[FlightEntry]) -> None:
+        for entry in entries:
+            if entry.phase is not view.phase:
+                view.phase, view.phase_since = entry.phase, entry.at
+            view.phase_detail, view.last_at = entry.detail, entry.at
+            if entry.phase is Phase.IDLE:
+                view.task_id = view.command_id = None
+            elif entry.taskId is not None:
+                view.task_id, view.command_id = entry.taskId, entry.commandId
+            step = entry.attrs.get("step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                view.step = step
+            if entry.mlxMemory is not None:
+                view.memory = entry.mlxMemory
+        if entries:
+            view.progressed = self._clock()
+
+    def apply_placement(self, event: PlacementEvent) -> None:
+        """Apply a placement decision."""
+        if isinstance(event, InstanceReleased):
+            self.instances.pop(event.instanceId, None)
+            return
+        self.instances[event.instanceId] = event
+        for assignment in event.assignments:
+            ref = RunnerRef(
+                runnerId=assignment.runnerId,
+                nodeId=assignment.nodeId,
+                instanceId=event.instanceId,
+                modelId=event.modelId,
+                deviceRank=assignment.deviceRank,
+                worldSize=assignment.worldSize,
+            )
+            self._runner(ref).assignment = assignment
+
+    def apply_task(self, event: TaskEvent) -> None:
+        """Apply a task or a rank's status of one."""
+        tasks = self.tasks.setdefault(event.instanceId, OrderedDict())
+        if isinstance(event, TaskCreated):
+            tasks[event.taskId] = TaskView(created=event)
+            while len(tasks) > TASKS_PER_INSTANCE:
+                tasks.popitem(last=False)
+            return
+        view = tasks.get(event.taskId)
+        if view is not None and event.runnerId is not None:
+            view.statuses[event.runnerId] = event.taskStatus
+
+    def set_node(self, node_id: str, info: NodeInfo | None) -> None:
+        """Record a node's inventory entry (None: it left or expired)."""
+        if info is None:
+            self.nodes.pop(node_id, None)
+        else:
+            self.nodes[node_id] = info
+
+    def placed_nodes(self) -> set[str]:
+        """Nodes that hold a rank of a live instance."""
+        return {a.nodeId for i in self.instances.values() for a in i.assignments}
+
+    # Views
+
+    def _selected(self, query: TimelineQuery) -> list[RunnerView]:
+        return [
+            view
+            for view in self.runners.values()
+            if (query.instanceId is None or view.ref.instanceId == query.instanceId)
+            and (query.nodeId is None or view.ref.nodeId == query.nodeId)
+            and (query.modelId is None or view.ref.modelId == query.modelId)
+        ]
+
+    def _synopsis(self, view: RunnerView, moment: float) -> RunnerSynopsis:
+        status = view.status
+        return RunnerSynopsis(
+            nodeId=view.ref.nodeId,
+            runnerId=view.ref.runnerId,
+            instanceId=view.ref.instanceId,
+            modelId=view.ref.modelId,
+            deviceRank=view.ref.deviceRank,
+            worldSize=view.ref.worldSize,
+            pid=status.pid if status else None,
+            processAlive=status.processAlive if status else False,
+            statusKind=status.statusKind.value if status else RunnerStatusKind.IDLE.value,
+            phase=view.phase or Phase.CREATED,
+            phaseDetail=view.phase_detail,
+            secondsInPhase=round(max(moment - to_epoch(view.phase_since), 0.0), 3)
+            if view.phase_since
+            else 0.0,
+            lastProgressAt=view.last_at,
+            activeTaskId=view.task_id,
+            activeCommandId=view.command_id,
+            lastMlxMemory=view.memory,
+        )
+
+    def timeline(self, query: TimelineQuery, *, local_node_id: str) -> ClusterTimeline:
+        """The seed-001 `ClusterTimeline` under `query`'s filters."""
+        views = self._selected(query)
+        moment = time.time()
+        runners = sorted(
+            (self._synopsis(v, moment) for v in views),
+            key=lambda r: (r.modelId, r.deviceRank, r.runnerId),
+        )
+        by_id = {v.ref.runnerId: v.ref for v in views}
+        found = self.store.newest(
+            by_id,
+            limit=query.limit,
+            since=micros(query.since) if query.since else None,
+            until=micros(query.until) if query.until else None,
+        )
+        found.sort(key=lambda f: (f[0], by_id[f[1]].nodeId, by_id[f[1]].deviceRank))
+        entries = [self._entry(by_id[runner_id], stored) for _, runner_id, stored in found]
+        nodes = {v.ref.nodeId for v in views}
+        unreachable = [
+            u
+            for node, u in sorted(self.unreachable.items())
+            if (query.nodeId is None and query.instanceId is None) or node in nodes
+        ]
+        return ClusterTimeline(
+            generatedAt=now(),
+            localNodeId=local_node_id,
+            runners=runners,
+            timeline=entries,
+            unreachableNodes=unreachable,
+        )
+
+    @staticmethod
+    def _entry(ref: RunnerRef, stored: StoredEntry) -> TimelineEntry:
+        return TimelineEntry(
+            at=stored.at,
+            nodeId=ref.nodeId,
+            runnerId=ref.runnerId,
+            deviceRank=ref.deviceRank,
+            worldSize=ref.worldSize,
+            phase=stored.phase,
+            event=stored.event,
+            detail=stored.detail,
+            attrs=stored.attrs,
+            taskId=stored.taskId,
+            commandId=stored.commandId,
+            mlxMemory=stored.mlxMemory,
+        )
+
+    def placement(self, *, local_node_id: str) -> list[PlacementRunnerDiagnostics]:
+        """Seed-000 placement of every rank of every live instance, by instance and rank."""
+        found = []
+        for instance in sorted(self.instances.values(), key=lambda i: i.instanceId):
+            tasks = self.tasks.get(instance.instanceId, OrderedDict())
+            for rank in instance.assignments:
+                view = self.runners.get(rank.runnerId)
+                node = self.nodes.get(rank.nodeId)
+                found.append(
+                    PlacementRunnerDiagnostics(
+                        runnerId=rank.runnerId,
+                        nodeId=rank.nodeId,
+                        friendlyName=node.friendlyName if node else None,
+                        statusKind=view.status.statusKind.value if view and view.status else None,
+                        deviceRank=rank.deviceRank,
+                        worldSize=rank.worldSize,
+                        startLayer=rank.startLayer,
+                        endLayer=rank.endLayer,
+                        nLayers=rank.nLayers,
+                        isLocal=rank.nodeId == local_node_id,
+                        isMaster=False,
+                        tasks=list(self._tasks_of(instance, rank.runnerId, tasks.values())),
+                    )
+                )
+        return found
+
+    @staticmethod
+    def _tasks_of(
+        instance: InstanceCreated, runner_id: str, tasks: Iterable[TaskView]
+    ) -> Iterable[PlacementTaskDiagnostics]:
+        """Tasks that concern one runner: submitted to its instance since it was placed."""
+        for task in tasks:
+            if task.created.at < instance.at:
+                continue
+            yield PlacementTaskDiagnostics(
+                taskId=task.created.taskId,
+                taskKind=task.created.taskKind.value,
+                taskStatus=task.statuses.get(runner_id, TaskStatus.PENDING).value,
+                instanceId=instance.instanceId,
+                commandId=task.created.commandId,
+                runnerId=runner_id,
+                modelId=instance.modelId,
+            )
+
+    def instance_states(self) -> list[InstanceState]:
+        """Ready and lost ranks of every live instance."""
+        return [
+            InstanceState(
+                instanceId=i.instanceId,
+                modelId=i.modelId,
+                ranks=[self._rank_state(a) for a in i.assignments],
+            )
+            for i in sorted(self.instances.values(), key=lambda i: i.instanceId)
+        ]
+
+    def _rank_state(self, rank: RunnerAssignment) -> RankState:
+        view = self.runners.get(rank.runnerId)
+        status = view.status if view else None
+        lost = rank.nodeId in self.unreachable or (status is not None and not status.processAlive)
+        return RankState(
+            runnerId=rank.runnerId,
+            nodeId=rank.nodeId,
+            deviceRank=rank.deviceRank,
+            statusKind=status.statusKind.value if status else None,
+            ready=bool(view and view.ready) and not lost,
+            lost=lost,
+        )

@@ -1,0 +1,111 @@
+"""Findings that name the rank at fault, and the aggregator's query shapes."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+import msgspec
+
+from shared.wire.base import CamelStruct
+from shared.wire.enums import Phase
+
+__all__ = [
+    "Diagnosis",
+    "Finding",
+    "FindingKind",
+    "InstanceState",
+    "PlacementQuery",
+    "QueryError",
+    "RankEvidence",
+    "RankState",
+    "TimelineQuery",
+]
+
+
+class FindingKind(StrEnum):
+    """What is wrong with an instance."""
+
+    RANK_DISAGREEMENT = "rank_disagreement"
+    STALLED_RANK = "stalled_rank"
+    DEAD_RANK = "dead_rank"
+    MISSING_DATA = "missing_data"
+
+
+class RankEvidence(CamelStruct, kw_only=True, frozen=True):
+    """What one rank looked like when the finding was made."""
+
+    runnerId: str
+    nodeId: str
+    deviceRank: int
+    phase: Phase | None = None
+    step: int | None = None
+    lastProgressAt: str | None = None
+    processAlive: bool | None = None
+
+
+class Finding(CamelStruct, kw_only=True, frozen=True):
+    """One problem of one instance: the ranks at fault, the ranks waiting on them, why.
+
+    `open` is false on the message that says the finding cleared.
+    """
+
+    instanceId: str
+    kind: FindingKind
+    culpritRanks: list[int]
+    culpritRunnerIds: list[str]
+    waitingRanks: list[int] = []
+    summary: str
+    since: str
+    open: bool = True
+    evidence: list[RankEvidence] = []
+
+
+class Diagnosis(CamelStruct, kw_only=True, frozen=True):
+    """Every open finding, by instance."""
+
+    generatedAt: str
+    findings: list[Finding] = []
+
+
+class RankState(CamelStruct, kw_only=True, frozen=True):
+    """Readiness of one rank of an instance."""
+
+    runnerId: str
+    nodeId: str
+    deviceRank: int
+    statusKind: str | None = None
+    ready: bool
+    lost: bool
+
+
+class InstanceState(CamelStruct, kw_only=True, frozen=True):
+    """Which ranks of an instance are ready and which are lost."""
+
+    instanceId: str
+    modelId: str
+    ranks: list[RankState]
+
+
+class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Filters of the timeline; `limit` keeps the newest entries, still in `at` order."""
+
+    instanceId: str | None = None
+    nodeId: str | None = None
+    modelId: str | None = None
+    since: str | None = None
+    until: str | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
+
+
+class PlacementQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """One runner's placement, or every runner's when `runnerId` is unset."""
+
+    runnerId: str | None = None
+
+
+class QueryError(CamelStruct, kw_only=True, frozen=True):
+    """A query the aggregator could not answer: `status` follows HTTP (404, 422, 503)."""
+
+    status: int
+    error: str

@@ -1,0 +1,90 @@
+"""Events for aggregator tests: a 2-rank instance and its telemetry."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from shared.timestamps import format_ts
+from shared.wire import (
+    FlightEntry,
+    InstanceCreated,
+    Phase,
+    PhaseEntries,
+    RunnerAssignment,
+    RunnerRef,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+)
+
+T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=UTC)
+
+
+def at(seconds: float) -> str:
+    """A wire timestamp `seconds` after T0."""
+    return format_ts(T0 + timedelta(seconds=seconds))
+
+
+def rank(index: int, instance: str = "i", world: int = 2) -> RunnerRef:
+    """Rank `index` of `instance`, on node `node-<index>`."""
+    return RunnerRef(
+        runnerId=f"{instance}-r{index}",
+        nodeId=f"node-{index}",
+        instanceId=instance,
+        modelId="tiny",
+        deviceRank=index,
+        worldSize=world,
+    )
+
+
+def placed(instance: str = "i", world: int = 2, layers: int = 8) -> InstanceCreated:
+    """An instance of `world` ranks splitting `layers` evenly."""
+    share = layers // world
+    return InstanceCreated(
+        at=at(0),
+        instanceId=instance,
+        runnerSpecId="spec",
+        modelId="tiny",
+        assignments=[
+            RunnerAssignment(
+                runnerId=f"{instance}-r{r}",
+                nodeId=f"node-{r}",
+                deviceRank=r,
+                worldSize=world,
+                startLayer=r * share,
+                endLayer=(r + 1) * share,
+                nLayers=layers,
+                host="127.0.0.1",
+                port=50000 + r,
+            )
+            for r in range(world)
+        ],
+    )
+
+
+def entries(
+    ref: RunnerRef, *items: tuple[int, float, Phase, int | None], task: str | None = "t1"
+) -> PhaseEntries:
+    """A batch of (seq, seconds after T0, phase, step) entries."""
+    return PhaseEntries(
+        runner=ref,
+        entries=[
+            FlightEntry(
+                seq=seq,
+                at=at(t),
+                phase=phase,
+                event="e",
+                attrs={} if step is None else {"step": step},
+                taskId=None if phase is Phase.IDLE else task,
+            )
+            for seq, t, phase, step in items
+        ],
+    )
+
+
+def status(
+    ref: RunnerRef, seq: int, kind: RunnerStatusKind, alive: bool = True, detail: str | None = None
+) -> RunnerStatusChanged:
+    """A status change."""
+    return RunnerStatusChanged(
+        runner=ref, seq=seq, at=at(seq), statusKind=kind, processAlive=alive, pid=100, detail=detail
+    )

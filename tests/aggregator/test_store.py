@@ -1,0 +1,73 @@
+"""The entry store keeps time order, bounds memory, and finds the newest entries fast."""
+
+from __future__ import annotations
+
+from services.aggregator.store import EntryStore, SeqTracker, micros
+from shared.wire import Phase
+from tests.aggregator.builders import at, entries, rank
+
+
+def test_seq_tracker_dedupes_and_counts_gaps() -> None:
+    seqs = SeqTracker()
+    assert [seqs.add(s) for s in (0, 1, 1, 3, 5)] == [True, True, False, True, True]
+    assert seqs.missing == 2  # 2 and 4
+    assert seqs.add(2)
+    assert seqs.add(4)
+    assert seqs.missing == 0
+    assert seqs.floor == 6
+
+
+def _fill(store: EntryStore, runner: int, times: list[float]) -> None:
+    batch = entries(rank(runner), *[(i, t, Phase.DECODE_STREAM, i) for i, t in enumerate(times)])
+    for entry in batch.entries:
+        store.add(batch.runner.runnerId, entry)
+
+
+def test_newest_merges_runners_in_time_order_and_keeps_the_newest() -> None:
+    store = EntryStore()
+    _fill(store, 0, [0, 2, 4, 6])
+    _fill(store, 1, [1, 3, 5, 7])
+    found = store.newest(["i-r0", "i-r1"], limit=3)
+    assert [(runner, e.at) for _, runner, e in found] == [
+        ("i-r1", at(5)),
+        ("i-r0", at(6)),
+        ("i-r1", at(7)),
+    ]
+
+
+def test_time_window_filters() -> None:
+    store = EntryStore()
+    _fill(store, 0, [0, 1, 2, 3, 4])
+    found = store.newest(["i-r0"], since=micros(at(1)), until=micros(at(3)), limit=10)
+    assert [e.at for _, _, e in found] == [at(1), at(2), at(3)]
+
+
+def test_late_entries_are_put_in_time_order() -> None:
+    store = EntryStore()
+    _fill(store, 0, [5, 6])
+    _fill(store, 0, [1])
+    assert [e.at for _, _, e in store.newest(["i-r0"], limit=10)] == [at(1), at(5), at(6)]
+
+
+def test_retention_per_runner_and_in_total() -> None:
+    store = EntryStore(per_runner=3, total=5)
+    _fill(store, 0, [0, 1, 2, 3, 4])
+    assert store.count("i-r0") == 3
+    _fill(store, 1, [5, 6, 7])
+    assert store.size == 5
+    assert store.evicted == 3
+    assert [e.at for _, _, e in store.newest(["i-r0"], limit=10)][-1] == at(4)
+
+
+def test_entries_come_back_as_they_went_in() -> None:
+    store = EntryStore()
+    batch = entries(rank(0), (0, 1.5, Phase.PREFILL_PIPELINE, 7))
+    store.add("i-r0", batch.entries[0])
+    ((_, _, stored),) = store.newest(["i-r0"], limit=1)
+    original = batch.entries[0]
+    assert (stored.at, stored.phase, stored.attrs, stored.taskId) == (
+        original.at,
+        original.phase,
+        original.attrs,
+        original.taskId,
+    )

@@ -1,0 +1,135 @@
+"""Views folded from events: the seed-001 timeline and the seed-000 placement."""
+
+from __future__ import annotations
+
+from services.aggregator.store import EntryStore
+from services.aggregator.views import ClusterState
+from shared.wire import (
+    GenerationRequest,
+    InstanceReleased,
+    Phase,
+    ReleaseCause,
+    RunnerStatusKind,
+    TaskCreated,
+    TaskKind,
+    TaskStatus,
+    TaskStatusChanged,
+    TimelineQuery,
+)
+from tests.aggregator.builders import at, entries, placed, rank, status
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _state() -> ClusterState:
+    state = ClusterState(store=EntryStore(), clock=Clock())
+    state.apply_placement(placed())
+    return state
+
+
+def test_timeline_merges_ranks_by_time_with_ties_by_node_then_rank() -> None:
+    state = _state()
+    state.apply_telemetry(entries(rank(1), (0, 2, Phase.CREATED, None), (1, 3, Phase.IDLE, None)))
+    state.apply_telemetry(entries(rank(0), (0, 1, Phase.CREATED, None), (1, 3, Phase.IDLE, None)))
+    timeline = state.timeline(TimelineQuery(), local_node_id="agg")
+    assert [(e.at, e.deviceRank) for e in timeline.timeline] == [
+        (at(1), 0),
+        (at(2), 1),
+        (at(3), 0),
+        (at(3), 1),
+    ]
+    assert [r.deviceRank for r in timeline.runners] == [0, 1]
+    assert timeline.localNodeId == "agg"
+
+
+def test_redelivered_telemetry_changes_nothing() -> None:
+    state = _state()
+    batch = entries(rank(0), (0, 1, Phase.CREATED, None), (1, 2, Phase.IDLE, None))
+    assert state.apply_telemetry(batch) == 2
+    assert state.apply_telemetry(batch) == 0
+    assert state.store.size == 2
+    assert state.duplicates == 2
+
+
+def test_limit_keeps_the_newest_in_ascending_order_and_filters_apply() -> None:
+    state = _state()
+    state.apply_telemetry(entries(rank(0), *[(i, i, Phase.DECODE_STREAM, i) for i in range(10)]))
+    state.apply_telemetry(
+        entries(rank(1), *[(i, i + 0.5, Phase.DECODE_STREAM, i) for i in range(10)])
+    )
+    newest = state.timeline(TimelineQuery(limit=3), local_node_id="a").timeline
+    assert [e.at for e in newest] == [at(8.5), at(9), at(9.5)]
+    only = state.timeline(TimelineQuery(nodeId="node-1", since=at(8)), local_node_id="a")
+    assert [e.at for e in only.timeline] == [at(8.5), at(9.5)]
+    assert [r.runnerId for r in only.runners] == ["i-r1"]
+    assert state.timeline(TimelineQuery(modelId="other"), local_node_id="a").runners == []
+
+
+def test_synopsis_tracks_phase_status_and_task() -> None:
+    state = _state()
+    state.apply_telemetry(status(rank(0), 0, RunnerStatusKind.RUNNING))
+    state.apply_telemetry(
+        entries(rank(0), (1, 1, Phase.PREFILL_PIPELINE, 3), (2, 2, Phase.PREFILL_PIPELINE, 4))
+    )
+    (synopsis,) = state.timeline(TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    assert synopsis.phase is Phase.PREFILL_PIPELINE
+    assert synopsis.lastProgressAt == at(2)
+    assert synopsis.activeTaskId == "t1"
+    assert synopsis.statusKind == "RunnerRunning"
+    assert synopsis.processAlive
+    assert synopsis.secondsInPhase > 0  # since at(1), measured now
+
+
+def test_placement_lists_each_rank_with_only_its_own_task_status() -> None:
+    state = _state()
+    request = GenerationRequest(prompt="hi")
+    state.apply_task(
+        TaskCreated(
+            at=at(5),
+            taskId="t1",
+            instanceId="i",
+            commandId="c1",
+            taskKind=TaskKind.TEXT_GENERATION,
+            request=request,
+        )
+    )
+    state.apply_task(
+        TaskStatusChanged(
+            at=at(6), taskId="t1", instanceId="i", taskStatus=TaskStatus.COMPLETE, runnerId="i-r1"
+        )
+    )
+    state.apply_telemetry(status(rank(1), 0, RunnerStatusKind.READY))
+    found = state.placement(local_node_id="node-0")
+    assert [(p.runnerId, p.startLayer, p.endLayer, p.isLocal) for p in found] == [
+        ("i-r0", 0, 4, True),
+        ("i-r1", 4, 8, False),
+    ]
+    assert [(t.runnerId, t.taskStatus) for p in found for t in p.tasks] == [
+        ("i-r0", "Pending"),
+        ("i-r1", "Complete"),
+    ]
+    assert found[1].statusKind == "RunnerReady"
+
+
+def test_released_instances_leave_placement_but_keep_their_history() -> None:
+    state = _state()
+    state.apply_telemetry(entries(rank(0), (0, 1, Phase.CREATED, None)))
+    state.apply_placement(
+        InstanceReleased(at=at(9), instanceId="i", cause=ReleaseCause.SPEC_DELETED, reason="gone")
+    )
+    assert state.placement(local_node_id="a") == []
+    assert len(state.timeline(TimelineQuery(), local_node_id="a").timeline) == 1
+
+
+def test_instance_state_says_ready_and_lost() -> None:
+    state = _state()
+    state.apply_telemetry(status(rank(0), 0, RunnerStatusKind.READY))
+    state.apply_telemetry(status(rank(1), 0, RunnerStatusKind.FAILED, alive=False))
+    (instance,) = state.instance_states()
+    assert [(r.ready, r.lost) for r in instance.ranks] == [(True, False), (False, True)]
