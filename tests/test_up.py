@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
 import re
 import select
@@ -112,6 +115,23 @@ async def test_rank_table_service_answers_grpc(
     assert await _register(shown["ranktable"].split()[-1]) == 0
 
 
+async def test_the_aggregator_answers_queries(
+    stack: tuple[subprocess.Popen[str], dict[str, str]],
+) -> None:
+    _, shown = stack
+    nc = await nats.connect(shown["NATS"].split()[0])
+    health: dict[str, object] = {}
+    for _ in range(300):  # it may still be starting: up to 30 s
+        with contextlib.suppress(nats.errors.Error):
+            reply = await nc.request("rankscope.query.health", b"", timeout=1)
+            health = json.loads(reply.data)
+            if health["ready"]:
+                break
+        await asyncio.sleep(0.1)
+    await nc.close()
+    assert health["ready"] is True
+
+
 async def test_a_crashed_service_is_restarted_and_reported(
     stack: tuple[subprocess.Popen[str], dict[str, str]],
 ) -> None:
@@ -132,7 +152,7 @@ async def test_a_crashed_service_is_restarted_and_reported(
 def test_sigterm_stops_everything(stack: tuple[subprocess.Popen[str], dict[str, str]]) -> None:
     process, _ = stack
     children = _children(process.pid)
-    assert len(children) == 2, "nats-server and the rank-table service run under `up`"
+    assert len(children) == 3, "nats-server, the aggregator and the rank-table service run"
     watches = [os.pidfd_open(pid) for pid in children]
     try:
         process.send_signal(signal.SIGTERM)

@@ -114,7 +114,7 @@ class AggregatorService:
 
     async def _on_telemetry(self, msg: Msg) -> None:
         try:
-            self.state.apply_telemetry(parse_telemetry(msg.data))
+            self.state.apply_telemetry(parse_telemetry(msg.data), msg.data)
         except BadInputError as exc:
             self._reject(msg, exc)
 

@@ -1,47 +1,40 @@
 """Flight-recorder entries of every runner, compact and bounded.
 
-Per runner, entry times sit in an `array('q')` (microseconds, kept sorted) beside the
-entries themselves as msgpack bytes, about 150 bytes an entry in all. Retention is
-bounded per runner and in total; the oldest entries go first.
+Entries are kept as they arrived: the JSON of each batch is stored once, and each runner
+indexes its entries with three arrays (time in microseconds, batch, position), about 14
+bytes an entry beside the batch's share. Times stay sorted per runner; a batch is freed
+when its last entry is evicted. Retention is bounded per runner and in total.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-import msgspec
+from shared.wire import FlightEntry, PhaseEntries, decode
 
-from shared.wire import Attrs, FlightEntry, MlxMemorySnapshot, Phase
+__all__ = ["EntryStore", "SeqTracker", "micros"]
 
-__all__ = ["EntryStore", "SeqTracker", "StoredEntry", "micros"]
+_seconds: dict[str, int] = {}
 
 
 def micros(at: str) -> int:
-    """Microseconds since the epoch of an RFC 3339 timestamp."""
+    """Microseconds since the epoch of a wire timestamp (fast for the fixed-width form;
+    any RFC 3339 form is accepted)."""
+    if len(at) == 27 and at[26] == "Z":
+        whole = _seconds.get(at[:19])
+        if whole is None:
+            if len(_seconds) > 4096:
+                _seconds.clear()
+            whole = _seconds[at[:19]] = int(datetime.fromisoformat(at[:19] + "+00:00").timestamp())
+        return whole * 1_000_000 + int(at[20:26])
     moment = datetime.fromisoformat(at)
     return int(moment.timestamp()) * 1_000_000 + moment.microsecond
-
-
-class StoredEntry(msgspec.Struct, array_like=True, frozen=True):
-    """An entry as stored: a `FlightEntry` without `seq`, encoded as a msgpack array."""
-
-    at: str
-    phase: Phase
-    event: str
-    detail: str | None
-    attrs: Attrs
-    taskId: str | None
-    commandId: str | None
-    mlxMemory: MlxMemorySnapshot | None
-
-
-_pack = msgspec.msgpack.Encoder()
-_unpack = msgspec.msgpack.Decoder(StoredEntry)
 
 
 @dataclass(slots=True)
@@ -53,6 +46,9 @@ class SeqTracker:
 
     def add(self, seq: int) -> bool:
         """Note `seq`; False when it was seen before (a redelivery)."""
+        if seq == self.floor and not self.above:
+            self.floor += 1
+            return True
         if seq < self.floor or seq in self.above:
             return False
         self.above.add(seq)
@@ -60,6 +56,19 @@ class SeqTracker:
             self.above.discard(self.floor)
             self.floor += 1
         return True
+
+    def fresh(self, entries: Sequence[FlightEntry]) -> list[tuple[int, FlightEntry]]:
+        """Note every entry's seq; the (position, entry) pairs not seen before."""
+        first = self.floor
+        if (
+            not self.above
+            and entries
+            and entries[0].seq == first
+            and all(e.seq == first + i for i, e in enumerate(entries))
+        ):
+            self.floor += len(entries)  # the usual case: the next consecutive batch
+            return list(enumerate(entries))
+        return [(i, e) for i, e in enumerate(entries) if self.add(e.seq)]
 
     @property
     def missing(self) -> int:
@@ -72,20 +81,22 @@ class SeqTracker:
 @dataclass(slots=True)
 class _RunnerLog:
     times: array[int] = field(default_factory=lambda: array("q"))
-    payloads: list[bytes] = field(default_factory=list)
+    batches: array[int] = field(default_factory=lambda: array("q"))
+    positions: array[int] = field(default_factory=lambda: array("H"))
 
-    def add(self, at: int, payload: bytes) -> None:
-        if not self.times or at >= self.times[-1]:
-            self.times.append(at)
-            self.payloads.append(payload)
-        else:  # a late batch (a retry after an outage): keep time order
-            index = bisect.bisect_right(self.times, at)
-            self.times.insert(index, at)
-            self.payloads.insert(index, payload)
+    def insert(self, at: int, batch: int, position: int) -> None:
+        """Put a late entry (a retry after an outage) where its time belongs."""
+        index = bisect.bisect_right(self.times, at)
+        self.times.insert(index, at)
+        self.batches.insert(index, batch)
+        self.positions.insert(index, position)
 
-    def drop_oldest(self, count: int) -> None:
-        del self.times[:count]
-        del self.payloads[:count]
+    def newest_first(
+        self, runner_id: str, low: int, high: int
+    ) -> Iterator[tuple[int, str, int, int]]:
+        times, batches, positions = self.times, self.batches, self.positions
+        for index in range(high - 1, low - 1, -1):
+            yield times[index], runner_id, batches[index], positions[index]
 
 
 class EntryStore:
@@ -101,26 +112,41 @@ class EntryStore:
         self._per_runner = per_runner
         self._total = total
         self._logs: dict[str, _RunnerLog] = {}
+        self._payloads: dict[int, bytes] = {}
+        self._live: dict[int, int] = {}
+        self._next_batch = itertools.count()
         self.size = 0
         self.evicted = 0
 
-    def add(self, runner_id: str, entry: FlightEntry) -> None:
-        """Store one entry (dedupe by `seq` is the caller's)."""
-        log = self._logs.setdefault(runner_id, _RunnerLog())
-        payload = _pack.encode(
-            StoredEntry(
-                entry.at,
-                entry.phase,
-                entry.event,
-                entry.detail,
-                entry.attrs,
-                entry.taskId,
-                entry.commandId,
-                entry.mlxMemory,
-            )
-        )
-        log.add(micros(entry.at), payload)
-        self.size += 1
+    def add(self, runner_id: str, payload: bytes, fresh: Iterable[tuple[int, FlightEntry]]) -> None:
+        """Store the new entries of one batch: `payload` is the batch's `PhaseEntries` JSON,
+        `fresh` the (position, entry) pairs not seen before (dedupe is the caller's)."""
+        log = self._logs.get(runner_id)
+        if log is None:
+            log = self._logs[runner_id] = _RunnerLog()
+        batch, count = next(self._next_batch), 0
+        times = log.times
+        newest = times[-1] if times else -1
+        second, base = "", 0
+        for position, entry in fresh:  # the hot loop of ingest: kept flat on purpose
+            text = entry.at
+            if text[:19] == second and len(text) == 27:  # same second as the last entry
+                at = base + int(text[20:26])
+            else:
+                at = micros(text)
+                second, base = text[:19], at - at % 1_000_000
+            if at >= newest:
+                times.append(at)
+                log.batches.append(batch)
+                log.positions.append(position)
+                newest = at
+            else:
+                log.insert(at, batch, position)
+            count += 1
+        if not count:
+            return
+        self._payloads[batch], self._live[batch] = payload, count
+        self.size += count
         if len(log.times) > self._per_runner:
             self._evict(log, len(log.times) - self._per_runner)
         if self.size > self._total:
@@ -128,7 +154,11 @@ class EntryStore:
             self._evict(largest, self.size - self._total)
 
     def _evict(self, log: _RunnerLog, count: int) -> None:
-        log.drop_oldest(count)
+        for batch in log.batches[:count]:
+            self._live[batch] -= 1
+            if not self._live[batch]:
+                del self._live[batch], self._payloads[batch]
+        del log.times[:count], log.batches[:count], log.positions[:count]
         self.size -= count
         self.evicted += count
 
@@ -144,25 +174,26 @@ class EntryStore:
         since: int | None = None,
         until: int | None = None,
         limit: int,
-    ) -> list[tuple[int, str, StoredEntry]]:
+    ) -> list[tuple[int, str, FlightEntry]]:
         """The newest `limit` entries of these runners within `[since, until]` (µs),
         oldest first, as (time, runner id, entry)."""
-        candidates: list[tuple[int, str, bytes]] = []
+        streams = []
         for runner_id in runner_ids:
             log = self._logs.get(runner_id)
             if log is None:
                 continue
             low = 0 if since is None else bisect.bisect_left(log.times, since)
             high = len(log.times) if until is None else bisect.bisect_right(log.times, until)
-            low = max(low, high - limit)
-            candidates.extend(
-                zip(
-                    log.times[low:high],
-                    [runner_id] * (high - low),
-                    log.payloads[low:high],
-                    strict=True,
-                )
-            )
-        chosen = heapq.nlargest(limit, candidates, key=lambda c: c[0])
+            streams.append(log.newest_first(runner_id, max(low, high - limit), high))
+        chosen = list(
+            itertools.islice(heapq.merge(*streams, key=lambda c: c[0], reverse=True), limit)
+        )
         chosen.reverse()
-        return [(at, runner_id, _unpack.decode(payload)) for at, runner_id, payload in chosen]
+        batches: dict[int, PhaseEntries] = {}
+        found = []
+        for at, runner_id, batch, position in chosen:
+            decoded = batches.get(batch)
+            if decoded is None:
+                decoded = batches[batch] = decode(self._payloads[batch], PhaseEntries)
+            found.append((at, runner_id, decoded.entries[position]))
+        return found

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from services.aggregator.store import EntryStore, SeqTracker, StoredEntry, micros
+from services.aggregator.store import EntryStore, SeqTracker, micros
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     ClusterTimeline,
@@ -40,6 +40,7 @@ from shared.wire import (
     TimelineEntry,
     TimelineQuery,
     UnreachableNode,
+    encode,
 )
 
 __all__ = ["ClusterState", "RunnerView", "TaskView"]
@@ -110,15 +111,16 @@ class ClusterState:
             view = self.runners[ref.runnerId] = RunnerView(ref=ref)
         return view
 
-    def apply_telemetry(self, event: RunnerTelemetry) -> int:
-        """Apply one telemetry message; returns how many of its items were new."""
+    def apply_telemetry(self, event: RunnerTelemetry, raw: bytes | None = None) -> int:
+        """Apply one telemetry message (`raw`: its JSON as received, kept as is for entry
+        batches); returns how many of its items were new."""
         view = self._runner(event.runner)
         view.heard = self._clock()
         if isinstance(event, PhaseEntries):
-            fresh = [e for e in event.entries if view.seqs.add(e.seq)]
-            for entry in fresh:
-                self.store.add(view.ref.runnerId, entry)
-            self._progress(view, [e for e in fresh if view.last_at is None or e.at >= view.last_at])
+            fresh = view.seqs.fresh(event.entries)
+            self.store.add(view.ref.runnerId, raw or encode(event), fresh)
+            last = view.last_at
+            self._progress(view, [e for _, e in fresh if last is None or e.at >= last])
             self.duplicates += len(event.entries) - len(fresh)
             return len(fresh)
         if not view.seqs.add(event.seq):
@@ -131,21 +133,33 @@ class ClusterState:
         return 1
 
     def _progress(self, view: RunnerView, entries: list[FlightEntry]) -> None:
-        for entry in entries:
-            if entry.phase is not view.phase:
-                view.phase, view.phase_since = entry.phase, entry.at
-            view.phase_detail, view.last_at = entry.detail, entry.at
+        """Move the runner's synopsis to the last of `entries` (newer than what it had)."""
+        if not entries:
+            return
+        last = entries[-1]
+        run = len(entries) - 1  # the trailing run of the last phase starts here
+        while run > 0 and entries[run - 1].phase is last.phase:
+            run -= 1
+        if run > 0 or last.phase is not view.phase:
+            view.phase, view.phase_since = last.phase, entries[run].at
+        view.phase_detail, view.last_at = last.detail, last.at
+        for entry in reversed(entries):
             if entry.phase is Phase.IDLE:
                 view.task_id = view.command_id = None
-            elif entry.taskId is not None:
+                break
+            if entry.taskId is not None:
                 view.task_id, view.command_id = entry.taskId, entry.commandId
+                break
+        for entry in reversed(entries):
             step = entry.attrs.get("step")
             if isinstance(step, int) and not isinstance(step, bool):
                 view.step = step
+                break
+        for entry in reversed(entries):
             if entry.mlxMemory is not None:
                 view.memory = entry.mlxMemory
-        if entries:
-            view.progressed = self._clock()
+                break
+        view.progressed = self._clock()
 
     def apply_placement(self, event: PlacementEvent) -> None:
         """Apply a placement decision."""
@@ -253,7 +267,7 @@ class ClusterState:
         )
 
     @staticmethod
-    def _entry(ref: RunnerRef, stored: StoredEntry) -> TimelineEntry:
+    def _entry(ref: RunnerRef, stored: FlightEntry) -> TimelineEntry:
         return TimelineEntry(
             at=stored.at,
             nodeId=ref.nodeId,

@@ -22,7 +22,7 @@ __all__ = ["demo_model", "run"]
 
 log = logging.getLogger("rankscope.up")
 
-SERVICES = (ChildSpec("ranktable", ["ranktable"]),)
+SERVICES = (ChildSpec("aggregator", ["aggregator"]), ChildSpec("ranktable", ["ranktable"]))
 """The services this build runs; each is a `rankscope` subcommand."""
 
 

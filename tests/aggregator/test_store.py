@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.aggregator.store import EntryStore, SeqTracker, micros
-from shared.wire import Phase
+from shared.wire import Phase, encode
 from tests.aggregator.builders import at, entries, rank
 
 
@@ -19,8 +19,7 @@ def test_seq_tracker_dedupes_and_counts_gaps() -> None:
 
 def _fill(store: EntryStore, runner: int, times: list[float]) -> None:
     batch = entries(rank(runner), *[(i, t, Phase.DECODE_STREAM, i) for i, t in enumerate(times)])
-    for entry in batch.entries:
-        store.add(batch.runner.runnerId, entry)
+    store.add(batch.runner.runnerId, encode(batch), enumerate(batch.entries))
 
 
 def test_newest_merges_runners_in_time_order_and_keeps_the_newest() -> None:
@@ -49,6 +48,20 @@ def test_late_entries_are_put_in_time_order() -> None:
     assert [e.at for _, _, e in store.newest(["i-r0"], limit=10)] == [at(1), at(5), at(6)]
 
 
+def test_micros_reads_any_rfc3339_form_alike() -> None:
+    assert micros("2026-11-21T12:00:01.000002Z") == micros("2026-11-21T13:00:01.000002+01:00")
+    assert micros("2026-11-21T12:00:01.000002Z") - micros("2026-11-21T12:00:00Z") == 1_000_002
+
+
+def test_evicting_a_batch_entry_by_entry_frees_it_at_the_end() -> None:
+    store = EntryStore(per_runner=2)
+    _fill(store, 0, [0, 1, 2])
+    assert len(store._payloads) == 1  # the batch still holds two live entries
+    _fill(store, 0, [3, 4])
+    assert len(store._payloads) == 1  # the first batch's entries are all gone now
+    assert [e.at for _, _, e in store.newest(["i-r0"], limit=9)] == [at(3), at(4)]
+
+
 def test_retention_per_runner_and_in_total() -> None:
     store = EntryStore(per_runner=3, total=5)
     _fill(store, 0, [0, 1, 2, 3, 4])
@@ -62,12 +75,7 @@ def test_retention_per_runner_and_in_total() -> None:
 def test_entries_come_back_as_they_went_in() -> None:
     store = EntryStore()
     batch = entries(rank(0), (0, 1.5, Phase.PREFILL_PIPELINE, 7))
-    store.add("i-r0", batch.entries[0])
+    store.add("i-r0", encode(batch), enumerate(batch.entries))
     ((_, _, stored),) = store.newest(["i-r0"], limit=1)
     original = batch.entries[0]
-    assert (stored.at, stored.phase, stored.attrs, stored.taskId) == (
-        original.at,
-        original.phase,
-        original.attrs,
-        original.taskId,
-    )
+    assert stored == original

@@ -1,0 +1,281 @@
+"""The aggregator against a real nats-server: ordering, findings that appear and clear,
+restarts, bad input and query errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.aggregator.diagnosis import Thresholds
+from services.aggregator.service import ERROR_HEADER, AggregatorService
+from services.aggregator.store import EntryStore
+from services.aggregator.views import ClusterState
+from shared.jetstream import Layout, ensure
+from shared.subjects import token
+from shared.wire import (
+    ClusterTimeline,
+    Finding,
+    FindingKind,
+    InstanceCreated,
+    Phase,
+    PhaseEntries,
+    PlacementRunnerDiagnostics,
+    RunnerSynopsis,
+    TimelineQuery,
+    decode,
+    encode,
+)
+from tests.aggregator.builders import at, entries, placed, rank
+from tests.ranktable.builders import node_info
+
+pytestmark = pytest.mark.nats
+
+WAIT = 10.0
+
+
+@dataclass
+class Running:
+    service: AggregatorService
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+    async def halt(self) -> None:
+        self.stop.set()
+        await self.task
+
+
+@contextlib.asynccontextmanager
+async def _aggregator(nc: Client, layout: Layout, **options: Any) -> AsyncIterator[Running]:
+    service = AggregatorService(
+        nc=nc,
+        js=nc.jetstream(),
+        layout=layout,
+        state=ClusterState(store=EntryStore()),
+        node_id="agg",
+        **options,
+    )
+    stop = asyncio.Event()
+    running = Running(service, stop, asyncio.create_task(service.run(stop)))
+    await asyncio.wait_for(service.ready.wait(), WAIT)
+    try:
+        yield running
+    finally:
+        if not running.task.done():
+            await running.halt()
+
+
+@pytest.fixture
+async def js_ready(nc: Client, layout: Layout) -> Layout:
+    await ensure(nc.jetstream(), layout)
+    return layout
+
+
+async def _publish(nc: Client, layout: Layout, event: PhaseEntries | InstanceCreated) -> None:
+    js = nc.jetstream()
+    if isinstance(event, PhaseEntries):
+        ref = event.runner
+        subject = layout.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, "phase")
+    else:
+        subject = layout.subjects.placement(event.instanceId)
+    await js.publish(subject, encode(event))
+
+
+async def _query(nc: Client, layout: Layout, view: str, body: object = None) -> Msg:
+    return await nc.request(
+        layout.subjects.query(view), json.dumps(body or {}).encode(), timeout=WAIT
+    )
+
+
+async def _until(check: object) -> None:
+    for _ in range(int(WAIT / 0.02)):
+        if check():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_ranks_published_out_of_order_come_back_in_time_order(
+    nc: Client, js_ready: Layout
+) -> None:
+    await _publish(nc, js_ready, placed())
+    await _publish(
+        nc, js_ready, entries(rank(1), (0, 2, Phase.CREATED, None), (1, 4, Phase.IDLE, None))
+    )
+    await _publish(
+        nc, js_ready, entries(rank(0), (0, 1, Phase.CREATED, None), (1, 3, Phase.IDLE, None))
+    )
+    async with _aggregator(nc, js_ready):
+        reply = await _query(nc, js_ready, "timeline", {"limit": 10})
+        timeline = decode(reply.data, ClusterTimeline)
+    assert [(e.at, e.deviceRank) for e in timeline.timeline] == [
+        (at(1), 0),
+        (at(2), 1),
+        (at(3), 0),
+        (at(4), 1),
+    ]
+    assert [r.runnerId for r in timeline.runners] == ["i-r0", "i-r1"]
+
+
+async def test_disagreement_appears_within_threshold_and_clears(
+    nc: Client, js_ready: Layout
+) -> None:
+    findings: asyncio.Queue[Finding] = asyncio.Queue()
+
+    async def keep(msg: Msg) -> None:
+        await findings.put(decode(msg.data, Finding))
+
+    await nc.subscribe(js_ready.subjects.diagnosis("i"), cb=keep)
+    async with _aggregator(nc, js_ready, thresholds=Thresholds(working=1.0)):
+        await _publish(nc, js_ready, placed())
+        await _publish(nc, js_ready, entries(rank(0), (0, 1, Phase.PREFILL_PIPELINE, 7)))
+        await _publish(nc, js_ready, entries(rank(1), (0, 1, Phase.DECODE_BARRIER, 8)))
+        opened = await asyncio.wait_for(findings.get(), 1.0 + 1.0 + 0.5)
+        assert opened.kind is FindingKind.RANK_DISAGREEMENT
+        assert opened.culpritRunnerIds == ["i-r0"]
+        assert opened.open
+        served = json.loads((await _query(nc, js_ready, "diagnosis")).data)
+        assert served["findings"][0]["culpritRanks"] == [0]
+        await _publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
+        cleared = await asyncio.wait_for(findings.get(), WAIT)
+        assert cleared.kind is FindingKind.RANK_DISAGREEMENT
+        assert not cleared.open
+
+
+def _views(service: AggregatorService) -> tuple[object, ...]:
+    timeline = service.state.timeline(TimelineQuery(limit=100_000), local_node_id="agg")
+    runners = [replace_seconds(r) for r in timeline.runners]
+    return timeline.timeline, runners, service.state.placement(local_node_id="agg")
+
+
+def replace_seconds(synopsis: RunnerSynopsis) -> RunnerSynopsis:
+    return msgspec.structs.replace(synopsis, secondsInPhase=0.0)
+
+
+async def test_a_restart_mid_stream_rebuilds_the_same_views(nc: Client, js_ready: Layout) -> None:
+    total = 3000
+
+    async def stream(first: int, last: int) -> None:
+        for start in range(first, last, 50):
+            for r in (0, 1):
+                await _publish(
+                    nc,
+                    js_ready,
+                    entries(
+                        rank(r),
+                        *[
+                            (s, s / 100 + r / 1000, Phase.DECODE_STREAM, s)
+                            for s in range(start, min(start + 50, last))
+                        ],
+                    ),
+                )
+
+    await _publish(nc, js_ready, placed())
+    async with _aggregator(nc, js_ready) as reference:
+        async with _aggregator(nc, js_ready) as crashed:
+            await stream(0, total // 2)
+            await crashed.halt()  # stopped mid-stream
+        await stream(total // 2, total)
+        async with _aggregator(nc, js_ready) as restarted:
+            await _until(lambda: reference.service.state.store.size == 2 * total)
+            assert restarted.service.state.store.size == 2 * total
+            assert _views(restarted.service) == _views(reference.service)
+
+
+async def test_malformed_messages_are_counted_dead_lettered_and_skipped(
+    nc: Client, js_ready: Layout
+) -> None:
+    js = nc.jetstream()
+    subject = js_ready.subjects.runner("node-0", "i", 0, "phase")
+    bad = [
+        b"\\x00\\xff",
+        b"{}",
+        b'{"type": "PhaseEntries"}',
+        b"[1, 2]",
+        b'"x" ' * 100,
+        json.dumps(
+            {
+                "type": "PhaseEntries",
+                "runner": {**json.loads(encode(rank(0))), "deviceRank": -1},
+                "entries": [],
+            }
+        ).encode(),
+        json.dumps(
+            {
+                "type": "PhaseEntries",
+                "runner": {**json.loads(encode(rank(0))), "deviceRank": 5},
+                "entries": [],
+            }
+        ).encode(),
+    ]
+    valid = 0
+    for index in range(1000):
+        await js.publish(subject, bad[index % len(bad)])
+        await js.publish(
+            subject, encode(entries(rank(0), (index, index, Phase.DECODE_STREAM, index)))
+        )
+        valid += 1
+    await js.publish(js_ready.subjects.placement("x"), b'{"type": "InstanceCreated"}')
+    await js.publish(js_ready.subjects.tasks("x"), b"not json")
+    async with _aggregator(nc, js_ready) as running:
+        state = running.service.state
+        assert state.store.size == valid
+        assert sum(running.service.bad.values()) == 1002
+        assert running.service.bad["telemetry_rank_outside_world"] == 142
+        await _until(lambda: not running.service._background)
+    info = await js.stream_info(js_ready.deadletter_stream.name)
+    assert info.state.messages == 1002
+
+
+async def test_query_errors_say_what_is_wrong(nc: Client, js_ready: Layout) -> None:
+    async with _aggregator(nc, js_ready):
+        unknown = await _query(nc, js_ready, "nonsense")
+        assert unknown.headers is not None
+        assert unknown.headers[ERROR_HEADER] == "404"
+        assert "no view 'nonsense'" in json.loads(unknown.data)["error"]
+        bad = await _query(nc, js_ready, "timeline", {"limit": 0})
+        assert bad.headers is not None
+        assert bad.headers[ERROR_HEADER] == "422"
+        assert "$.limit" in json.loads(bad.data)["error"]
+        extra = await _query(nc, js_ready, "timeline", {"limitt": 5})
+        assert "unknown field `limitt`" in json.loads(extra.data)["error"]
+        missing = await _query(nc, js_ready, "placement", {"runnerId": "nope"})
+        assert missing.headers is not None
+        assert missing.headers[ERROR_HEADER] == "404"
+        health = json.loads((await _query(nc, js_ready, "health")).data)
+        assert health["ready"] is True
+
+
+async def test_placement_query_serves_one_runner(nc: Client, js_ready: Layout) -> None:
+    await _publish(nc, js_ready, placed())
+    async with _aggregator(nc, js_ready):
+        reply = await _query(nc, js_ready, "placement", {"runnerId": "i-r1"})
+        one = decode(reply.data, PlacementRunnerDiagnostics)
+        assert (one.deviceRank, one.startLayer, one.endLayer) == (1, 4, 8)
+        every = json.loads((await _query(nc, js_ready, "placement")).data)
+        assert [p["runnerId"] for p in every] == ["i-r0", "i-r1"]
+
+
+async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
+    nc: Client, js_ready: Layout
+) -> None:
+    kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
+    await kv.put(token("node-0"), encode(node_info("node-0", 8, address="10.1.1.1")))
+    await _publish(nc, js_ready, placed())
+    async with _aggregator(nc, js_ready, probe_interval=0.1, probe_timeout=0.2) as running:
+        await running.service.probe()
+        unreachable = running.service.state.unreachable
+        assert set(unreachable) == {"node-0", "node-1"}
+        assert unreachable["node-0"].url == "10.1.1.1"
+        assert unreachable["node-0"].error.startswith("no answer to live diagnostics within 0.2s")
+        assert unreachable["node-1"].error.startswith("no heartbeat")
+        timeline = decode((await _query(nc, js_ready, "timeline")).data, ClusterTimeline)
+        assert {u.nodeId for u in timeline.unreachableNodes} == {"node-0", "node-1"}
