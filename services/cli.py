@@ -44,6 +44,12 @@ def _aggregator(args: argparse.Namespace, settings: Settings) -> int:
     return run(settings)
 
 
+def _gateway(args: argparse.Namespace, settings: Settings) -> int:
+    from services.gateway.main import run
+
+    return run(settings)
+
+
 def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
     from services.ranktable.main import run
 
@@ -71,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     aggregator.set_defaults(handler=_aggregator)
     add_arguments(aggregator)
+
+    gateway = commands.add_parser("gateway", help="run the HTTP gateway and web timeline")
+    gateway.set_defaults(handler=_gateway)
+    add_arguments(gateway)
 
     ranktable = commands.add_parser(
         "ranktable", help="run the rank-table service (placement, rank tables, gRPC)"

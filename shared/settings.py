@@ -54,6 +54,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _flag_value(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in {"1", "0", "true", "false", "yes", "no", "on", "off"}:
+        raise ValueError(f"expected true or false, got {text!r}")
+    return value in {"1", "true", "yes", "on"}
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -152,6 +159,15 @@ class Settings:
     )
     retention_total: int = _setting(
         2_000_000, _positive_int, "Flight-recorder entries the aggregator keeps in all."
+    )
+    api_token: str | None = _setting(
+        None, _text, "Bearer token the gateway requires for changes.", secret=True
+    )
+    api_token_reads: bool = _setting(
+        False, _flag_value, "Require the token for reads too (with api_token set)."
+    )
+    request_timeout: float = _setting(
+        5.0, _duration, "Deadline of one gateway request to the services behind it."
     )
     gateway_host: str = _setting("127.0.0.1", _text, "Address the HTTP gateway binds.")
     gateway_port: int = _setting(8000, _port, "Port of the HTTP gateway.")

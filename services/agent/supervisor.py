@@ -205,9 +205,17 @@ class RunnerSupervisor:
         elif kind == TASK:
             self._on_task(item[1], TaskStatus(item[2]), item[3])
         elif kind == OUTPUT:
-            _, command_id, seq, text, finish = item
+            _, command_id, seq, text, finish, tokens = item
+            prompt, completion = tokens if tokens else (None, None)
             self._on_output(
-                TokenChunk(commandId=command_id, seq=seq, text=text, finishReason=finish)
+                TokenChunk(
+                    commandId=command_id,
+                    seq=seq,
+                    text=text,
+                    finishReason=finish,
+                    promptTokens=prompt,
+                    completionTokens=completion,
+                )
             )
 
     def _record(self, entry: FlightEntry) -> None:

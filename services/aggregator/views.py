@@ -332,6 +332,7 @@ class ClusterState:
         return [
             InstanceState(
                 instanceId=i.instanceId,
+                runnerSpecId=i.runnerSpecId,
                 modelId=i.modelId,
                 ranks=[self._rank_state(a) for a in i.assignments],
             )

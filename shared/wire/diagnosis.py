@@ -83,8 +83,14 @@ class InstanceState(CamelStruct, kw_only=True, frozen=True):
     """Which ranks of an instance are ready and which are lost."""
 
     instanceId: str
+    runnerSpecId: str = ""
     modelId: str
     ranks: list[RankState]
+
+    @property
+    def ready(self) -> bool:
+        """Whether every rank is ready."""
+        return all(rank.ready for rank in self.ranks)
 
 
 class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

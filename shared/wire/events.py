@@ -198,9 +198,12 @@ TaskEvent = TaskCreated | TaskStatusChanged
 
 
 class TokenChunk(CamelStruct, kw_only=True, frozen=True):
-    """Generated text for one command, in order of `seq`; the last has `finishReason`."""
+    """Generated text for one command, in order of `seq`; the last has `finishReason` and
+    the token counts."""
 
     commandId: str
     seq: NonNegative
     text: str
     finishReason: str | None = None
+    promptTokens: int | None = None
+    completionTokens: int | None = None

@@ -44,4 +44,5 @@ EntryMessage = tuple[
 MemoryMessage = tuple[Literal["memory"], MlxMemorySnapshot]
 StatusMessage = tuple[Literal["status"], str, str | None]  # statusKind, detail
 TaskMessage = tuple[Literal["task"], str, str, str | None]  # taskId, taskStatus, detail
-OutputMessage = tuple[Literal["output"], str, int, str, str | None]  # commandId, seq, text, finish
+# commandId, seq, text, finish, (prompt tokens, completion tokens) on the last chunk
+OutputMessage = tuple[Literal["output"], str, int, str, str | None, tuple[int, int] | None]

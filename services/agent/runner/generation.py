@@ -166,7 +166,11 @@ class Generation:
         elapsed = time.perf_counter() - started
         if self._config.is_last_stage:
             self._recorder.output(
-                task.commandId or task.taskId, chunk, detokenizer.last_segment, finish
+                task.commandId or task.taskId,
+                chunk,
+                detokenizer.last_segment,
+                finish,
+                (len(prompt), produced),
             )
         record(
             Phase.COMPLETION,

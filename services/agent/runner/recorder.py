@@ -94,9 +94,17 @@ class Recorder:
         """Report this rank's status of a task."""
         self._control.put((TASK, task_id, status.value, detail))
 
-    def output(self, command_id: str, seq: int, text: str, finish: str | None = None) -> None:
-        """Send generated text for a command, in order."""
-        self._control.put((OUTPUT, command_id, seq, text, finish))
+    def output(
+        self,
+        command_id: str,
+        seq: int,
+        text: str,
+        finish: str | None = None,
+        tokens: tuple[int, int] | None = None,
+    ) -> None:
+        """Send generated text for a command, in order; the last chunk carries `finish` and
+        the (prompt, completion) token counts."""
+        self._control.put((OUTPUT, command_id, seq, text, finish, tokens))
 
     def flush(self) -> None:
         """Push everything queued to the agent before this process exits."""

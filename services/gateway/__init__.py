@@ -1,0 +1,1 @@
+"""The HTTP gateway: the API, the web timeline and streams, with no state of its own."""

@@ -1,0 +1,145 @@
+"""Everything the gateway asks of NATS, each call under a deadline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from services.aggregator.service import ERROR_HEADER
+from services.ranktable.service import VERSION_HEADER
+from shared.jetstream import Layout
+from shared.subjects import token, untoken
+from shared.wire import QueryError, RankTableStream, decode, encode
+
+__all__ = ["Bus", "BusError"]
+
+
+class BusError(Exception):
+    """A request the services behind the gateway did not answer; `status` is HTTP's."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+class Bus:
+    """The gateway's NATS connection and the buckets and streams it reads and writes."""
+
+    def __init__(self, *, nc: Client, layout: Layout, timeout: float) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=timeout)
+        self.layout = layout
+        self.timeout = timeout
+        self._kv: dict[str, KeyValue] = {}
+
+    @property
+    def connected(self) -> bool:
+        """Whether the NATS connection is up."""
+        return bool(self.nc.is_connected)
+
+    async def query(self, view: str, body: Any = None) -> bytes:
+        """Ask the aggregator for a view; its JSON as bytes.
+
+        Raises:
+            BusError: 503 when nobody answers in time, else the aggregator's own status.
+        """
+        subject = self.layout.subjects.query(view)
+        try:
+            reply = await self.nc.request(subject, encode(body or {}), timeout=self.timeout)
+        except NoRespondersError:
+            raise BusError(503, "the aggregator is not running") from None
+        except (NatsError, TimeoutError):
+            raise BusError(503, f"the aggregator did not answer within {self.timeout:g}s") from None
+        if reply.headers and ERROR_HEADER in reply.headers:
+            error = decode(reply.data, QueryError)
+            raise BusError(error.status, error.error)
+        return bytes(reply.data)
+
+    async def kv(self, bucket: str) -> KeyValue:
+        """A KV bucket handle (cached)."""
+        if bucket not in self._kv:
+            try:
+                self._kv[bucket] = await self.js.key_value(bucket)
+            except (NatsError, TimeoutError) as exc:
+                raise BusError(503, f"NATS bucket {bucket} unavailable: {exc}") from None
+        return self._kv[bucket]
+
+    async def get(self, bucket: str, key: str) -> bytes | None:
+        """A value, or None when the key does not exist."""
+        store = await self.kv(bucket)
+        try:
+            entry = await store.get(token(key))
+        except KeyNotFoundError:
+            return None
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS read failed: {exc}") from None
+        return entry.value
+
+    async def values(self, bucket: str) -> dict[str, bytes]:
+        """Every value of a bucket by key."""
+        store = await self.kv(bucket)
+        found: dict[str, bytes] = {}
+        try:
+            watcher = await store.watchall()
+            async for entry in watcher:
+                if entry is None:
+                    break
+                if entry.operation is None and entry.value is not None:
+                    found[untoken(entry.key)] = entry.value
+            await watcher.stop()  # type: ignore[no-untyped-call]
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS read failed: {exc}") from None
+        return found
+
+    async def put(self, bucket: str, key: str, value: bytes) -> None:
+        """Write a value."""
+        try:
+            await (await self.kv(bucket)).put(token(key), value)
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS write failed: {exc}") from None
+
+    async def delete(self, bucket: str, key: str) -> None:
+        """Delete a value."""
+        try:
+            await (await self.kv(bucket)).delete(token(key))
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS write failed: {exc}") from None
+
+    async def publish(self, subject: str, payload: bytes, msg_id: str) -> None:
+        """Publish to JetStream and wait for the ack."""
+        try:
+            await self.js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id})
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS publish failed: {exc}") from None
+
+    async def ranktable(self, job_id: str) -> tuple[int, RankTableStream] | None:
+        """The latest rank table of a job and its version, or None."""
+        try:
+            raw = await self.js.get_last_msg(
+                self.layout.ranktable_stream.name, self.layout.subjects.ranktable(job_id)
+            )
+        except NotFoundError:
+            return None
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS read failed: {exc}") from None
+        version = int((raw.headers or {}).get(VERSION_HEADER, "0"))
+        return version, decode(raw.data or b"", RankTableStream)
+
+    async def jobs(self) -> list[str]:
+        """Every job that has a rank table."""
+        prefix = self.layout.subjects.ranktable("x")[:-1]
+        try:
+            info = await self.js.stream_info(
+                self.layout.ranktable_stream.name,
+                subjects_filter=self.layout.subjects.ranktable_all(),
+            )
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS read failed: {exc}") from None
+        return sorted(untoken(s[len(prefix) :]) for s in (info.state.subjects or {}))

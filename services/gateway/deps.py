@@ -1,0 +1,48 @@
+"""Request dependencies: the bus, and bearer-token checks."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from services.gateway.bus import Bus
+from services.gateway.responses import fail
+from shared.settings import Settings
+
+__all__ = ["bus", "reader", "settings", "writer"]
+
+
+def bus(request: Request) -> Bus:
+    """The app's NATS bus."""
+    found: Bus = request.app.state.bus
+    return found
+
+
+def settings(request: Request) -> Settings:
+    """The app's settings."""
+    found: Settings = request.app.state.settings
+    return found
+
+
+def _check(request: Request) -> None:
+    expected = settings(request).api_token
+    if expected is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise fail(401, "this endpoint needs 'Authorization: Bearer <token>'")
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise fail(403, "the bearer token is not valid")
+
+
+def writer(request: Request) -> None:
+    """Changes need the token when one is configured."""
+    _check(request)
+
+
+def reader(request: Request) -> None:
+    """Reads need the token only when configured to."""
+    if settings(request).api_token_reads:
+        _check(request)

@@ -1,0 +1,179 @@
+"""OpenAI-compatible chat completions, served by a ready instance of the requested model.
+
+The completion id is the task's `commandId`, so a completion can be found in the timeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from nats.aio.msg import Msg
+from starlette.responses import StreamingResponse
+
+from services.gateway.bodies import strict
+from services.gateway.bus import Bus
+from services.gateway.deps import bus, writer
+from services.gateway.responses import Json, fail, schema_ref
+from shared.timestamps import now
+from shared.wire import (
+    ChatMessage,
+    GenerationRequest,
+    InstanceState,
+    TaskCreated,
+    TaskKind,
+    TokenChunk,
+    decode,
+    encode,
+)
+from shared.wire.base import SnakeStruct
+
+__all__ = ["ChatRequest", "router"]
+
+router = APIRouter(tags=["chat"])
+Nats = Annotated[Bus, Depends(bus)]
+GENERATION_TIMEOUT_S = 300.0
+
+
+class Message(SnakeStruct, kw_only=True, frozen=True):
+    """A chat message."""
+
+    role: str
+    content: str
+
+
+class ChatRequest(SnakeStruct, kw_only=True, frozen=True):
+    """What OpenAI clients send; `model` is a Runner spec id or a model id."""
+
+    model: str
+    messages: list[Message]
+    stream: bool = False
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 0.0
+    user: str | None = None
+
+
+async def _body(request: Request) -> bytes:
+    return await request.body()
+
+
+async def _instance(nats: Bus, model: str) -> InstanceState:
+    states = decode(await nats.query("instances"), list[InstanceState])
+    serving = [s for s in states if model in (s.runnerSpecId, s.modelId)]
+    if not serving:
+        raise fail(404, f"no instance serves model {model!r}")
+    ready = [s for s in serving if s.ready]
+    if not ready:
+        raise fail(503, f"no ready instance of {model!r} yet ({len(serving)} starting)")
+    return ready[0]
+
+
+async def _chunks(nats: Bus, task: TaskCreated) -> AsyncIterator[TokenChunk]:
+    """Submit the task and yield its output chunks in order until the last."""
+    assert task.commandId is not None
+    arrived: asyncio.Queue[Msg] = asyncio.Queue()
+    subscription = await nats.nc.subscribe(
+        nats.layout.subjects.output(task.commandId), cb=arrived.put
+    )
+    try:
+        await nats.publish(nats.layout.subjects.tasks(task.instanceId), encode(task), task.taskId)
+        deadline = time.monotonic() + GENERATION_TIMEOUT_S
+        while True:
+            try:
+                msg = await asyncio.wait_for(arrived.get(), deadline - time.monotonic())
+            except TimeoutError:
+                raise fail(504, f"no output within {GENERATION_TIMEOUT_S:g}s") from None
+            chunk = decode(msg.data, TokenChunk)
+            yield chunk
+            if chunk.finishReason is not None:
+                return
+    finally:
+        await subscription.unsubscribe()
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_class=Json,
+    dependencies=[Depends(writer)],
+    openapi_extra={"requestBody": schema_ref(ChatRequest)},
+)
+async def chat_completions(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> object:
+    """Generate a reply; with `stream: true`, as server-sent chunks ending in `[DONE]`."""
+    request = strict(body, ChatRequest)
+    if not request.messages:
+        raise fail(422, "invalid body: `$.messages` is empty")
+    instance = await _instance(nats, request.model)
+    completion = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    limit = request.max_completion_tokens or request.max_tokens or 128
+    task = TaskCreated(
+        at=now(),
+        taskId=f"task-{uuid.uuid4().hex[:16]}",
+        instanceId=instance.instanceId,
+        taskKind=TaskKind.TEXT_GENERATION,
+        commandId=completion,
+        modelId=instance.modelId,
+        request=GenerationRequest(
+            messages=[ChatMessage(role=m.role, content=m.content) for m in request.messages],
+            maxTokens=max(limit, 1),
+            temperature=request.temperature,
+        ),
+    )
+    created = int(time.time())
+    if request.stream:
+        return StreamingResponse(
+            _stream(nats, task, request.model, created), media_type="text/event-stream"
+        )
+    text, last = "", None
+    async for chunk in _chunks(nats, task):
+        text, last = text + chunk.text, chunk
+    assert last is not None
+    prompt, produced = last.promptTokens or 0, last.completionTokens or 0
+    return Json(
+        {
+            "id": completion,
+            "object": "chat.completion",
+            "created": created,
+            "model": request.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": last.finishReason,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": produced,
+                "total_tokens": prompt + produced,
+            },
+        }
+    )
+
+
+async def _stream(nats: Bus, task: TaskCreated, model: str, created: int) -> AsyncIterator[bytes]:
+    base = {
+        "id": task.commandId,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+    }
+    first = {
+        **base,
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        ],
+    }
+    yield b"data: " + encode(first) + b"\n\n"
+    async for chunk in _chunks(nats, task):
+        delta = {"content": chunk.text} if chunk.text else {}
+        piece = {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": chunk.finishReason}],
+        }
+        yield b"data: " + encode(piece) + b"\n\n"
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,95 @@
+"""Cross-rank views: timeline (JSON and trace), diagnosis, placement."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+
+from services.gateway.bus import Bus
+from services.gateway.deps import bus, reader
+from services.gateway.responses import Json, fail, schema_ref
+from services.gateway.trace import to_trace
+from shared.timestamps import parse_ts
+from shared.wire import ClusterTimeline, Diagnosis, PlacementRunnerDiagnostics, decode
+
+__all__ = ["router"]
+
+router = APIRouter(dependencies=[Depends(reader)], tags=["cluster"])
+
+
+def _moment(value: str | None, name: str) -> str | None:
+    if value is None:
+        return None
+    try:
+        parse_ts(value)
+    except ValueError:
+        raise fail(
+            422, f"query parameter {name!r} is not an RFC 3339 timestamp: {value!r}"
+        ) from None
+    return value
+
+
+def _filters(
+    instanceId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
+    nodeId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
+    modelId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
+    since: Annotated[str | None, Query(description="RFC 3339")] = None,
+    until: Annotated[str | None, Query(description="RFC 3339")] = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+) -> dict[str, object]:
+    return {
+        "instanceId": instanceId,
+        "nodeId": nodeId,
+        "modelId": modelId,
+        "since": _moment(since, "since"),
+        "until": _moment(until, "until"),
+        "limit": limit,
+    }
+
+
+Filters = Annotated[dict[str, object], Depends(_filters)]
+Nats = Annotated[Bus, Depends(bus)]
+
+
+@router.get(
+    "/v1/cluster/timeline", response_class=Json, responses={200: schema_ref(ClusterTimeline)}
+)
+async def timeline(filters: Filters, nats: Nats) -> Json:
+    """Every rank's synopsis and flight-recorder entries, merged and sorted by `at`."""
+    return Json(await nats.query("timeline", filters))
+
+
+@router.get("/v1/cluster/timeline/trace", response_class=Json)
+async def timeline_trace(filters: Filters, nats: Nats) -> Json:
+    """The timeline as Chrome trace-event JSON (open it in Perfetto)."""
+    found = decode(await nats.query("timeline", filters), ClusterTimeline)
+    return Json(
+        to_trace(found), headers={"Content-Disposition": 'inline; filename="rankscope.trace.json"'}
+    )
+
+
+@router.get("/v1/cluster/diagnosis", response_class=Json, responses={200: schema_ref(Diagnosis)})
+async def diagnosis(nats: Nats) -> Json:
+    """Open findings, each naming the rank at fault and the ranks waiting on it."""
+    return Json(await nats.query("diagnosis"))
+
+
+@router.get(
+    "/v1/placement/runners",
+    response_class=Json,
+    responses={200: schema_ref(list[PlacementRunnerDiagnostics])},
+)
+async def placement(nats: Nats) -> Json:
+    """Where every rank of every live instance runs and which layers it holds."""
+    return Json(await nats.query("placement"))
+
+
+@router.get(
+    "/v1/placement/runners/{runnerId}",
+    response_class=Json,
+    responses={200: schema_ref(PlacementRunnerDiagnostics)},
+)
+async def placement_of(runnerId: str, nats: Nats) -> Json:  # noqa: N803
+    """One rank's placement."""
+    return Json(await nats.query("placement", {"runnerId": runnerId}))

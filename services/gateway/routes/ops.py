@@ -1,0 +1,65 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import PlainTextResponse
+
+from services.gateway.bus import Bus, BusError
+from services.gateway.deps import bus
+from services.gateway.metrics import cluster_lines
+from services.gateway.responses import Json
+from shared.wire import ClusterTimeline, Diagnosis, decode
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["operations"])
+Nats = Annotated[Bus, Depends(bus)]
+
+
+@router.get("/healthz", response_class=Json)
+async def healthz() -> Json:
+    """The gateway process is up."""
+    return Json({"status": "ok"})
+
+
+@router.get("/readyz", response_class=Json)
+async def readyz(nats: Nats) -> Json:
+    """NATS connected and the aggregator answering with its views built; 503 says which not."""
+    if not nats.connected:
+        return Json({"status": "unavailable", "reason": "NATS is not connected"}, status_code=503)
+    try:
+        health = json.loads(await nats.query("health"))
+    except BusError as exc:
+        return Json({"status": "unavailable", "reason": exc.detail}, status_code=503)
+    if not health.get("ready"):
+        return Json(
+            {"status": "unavailable", "reason": "the aggregator is rebuilding its views"},
+            status_code=503,
+        )
+    return Json({"status": "ready"})
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request, nats: Nats) -> PlainTextResponse:
+    """Prometheus text: requests and latencies, NATS state, and cluster gauges."""
+    lines = request.app.state.metrics.lines()
+    lines += [
+        "# TYPE rankscope_nats_connected gauge",
+        f"rankscope_nats_connected {int(nats.connected)}",
+    ]
+    try:
+        health = json.loads(await nats.query("health"))
+        timeline = decode(await nats.query("timeline", {"limit": 1}), ClusterTimeline)
+        diagnosis = decode(await nats.query("diagnosis"), Diagnosis)
+    except BusError:
+        lines += ["# TYPE rankscope_aggregator_up gauge", "rankscope_aggregator_up 0"]
+    else:
+        lines += ["# TYPE rankscope_aggregator_up gauge", "rankscope_aggregator_up 1"]
+        lines += cluster_lines(health, timeline, diagnosis)
+    return PlainTextResponse(
+        "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"
+    )

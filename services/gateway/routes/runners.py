@@ -1,0 +1,192 @@
+"""Runner specs in the Clarifai shape: list with paging, create, get, patch, delete."""
+
+from __future__ import annotations
+
+import uuid
+from enum import StrEnum
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import APIRouter, Depends, Query, Request
+
+from services.gateway.bodies import strict
+from services.gateway.bus import Bus
+from services.gateway.deps import bus, reader, writer
+from services.gateway.responses import Json, fail, schema_ref
+from services.ranktable.specs import SpecError, validate
+from shared.timestamps import now
+from shared.wire import Runner, RunnerSpecStatus, decode, encode
+from shared.wire.base import SnakeStruct
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["runners"])
+Nats = Annotated[Bus, Depends(bus)]
+OK = {"code": 10000, "description": "Ok"}
+
+
+class PostRunnersRequest(SnakeStruct, kw_only=True, frozen=True):
+    """Create runners (Clarifai `PostRunnersRequest`)."""
+
+    runners: list[Runner]
+
+
+class PatchAction(StrEnum):
+    """How a patch applies: merge into, overwrite, or remove from the spec."""
+
+    MERGE = "merge"
+    OVERWRITE = "overwrite"
+    REMOVE = "remove"
+
+
+class PatchRunnerRequest(SnakeStruct, kw_only=True, frozen=True):
+    """Change one runner: `runner` holds the fields to apply as `action` says."""
+
+    runner: dict[str, Any]
+    action: PatchAction = PatchAction.MERGE
+
+
+async def _body(request: Request) -> bytes:
+    return await request.body()
+
+
+def _check(runner: Runner) -> None:
+    try:
+        validate(runner)
+    except SpecError as exc:
+        raise fail(422, f"runner {runner.id!r}: {exc}") from None
+
+
+def _with_status(runner: Runner, status: RunnerSpecStatus | None) -> Runner:
+    if status is None:
+        return runner
+    return msgspec.structs.replace(runner, runner_metrics=status.runner_metrics)
+
+
+async def _load(nats: Bus, runner_id: str) -> Runner:
+    raw = await nats.get(nats.layout.runners_bucket.bucket, runner_id)
+    if raw is None:
+        raise fail(404, f"runner {runner_id!r} not found")
+    return decode(raw, Runner)
+
+
+async def _status(nats: Bus, runner_id: str) -> RunnerSpecStatus | None:
+    raw = await nats.get(nats.layout.runner_status_bucket.bucket, runner_id)
+    return decode(raw, RunnerSpecStatus) if raw else None
+
+
+@router.get("/v1/runners", response_class=Json, dependencies=[Depends(reader)])
+async def list_runners(
+    nats: Nats,
+    page: Annotated[int, Query(ge=1)] = 1,
+    per_page: Annotated[int, Query(ge=1, le=1000)] = 128,
+) -> Json:
+    """Runner specs, sorted by id, `per_page` at a time from `page` 1; `runners` is always
+    present, empty or not."""
+    specs = await nats.values(nats.layout.runners_bucket.bucket)
+    statuses = await nats.values(nats.layout.runner_status_bucket.bucket)
+    ids = sorted(specs)[(page - 1) * per_page : page * per_page]
+    runners = [
+        _with_status(
+            decode(specs[i], Runner),
+            decode(statuses[i], RunnerSpecStatus) if i in statuses else None,
+        )
+        for i in ids
+    ]
+    return Json({"status": OK, "runners": runners})
+
+
+@router.post(
+    "/v1/runners",
+    response_class=Json,
+    dependencies=[Depends(writer)],
+    openapi_extra={"requestBody": schema_ref(PostRunnersRequest)},
+)
+async def create_runners(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> Json:
+    """Create Runner specs; each is checked before any is written."""
+    request = strict(body, PostRunnersRequest)
+    if not request.runners:
+        raise fail(422, "invalid body: `$.runners` is empty")
+    stamp = now()
+    created = [
+        msgspec.structs.replace(
+            r, id=r.id or f"runner-{uuid.uuid4().hex[:12]}", created_at=stamp, modified_at=stamp
+        )
+        for r in request.runners
+    ]
+    for runner in created:
+        _check(runner)
+        if await nats.get(nats.layout.runners_bucket.bucket, runner.id) is not None:
+            raise fail(409, f"runner {runner.id!r} already exists")
+    for runner in created:
+        await nats.put(nats.layout.runners_bucket.bucket, runner.id, encode(runner))
+    return Json({"status": OK, "runners": created})
+
+
+@router.get(
+    "/v1/runners/{runner_id}",
+    response_class=Json,
+    dependencies=[Depends(reader)],
+    responses={200: schema_ref(Runner)},
+)
+async def get_runner(runner_id: str, nats: Nats) -> Json:
+    """One Runner spec with its observed metrics, and what placement made of it."""
+    status = await _status(nats, runner_id)
+    runner = _with_status(await _load(nats, runner_id), status)
+    return Json({"status": OK, "runner": runner, "placement": status})
+
+
+def _merge(base: Any, change: Any) -> Any:
+    if isinstance(base, dict) and isinstance(change, dict):
+        return {**base, **{k: _merge(base.get(k), v) for k, v in change.items()}}
+    if isinstance(base, list) and isinstance(change, list):
+        return base + [item for item in change if item not in base]
+    return change
+
+
+def _remove(base: Any, change: Any) -> Any:
+    if isinstance(base, dict) and isinstance(change, dict):
+        kept = dict(base)
+        for key, value in change.items():
+            if key in kept and isinstance(value, dict | list) and value:
+                kept[key] = _remove(kept[key], value)
+            else:
+                kept.pop(key, None)
+        return kept
+    if isinstance(base, list) and isinstance(change, list):
+        return [item for item in base if item not in change]
+    return base
+
+
+@router.patch(
+    "/v1/runners/{runner_id}",
+    response_class=Json,
+    dependencies=[Depends(writer)],
+    openapi_extra={"requestBody": schema_ref(PatchRunnerRequest)},
+)
+async def patch_runner(runner_id: str, nats: Nats, body: Annotated[bytes, Depends(_body)]) -> Json:
+    """Change a Runner spec: `merge` (dicts merged, lists extended), `overwrite` (given
+    fields replaced), or `remove` (given keys and list items taken out)."""
+    request = strict(body, PatchRunnerRequest)
+    if "id" in request.runner and request.runner["id"] != runner_id:
+        raise fail(422, "invalid body: `$.runner.id` cannot change")
+    current = msgspec.to_builtins(await _load(nats, runner_id))
+    if request.action is PatchAction.MERGE:
+        changed = _merge(current, request.runner)
+    elif request.action is PatchAction.OVERWRITE:
+        changed = {**current, **request.runner}
+    else:
+        changed = _remove(current, request.runner)
+    changed.update(id=runner_id, created_at=current.get("created_at"), modified_at=now())
+    runner = strict(msgspec.json.encode(changed), Runner)
+    _check(runner)
+    await nats.put(nats.layout.runners_bucket.bucket, runner_id, encode(runner))
+    return Json({"status": OK, "runner": runner})
+
+
+@router.delete("/v1/runners/{runner_id}", response_class=Json, dependencies=[Depends(writer)])
+async def delete_runner(runner_id: str, nats: Nats) -> Json:
+    """Delete a Runner spec; its instances are released."""
+    await _load(nats, runner_id)
+    await nats.delete(nats.layout.runners_bucket.bucket, runner_id)
+    return Json({"status": OK})

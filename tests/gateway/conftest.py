@@ -1,0 +1,96 @@
+"""A real stack for gateway tests: nats-server, aggregator, rank-table service and the
+gateway on uvicorn, all in this process's loop, talking over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from nats.aio.client import Client
+
+from services.aggregator.main import serve_until as aggregator
+from services.gateway.app import create_app
+from services.ranktable.main import serve_until as ranktable
+from shared.jetstream import Layout, ensure
+from shared.settings import Settings
+from shared.subjects import token
+from shared.wire import encode
+from tests.ranktable.builders import node_info
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    layout: Layout
+    nc: Client
+    http: httpx.AsyncClient
+    aggregator_stop: asyncio.Event
+    aggregator_task: asyncio.Task[None]
+
+    async def stop_aggregator(self) -> None:
+        self.aggregator_stop.set()
+        await self.aggregator_task
+
+
+async def _ready(http: httpx.AsyncClient) -> None:
+    """Wait for uvicorn to listen and the stack behind it to be ready (10 s at most)."""
+    for _ in range(200):
+        with contextlib.suppress(httpx.TransportError):
+            if (await http.get("/readyz")).status_code == 200:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the gateway never became ready")
+
+
+@pytest.fixture
+async def stack_for(nc: Client, settings: Settings, layout: Layout) -> AsyncIterator[object]:
+    """A factory: `await stack_for(api_token=...)` starts the stack with those settings."""
+    started: list[tuple[asyncio.Event, list[asyncio.Task[None]], uvicorn.Server, Stack]] = []
+
+    async def start(**changes: Any) -> Stack:
+        configured = replace(
+            settings, grpc_port=0, gateway_port=free_port(), request_timeout=2.0, **changes
+        )
+        await ensure(nc.jetstream(), layout)
+        kv = await nc.jetstream().key_value(layout.nodes_bucket.bucket)
+        for info in (node_info("node-a", 24), node_info("node-b", 8)):
+            await kv.put(token(info.nodeId), encode(info))
+        stop, agg_stop = asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.create_task(ranktable(configured, stop))]
+        agg_task = asyncio.create_task(aggregator(configured, agg_stop))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(configured),
+                host="127.0.0.1",
+                port=configured.gateway_port,
+                log_config=None,
+            )
+        )
+        tasks.append(asyncio.create_task(server.serve()))
+        http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{configured.gateway_port}", timeout=10)
+        built = Stack(configured, layout, nc, http, agg_stop, agg_task)
+        await _ready(http)
+        started.append((stop, tasks, server, built))
+        return built
+
+    yield start
+    for stop, tasks, server, built in started:
+        await built.http.aclose()
+        server.should_exit = True
+        stop.set()
+        if not built.aggregator_task.done():
+            await built.stop_aggregator()
+        await asyncio.gather(*tasks)

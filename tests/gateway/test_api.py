@@ -1,0 +1,278 @@
+"""Every endpoint of the gateway against a real stack: shapes, status codes, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from shared.wire import (
+    InstanceCreated,
+    RankTableStatus,
+    RunnerRef,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+    decode,
+    encode,
+)
+from tests.conftest import FIXTURES
+from tests.gateway.conftest import Stack
+
+pytestmark = pytest.mark.nats
+
+SPEC: dict[str, Any] = {
+    "id": "llm",
+    "worker": {"model": {"id": "tiny"}},
+    "nodepool": {"id": "default"},
+    "compute_info": {"num_accelerators": 2},
+    "num_replicas": 1,
+    "metadata": {"nLayers": 8, "modelBytes": "4Gi"},
+}
+
+
+async def _until(check: Any) -> Any:
+    for _ in range(200):  # 10 s
+        found = await check()
+        if found:
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+async def test_health_readiness_docs_and_metrics(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    assert (await stack.http.get("/healthz")).json() == {"status": "ok"}
+    assert (await stack.http.get("/readyz")).json() == {"status": "ready"}
+    assert (await stack.http.get("/docs")).status_code == 200
+    schemas = (await stack.http.get("/openapi.json")).json()["components"]["schemas"]
+    assert {"secondsInPhase", "lastMlxMemory"} <= set(schemas["RunnerSynopsis"]["properties"])
+    assert "startLayer" in schemas["PlacementRunnerDiagnostics"]["properties"]
+    metrics = (await stack.http.get("/metrics")).text
+    assert "rankscope_nats_connected 1" in metrics
+    assert 'rankscope_http_requests_total{route="/healthz",method="GET",status="200"} 1' in metrics
+    assert "rankscope_aggregator_up 1" in metrics
+
+
+async def test_runner_specs_crud_in_the_clarifai_shape(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    http = stack.http
+    created = await http.post("/v1/runners", json={"runners": [SPEC]})
+    assert created.status_code == 200, created.text
+    runner = created.json()["runners"][0]
+    assert runner["id"] == "llm"
+    assert runner["created_at"].endswith("Z")
+    assert (await http.post("/v1/runners", json={"runners": [SPEC]})).status_code == 409
+    for index in range(3):
+        await http.post("/v1/runners", json={"runners": [{**SPEC, "id": f"extra-{index}"}]})
+    listed = (await http.get("/v1/runners", params={"page": 2, "per_page": 3})).json()
+    assert [r["id"] for r in listed["runners"]] == ["llm"]
+    assert (await http.get("/v1/runners", params={"page": 9})).json()["runners"] == []
+
+    async def placed() -> Any:
+        body = (await http.get("/v1/runners/llm")).json()
+        return body if body["placement"] and body["placement"]["instances"] else None
+
+    one = await _until(placed)
+    assert one["runner"]["runner_metrics"]["pods_total"] == 2
+    merged = await http.patch(
+        "/v1/runners/llm",
+        json={"runner": {"labels": ["m2"], "metadata": {"owner": "ops"}}, "action": "merge"},
+    )
+    assert merged.json()["runner"]["labels"] == ["m2"]
+    assert merged.json()["runner"]["metadata"] == {**SPEC["metadata"], "owner": "ops"}
+    removed = await http.patch(
+        "/v1/runners/llm",
+        json={"runner": {"labels": ["m2"], "metadata": {"owner": None}}, "action": "remove"},
+    )
+    assert removed.json()["runner"]["labels"] == []
+    assert "owner" not in removed.json()["runner"]["metadata"]
+    overwritten = await http.patch(
+        "/v1/runners/llm", json={"runner": {"num_replicas": 2}, "action": "overwrite"}
+    )
+    assert overwritten.json()["runner"]["num_replicas"] == 2
+    assert (await http.delete("/v1/runners/llm")).status_code == 200
+    missing = await http.get("/v1/runners/llm")
+    assert missing.status_code == 404
+    assert missing.json() == {"detail": "runner 'llm' not found"}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        ({"runners": [{**SPEC, "priority": 12}]}, 422, "`$.runners[0].priority`"),
+        (
+            {"runners": [{**SPEC, "nodpool": {"id": "x"}}]},
+            422,
+            "unknown field `$.runners[0].nodpool`",
+        ),
+        ({"runners": [{**SPEC, "min_replicas": 3}]}, 422, "min_replicas (3) exceeds num_replicas"),
+        ({"runners": [{**SPEC, "metadata": {}}]}, 422, "the model's size is unknown"),
+        ({"runners": []}, 422, "`$.runners` is empty"),
+        ({"runner": SPEC}, 422, "missing required field `runners`"),
+    ],
+)
+async def test_bad_runner_bodies_name_the_problem(
+    stack_for: Any, body: dict[str, Any], status: int, detail: str
+) -> None:
+    stack: Stack = await stack_for()
+    reply = await stack.http.post("/v1/runners", json=body)
+    assert reply.status_code == status
+    assert detail in reply.json()["detail"]
+    assert (await stack.http.get("/v1/runners")).json()["runners"] == []  # nothing half-applied
+
+
+async def test_malformed_json_and_oversize_bodies(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    broken = await stack.http.post(
+        "/v1/runners", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert broken.status_code == 422
+    huge = await stack.http.post("/v1/runners", content=b" " * (2 << 20))
+    assert huge.status_code == 413
+
+
+async def test_timeline_trace_and_their_query_errors(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    seed = json.loads((FIXTURES / "seeds" / "001_cluster_timeline.json").read_text())
+    timeline = await stack.http.get("/v1/cluster/timeline", params={"limit": 10})
+    assert timeline.status_code == 200
+    assert set(timeline.json()) == set(seed)
+    bad = await stack.http.get("/v1/cluster/timeline", params={"limit": 0})
+    assert bad.status_code == 422
+    assert "limit" in bad.json()["detail"]
+    since = await stack.http.get("/v1/cluster/timeline", params={"since": "yesterday"})
+    assert since.status_code == 422
+    assert "'since'" in since.json()["detail"]
+    trace = await stack.http.get("/v1/cluster/timeline/trace")
+    assert trace.json()["traceEvents"] == []
+    assert (await stack.http.get("/v1/cluster/diagnosis")).json()["findings"] == []
+
+
+async def test_placement_jobs_rank_tables_and_404s(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    http = stack.http
+    await http.post("/v1/runners", json={"runners": [SPEC]})
+
+    async def placed() -> Any:
+        found = (await http.get("/v1/placement/runners")).json()
+        return found if len(found) == 2 else None
+
+    ranks = await _until(placed)
+    seed = json.loads((FIXTURES / "seeds" / "000_placement_runner_diagnostics.json").read_text())
+    assert set(ranks[0]) == set(seed)
+    assert [(r["startLayer"], r["endLayer"]) for r in ranks] == [(0, 6), (6, 8)]
+    one = await http.get(f"/v1/placement/runners/{ranks[1]['runnerId']}")
+    assert one.json()["deviceRank"] == 1
+    assert (await http.get("/v1/placement/runners/nope")).status_code == 404
+    jobs = (await http.get("/v1/jobs")).json()["jobs"]
+    assert [(j["jobId"], j["status"]) for j in jobs] == [("llm-0", "initializing")]
+    table = await http.get("/v1/jobs/llm-0/ranktable")
+    assert set(table.json()) == {"jobId", "rankTable"}
+    assert table.headers["etag"] == '"1"'
+    assert json.loads(table.json()["rankTable"])["server_group_list"][0]["server_count"] == "2"
+    assert (await http.get("/v1/jobs/nope/ranktable")).status_code == 404
+
+
+async def test_rank_table_stream_sends_current_then_changes(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    await stack.http.post("/v1/runners", json={"runners": [SPEC]})
+    await _until(lambda: _has_table(stack))
+    async with stack.http.stream("GET", "/v1/jobs/llm-0/ranktable/stream") as events:
+        lines = events.aiter_lines()
+        first = await asyncio.wait_for(_next_event(lines), 1.0)
+        assert json.loads(json.loads(first)["rankTable"])["status"] == "initializing"
+        await _report_ready(stack)
+        second = await asyncio.wait_for(_next_event(lines), 1.0 + 1.0)
+        assert json.loads(json.loads(second)["rankTable"])["status"] == RankTableStatus.COMPLETED
+
+
+async def _has_table(stack: Stack) -> bool:
+    return (await stack.http.get("/v1/jobs/llm-0/ranktable")).status_code == 200
+
+
+async def _next_event(lines: Any) -> str:
+    async for line in lines:
+        if line.startswith("data: "):
+            return str(line[len("data: ") :])
+    raise AssertionError("stream ended")
+
+
+async def _report_ready(stack: Stack) -> None:
+    js = stack.nc.jetstream()
+    raw = await js.get_last_msg(
+        stack.layout.placement_stream.name, stack.layout.subjects.placement("llm-0")
+    )
+    instance = decode(raw.data or b"", InstanceCreated)
+    for a in instance.assignments:
+        ref = RunnerRef(
+            runnerId=a.runnerId,
+            nodeId=a.nodeId,
+            instanceId="llm-0",
+            modelId="tiny",
+            deviceRank=a.deviceRank,
+            worldSize=a.worldSize,
+        )
+        event = RunnerStatusChanged(
+            runner=ref, seq=0, at=instance.at, statusKind=RunnerStatusKind.READY, processAlive=True
+        )
+        subject = stack.layout.subjects.runner(a.nodeId, "llm-0", a.deviceRank, "status")
+        await js.publish(subject, encode(event))
+
+
+async def test_chat_completion_without_a_serving_instance(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    none = await stack.http.post("/v1/chat/completions", json=body)
+    assert none.status_code == 404
+    assert none.json()["detail"] == "no instance serves model 'tiny'"
+    await stack.http.post("/v1/runners", json={"runners": [SPEC]})
+    await _until(lambda: _has_table(stack))
+    starting = await stack.http.post("/v1/chat/completions", json=body)
+    assert starting.status_code == 503
+    assert "no ready instance" in starting.json()["detail"]
+    bad = await stack.http.post("/v1/chat/completions", json={"model": "tiny"})
+    assert bad.status_code == 422
+
+
+async def test_aggregator_down_means_503_with_a_reason_not_a_hang(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    await stack.stop_aggregator()
+    reply = await stack.http.get("/v1/cluster/timeline")
+    assert reply.status_code == 503
+    assert reply.json()["detail"] == "the aggregator is not running"
+    ready = await stack.http.get("/readyz")
+    assert ready.status_code == 503
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/runners", {"runners": [SPEC]}),
+        ("PATCH", "/v1/runners/llm", {"runner": {}, "action": "merge"}),
+        ("DELETE", "/v1/runners/llm", None),
+        ("POST", "/v1/chat/completions", {"model": "tiny", "messages": []}),
+    ],
+)
+async def test_every_mutating_route_needs_the_token(
+    stack_for: Any, method: str, path: str, body: Any
+) -> None:
+    stack: Stack = await stack_for(api_token="s3cret")
+    http = stack.http
+    missing = await http.request(method, path, json=body)
+    assert missing.status_code == 401
+    wrong = await http.request(method, path, json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403
+    right = await http.request(method, path, json=body, headers={"Authorization": "Bearer s3cret"})
+    assert right.status_code not in (401, 403)
+    assert (await http.get("/v1/runners")).status_code == 200  # reads stay open
+    assert "s3cret" not in (await http.get("/metrics")).text
+
+
+async def test_reads_can_be_closed_too(stack_for: Any) -> None:
+    stack: Stack = await stack_for(api_token="s3cret", api_token_reads=True)
+    assert (await stack.http.get("/v1/runners")).status_code == 401
+    allowed = await stack.http.get("/v1/runners", headers={"Authorization": "Bearer s3cret"})
+    assert allowed.status_code == 200
+    assert (await stack.http.get("/healthz")).status_code == 200
