@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from services.client.commands import add_client_commands
 from shared import logs
 from shared.settings import Settings, SettingsError, add_arguments, load
 
@@ -87,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     ranktable.set_defaults(handler=_ranktable)
     add_arguments(ranktable)
+
+    add_client_commands(commands)
 
     tiny = commands.add_parser("tiny-model", help="write a tiny mlx-lm model directory")
     tiny.add_argument("directory", help="where to write the model")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from typing import Any
@@ -11,7 +12,7 @@ from nats.aio.client import Client
 
 from shared.settings import Settings
 
-__all__ = ["connect"]
+__all__ = ["close", "connect"]
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +67,16 @@ async def connect(settings: Settings, name: str, **options: Any) -> Client:
         allow_reconnect=True,
         **options,
     )
+
+
+async def close(nc: Client) -> None:
+    """Drain the connection (flush what is pending) when the server is there, else just
+    close it: shutting down must not fail because NATS went first."""
+    if nc.is_connected:
+        try:
+            await asyncio.wait_for(nc.drain(), 5)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("NATS drain incomplete: %s", exc)
+        else:
+            return
+    await nc.close()

@@ -13,7 +13,10 @@ from shared.timestamps import format_ts
 
 __all__ = ["configure"]
 
-_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message"}
+_RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "color_message",  # uvicorn repeats its message with terminal colors
+}
 _json = msgspec.json.Encoder(enc_hook=repr)
 
 

@@ -126,6 +126,7 @@ class EmbeddedNats:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=die_with_parent(),
+            start_new_session=True,  # stopped by its owner, after the clients, not by Ctrl-C
         )
         try:
             self._await_ready()

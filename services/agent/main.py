@@ -12,7 +12,7 @@ from pathlib import Path
 from services.agent.agent import Agent
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import Timeouts
-from shared.connection import connect
+from shared.connection import close, connect
 from shared.heartbeat import Heartbeat
 from shared.host import hostname, memory_bytes
 from shared.jetstream import Layout, ensure
@@ -61,7 +61,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
 
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings, f"rankscope-agent-{identity}")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close, nc)
         js = nc.jetstream()
         layout = Layout.from_settings(settings)
         await ensure(js, layout)

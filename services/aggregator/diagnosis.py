@@ -156,15 +156,27 @@ def _diagnose_instance(
     working = [v for v in views if v.phase not in _RESTING]
     if not working or not all(stale(v) for v in working):
         return []
-    steps = {v.step for v in working if v.step is not None}
-    phases = {v.phase for v in working}
+    frozen = [v for v in views if v.heard is not None and now - v.heard > thresholds.silent]
+    if frozen and len(frozen) < len(views):
+        # A live runner samples its memory every second: silence means a frozen process
+        # (stopped, swapping, wedged in the kernel), and its peers are waiting on it.
+        waiting = [v for v in views if v not in frozen]
+        summary = (
+            f"{_ranks(frozen)} went silent in {_where(frozen[0])}; "
+            f"{_ranks(waiting)} waiting in "
+            f"{', '.join(sorted({_where(v) for v in waiting}))}"
+        )
+        return [make(FindingKind.STALLED_RANK, frozen, waiting, summary)]
+    # Ranks move in lockstep: one at rest while a peer waits in a collective is behind too.
+    steps = {v.step for v in views if v.step is not None}
+    phases = {v.phase for v in views if v.phase is not None}
     if len(steps) > 1 or len(phases) > 1:
         if len(steps) > 1:
             low = min(steps)
-            behind = [v for v in working if v.step == low]
+            behind = [v for v in views if v.step == low]
         else:
-            first = min(PHASE_ORDER[p] for p in phases if p is not None)
-            behind = [v for v in working if v.phase is not None and PHASE_ORDER[v.phase] == first]
+            first = min(PHASE_ORDER[p] for p in phases)
+            behind = [v for v in views if v.phase is not None and PHASE_ORDER[v.phase] == first]
         waiting = [v for v in views if v not in behind]
         summary = (
             f"{_ranks(behind)} held in {_where(behind[0])}; "
@@ -175,18 +187,6 @@ def _diagnose_instance(
     stuck = [v for v in working if v.task_id is not None]
     if not stuck:
         return []
-    frozen = [v for v in stuck if v.heard is not None and now - v.heard > thresholds.silent]
-    if frozen and len(frozen) < len(stuck):
-        waiting = [v for v in views if v not in frozen]
-        return [
-            make(
-                FindingKind.STALLED_RANK,
-                frozen,
-                waiting,
-                f"{_ranks(frozen)} went silent in {_where(frozen[0])} with task "
-                f"{frozen[0].task_id} active; {_ranks(waiting)} waiting",
-            )
-        ]
     return [
         make(
             FindingKind.STALLED_RANK,

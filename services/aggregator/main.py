@@ -10,7 +10,7 @@ from services.aggregator.diagnosis import Thresholds
 from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
-from shared.connection import connect
+from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
 
@@ -21,7 +21,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
     """Run the aggregator until `stop` is set."""
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings, "rankscope-aggregator")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close, nc)
         js = nc.jetstream()
         layout = Layout.from_settings(settings)
         await ensure(js, layout)

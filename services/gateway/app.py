@@ -19,7 +19,7 @@ from services.gateway.bus import Bus, BusError
 from services.gateway.metrics import RequestMetrics
 from services.gateway.responses import Json, openapi_components
 from services.gateway.routes import chat, cluster, jobs, ops, runners
-from shared.connection import connect
+from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
 
@@ -39,7 +39,7 @@ def create_app(settings: Settings) -> FastAPI:
         await ensure(nc.jetstream(), layout)
         app.state.bus = Bus(nc=nc, layout=layout, timeout=settings.request_timeout)
         yield
-        await nc.drain()
+        await close(nc)
 
     app = FastAPI(
         title="rankscope",

@@ -10,7 +10,7 @@ import signal
 from services.ranktable.grpc_server import serve
 from services.ranktable.hub import TableHub
 from services.ranktable.service import RankTableService
-from shared.connection import connect
+from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
 
@@ -23,7 +23,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
     """Run the service and its gRPC server until `stop` is set."""
     async with contextlib.AsyncExitStack() as stack:
         nc = await connect(settings, "rankscope-ranktable")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close, nc)
         js = nc.jetstream()
         layout = Layout.from_settings(settings)
         await ensure(js, layout)

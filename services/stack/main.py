@@ -11,8 +11,9 @@ import signal
 from dataclasses import replace
 from pathlib import Path
 
+from services.stack.demo import drive
 from services.stack.supervisor import ChildSpec, Supervisor
-from shared.connection import connect
+from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, to_environ
@@ -22,8 +23,28 @@ __all__ = ["demo_model", "run"]
 
 log = logging.getLogger("rankscope.up")
 
-SERVICES = (ChildSpec("aggregator", ["aggregator"]), ChildSpec("ranktable", ["ranktable"]))
-"""The services this build runs; each is a `rankscope` subcommand."""
+SERVICES = (
+    ChildSpec("aggregator", ["aggregator"]),
+    ChildSpec("ranktable", ["ranktable"]),
+    ChildSpec("gateway", ["gateway"]),
+)
+"""The services `up` runs; each is a `rankscope` subcommand."""
+
+
+def demo_agents(settings: Settings) -> tuple[ChildSpec, ...]:
+    """The demo's two node agents on loopback, each with a data dir of its own."""
+    return tuple(
+        ChildSpec(
+            f"agent {node}",
+            ["agent"],
+            {
+                "RANKSCOPE_NODE_ID": node,
+                "RANKSCOPE_FRIENDLY_NAME": node,
+                "RANKSCOPE_DATA_DIR": str(settings.data_dir / node),
+            },
+        )
+        for node in ("node-a", "node-b")
+    )
 
 
 def demo_model(settings: Settings) -> Path:
@@ -50,19 +71,28 @@ async def _serve(settings: Settings, *, demo: bool) -> None:
             servers = [server.url]
             settings = replace(settings, nats_url=server.url)
         nc = await connect(settings, "rankscope-up")
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(close, nc)
         await ensure(nc.jetstream(), Layout.from_settings(settings))
         print(f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready)")
-        if demo:
-            print(f"demo model  {demo_model(settings)}")
-        supervisor = Supervisor(SERVICES, env=to_environ(settings))
+        model = demo_model(settings) if demo else None
+        if model is not None:
+            print(f"demo model  {model}")
+        children = SERVICES + (demo_agents(settings) if demo else ())
+        supervisor = Supervisor(children, env=to_environ(settings))
         await supervisor.start()
         supervising = asyncio.create_task(supervisor.run(stop))
+        web = f"http://{settings.gateway_host}:{settings.gateway_port}"
+        print(f"web         {web}/  (API docs {web}/docs)")
         print(f"ranktable   gRPC config.Config on {settings.grpc_host}:{settings.grpc_port}")
         print(f"watch       nats sub '{settings.subject_prefix}.>' --server {servers[0]}")
+        print("try         rankscope timeline --url " + web)
+        print(f"            curl -s {web}/v1/cluster/diagnosis")
         print("Ctrl-C stops everything.", flush=True)
+        driving = asyncio.create_task(drive(web, model, stop)) if model is not None else None
         await stop.wait()
         log.info("stopping")
+        if driving is not None:
+            driving.cancel()
         await supervising
 
 

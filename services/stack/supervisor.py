@@ -64,6 +64,7 @@ class Supervisor:
             env={**self._env, **child.spec.env},
             stdin=asyncio.subprocess.DEVNULL,
             preexec_fn=die_with_parent(),
+            start_new_session=True,  # Ctrl-C reaches `up` alone, which stops them in order
         )
         return child.process
 

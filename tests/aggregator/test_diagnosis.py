@@ -86,7 +86,31 @@ def test_a_frozen_rank_is_told_from_the_one_waiting_on_it() -> None:
     assert finding.kind is FindingKind.STALLED_RANK
     assert finding.culpritRanks == [0]
     assert finding.waitingRanks == [1]
-    assert "went silent in decode_stream at step 5" in finding.summary
+    assert "rank 0 (node-0) went silent in decode_stream at step 5" in finding.summary
+
+
+def test_a_frozen_idle_rank_holding_up_a_new_task_is_named() -> None:
+    state, clock = _setup()
+    state.apply_telemetry(entries(rank(1), (0, 1, Phase.IDLE, None)))  # then SIGSTOPped
+    state.apply_telemetry(
+        entries(rank(0), (0, 1, Phase.IDLE, None), (1, 2, Phase.TASK_SUBMISSION, None))
+    )
+    clock.now += 11
+    memory = MlxMemorySnapshot(generatedAt=at(11), source="mlx.core")
+    state.apply_telemetry(MemorySampled(runner=rank(0), seq=2, snapshot=memory))
+    (finding,) = _run(state, clock)
+    assert finding.culpritRanks == [1]
+    assert finding.waitingRanks == [0]
+
+
+def test_an_idle_rank_while_its_peer_waits_in_a_collective_is_behind() -> None:
+    state, clock = _setup()
+    state.apply_telemetry(entries(rank(1), (0, 1, Phase.IDLE, None)))
+    state.apply_telemetry(entries(rank(0), (0, 1, Phase.TASK_AGREEMENT, None)))
+    clock.now += 11
+    (finding,) = _run(state, clock)
+    assert finding.kind is FindingKind.RANK_DISAGREEMENT
+    assert finding.culpritRanks == [1]
 
 
 def test_stalled_ranks_with_no_way_to_tell_them_apart_are_all_named() -> None:

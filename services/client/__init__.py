@@ -1,0 +1,2 @@
+"""Command-line clients of the gateway: `rankscope timeline`, `placement`, `diagnose`,
+`ranktable`, `runners`."""

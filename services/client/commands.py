@@ -1,0 +1,194 @@
+"""What each client subcommand prints: aligned tables for people, `--json` for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from services.client.http import ClientError, Gateway
+
+__all__ = ["add_client_commands"]
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    """Rows as aligned columns under a header."""
+    cells = [[str(c) for c in header]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def _out(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+def _timeline(args: argparse.Namespace, gateway: Gateway) -> None:
+    params = f"?limit={args.limit}" + (f"&instanceId={args.instance}" if args.instance else "")
+    seen = ""
+    while True:
+        found = gateway.call("GET", "/v1/cluster/timeline" + params)
+        entries = [e for e in found["timeline"] if e["at"] > seen]
+        if args.json:
+            print(
+                json.dumps(found if not args.follow else entries, indent=None if args.follow else 2)
+            )
+        else:
+            if not seen:
+                print(
+                    table(
+                        [
+                            (
+                                r["deviceRank"],
+                                r["nodeId"],
+                                r["statusKind"],
+                                r["phase"],
+                                round(r["secondsInPhase"], 1),
+                                r["activeCommandId"],
+                            )
+                            for r in found["runners"]
+                        ],
+                        ["RANK", "NODE", "STATUS", "PHASE", "SECONDS", "COMMAND"],
+                    )
+                    + "\n"
+                )
+            for e in entries:
+                step = e["attrs"].get("step", "")
+                print(
+                    f"{e['at']}  rank {e['deviceRank']} {e['nodeId']:<10} "
+                    f"{e['phase']:<24} {e['event']:<20} {step}"
+                )
+            for u in found["unreachableNodes"]:
+                print(f"unreachable: {u['nodeId']}: {u['error']}", file=sys.stderr)
+        if not args.follow:
+            return
+        seen = entries[-1]["at"] if entries else seen
+        time.sleep(1)
+
+
+def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
+    found = gateway.call("GET", "/v1/placement/runners")
+    _out(
+        args,
+        found,
+        table(
+            [
+                (
+                    p["runnerId"],
+                    p["nodeId"],
+                    p["deviceRank"],
+                    p["worldSize"],
+                    f"[{p['startLayer']}, {p['endLayer']})",
+                    p["nLayers"],
+                    p["statusKind"],
+                )
+                for p in found
+            ],
+            ["RUNNER", "NODE", "RANK", "WORLD", "LAYERS", "OF", "STATUS"],
+        ),
+    )
+
+
+def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
+    found = gateway.call("GET", "/v1/cluster/diagnosis")
+    text = (
+        "\n".join(f"{f['kind']:<18} {f['instanceId']}: {f['summary']}" for f in found["findings"])
+        or "no findings: every instance is healthy"
+    )
+    _out(args, found, text)
+    if found["findings"]:
+        raise SystemExit(1)
+
+
+def _ranktable(args: argparse.Namespace, gateway: Gateway) -> None:
+    if args.follow:
+        for data in gateway.events(f"/v1/jobs/{args.job}/ranktable/stream"):
+            print(
+                data if args.json else json.dumps(json.loads(json.loads(data)["rankTable"])),
+                flush=True,
+            )
+        return
+    found = gateway.call("GET", f"/v1/jobs/{args.job}/ranktable")
+    _out(args, found, json.dumps(json.loads(found["rankTable"]), indent=2))
+
+
+def _runners(args: argparse.Namespace, gateway: Gateway) -> None:
+    if args.action == "list":
+        found = gateway.call("GET", f"/v1/runners?page={args.page}&per_page={args.per_page}")
+        _out(
+            args,
+            found,
+            table(
+                [
+                    (
+                        r["id"],
+                        (r.get("worker") or {}).get("model", {}).get("id"),
+                        (r.get("compute_info") or {}).get("num_accelerators"),
+                        r["num_replicas"],
+                        r["priority"],
+                        (r.get("runner_metrics") or {}).get("pods_running"),
+                    )
+                    for r in found["runners"]
+                ],
+                ["ID", "MODEL", "RANKS", "REPLICAS", "PRIORITY", "PODS RUNNING"],
+            ),
+        )
+    elif args.action == "create":
+        with open(args.file) as spec:
+            body = json.load(spec)
+        found = gateway.call(
+            "POST", "/v1/runners", body if "runners" in body else {"runners": [body]}
+        )
+        _out(args, found, "created " + ", ".join(r["id"] for r in found["runners"]))
+    else:
+        found = gateway.call("DELETE", f"/v1/runners/{args.id}")
+        _out(args, found, f"deleted {args.id}")
+
+
+def _run(handler: Any) -> Any:
+    def run(args: argparse.Namespace, _settings: object) -> int:
+        try:
+            handler(args, Gateway(args.url))
+        except ClientError as error:
+            print(f"rankscope: {error}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+        return 0
+
+    return run
+
+
+def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
+    """Add the client subcommands; returns their parsers."""
+    made = []
+
+    def command(name: str, help: str, handler: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = commands.add_parser(name, help=help)
+        parser.add_argument("--url", help="gateway URL [RANKSCOPE_URL, http://127.0.0.1:8000]")
+        parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+        parser.set_defaults(handler=_run(handler))
+        made.append(parser)
+        return parser
+
+    timeline = command("timeline", "the cross-rank timeline", _timeline)
+    timeline.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
+    timeline.add_argument("--limit", type=int, default=50, help="newest entries (50)")
+    timeline.add_argument("--instance", help="only this instance")
+    command("placement", "which layers sit on which node", _placement)
+    command("diagnose", "findings that name the stuck rank (exit 1 when any)", _diagnose)
+    ranktable = command("ranktable", "a job's rank table", _ranktable)
+    ranktable.add_argument("job", help="job id (= instance id)")
+    ranktable.add_argument("--follow", "-f", action="store_true", help="print every change")
+    runners = command("runners", "Runner specs", _runners)
+    actions = runners.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="list Runner specs")
+    listing.add_argument("--page", type=int, default=1)
+    listing.add_argument("--per-page", type=int, default=128)
+    actions.add_parser("create", help="create from a JSON file").add_argument("file")
+    actions.add_parser("delete", help="delete one").add_argument("id")
+    return made

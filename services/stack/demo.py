@@ -1,0 +1,130 @@
+"""The demo cluster's driver: create a 2-rank Runner spec for the tiny model, wait until
+its instance is ready (showing progress), then send a chat completion now and then."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEMO_RUNNER", "drive"]
+
+log = logging.getLogger("rankscope.demo")
+
+DEMO_RUNNER = "demo"
+_PROMPTS = ["Which rank is stuck?", "Which node holds layer seven?", "How much memory?"]
+
+
+def _call(url: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.loads(reply.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
+    except (urllib.error.URLError, OSError) as error:
+        return 0, {"detail": str(error)}
+
+
+def _settle(done: asyncio.Future[tuple[int, Any]], result: tuple[int, Any]) -> None:
+    if not done.done():
+        done.set_result(result)
+
+
+async def _http(url: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
+    """`_call` on a daemon thread, so a slow request never holds up shutting down."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[tuple[int, Any]] = loop.create_future()
+
+    def work() -> None:
+        result = _call(url, method, body)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(_settle, done, result)
+
+    threading.Thread(target=work, daemon=True).start()
+    return await done
+
+
+def spec(model: Path) -> dict[str, Any]:
+    """The demo's Runner spec: one instance of the tiny model over two ranks."""
+    return {
+        "id": DEMO_RUNNER,
+        "description": "rankscope demo: tiny qwen2 over two ranks",
+        "worker": {"model": {"id": "tiny-qwen2"}},
+        "nodepool": {"id": "default"},
+        "compute_info": {"num_accelerators": 2},
+        "num_replicas": 1,
+        "min_replicas": 1,
+        "metadata": {"modelPath": str(model.resolve())},
+    }
+
+
+async def _progress(base: str, stop: asyncio.Event) -> bool:
+    """Show the ranks' state until the instance is ready; False if stopped first."""
+    spinner = "|/-\\"
+    tick = 0
+    while not stop.is_set():
+        status, placement = await _http(f"{base}/v1/placement/runners")
+        ranks = placement if status == 200 and isinstance(placement, list) else []
+        ready = [r for r in ranks if r.get("statusKind") in ("RunnerReady", "RunnerRunning")]
+        states = (
+            ", ".join(f"rank {r['deviceRank']} {r.get('statusKind') or 'starting'}" for r in ranks)
+            or "placing"
+        )
+        sys.stdout.write(f"\r{spinner[tick % 4]} demo instance: {states}   ")
+        sys.stdout.flush()
+        if ranks and len(ready) == len(ranks):
+            sys.stdout.write("\n")
+            return True
+        tick += 1
+        await asyncio.sleep(0.25)
+    return False
+
+
+async def drive(base: str, model: Path, stop: asyncio.Event, every: float = 5.0) -> None:
+    """Create the spec (if missing), wait for readiness, then keep completions flowing."""
+    while not stop.is_set():
+        status, _ = await _http(f"{base}/readyz")
+        if status == 200:
+            break
+        await asyncio.sleep(0.2)
+    status, _ = await _http(f"{base}/v1/runners/{DEMO_RUNNER}")
+    if status == 404:
+        status, reply = await _http(f"{base}/v1/runners", "POST", {"runners": [spec(model)]})
+        if status != 200:
+            log.error("could not create the demo runner: %s", reply)
+            return
+    if not await _progress(base, stop):
+        return
+    print(f"demo ready: chat completions every {every:g}s; watch them in the timeline", flush=True)
+    count = 0
+    while not stop.is_set():
+        prompt = _PROMPTS[count % len(_PROMPTS)]
+        status, reply = await _http(
+            f"{base}/v1/chat/completions",
+            "POST",
+            {
+                "model": DEMO_RUNNER,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 24,
+            },
+        )
+        if status == 200:
+            log.info("completion %s: %d tokens", reply["id"], reply["usage"]["completion_tokens"])
+        else:
+            log.warning("completion failed (%s): %s", status, (reply or {}).get("detail"))
+        count += 1
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+        except TimeoutError:
+            continue
