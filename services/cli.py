@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from services.client.commands import add_client_commands
+from services.client.commands import add_client_commands, client_options, ranktable_client
 from shared import logs
 from shared.settings import Settings, SettingsError, add_arguments, load
 
@@ -52,6 +52,8 @@ def _gateway(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
+    if args.job is not None:
+        return ranktable_client(args)
     from services.ranktable.main import run
 
     return run(settings)
@@ -84,8 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(gateway)
 
     ranktable = commands.add_parser(
-        "ranktable", help="run the rank-table service (placement, rank tables, gRPC)"
+        "ranktable",
+        help="run the rank-table service; with JOB, print that job's rank table instead",
     )
+    ranktable.add_argument("job", nargs="?", metavar="JOB", help="job id (= instance id)")
+    ranktable.add_argument("--follow", "-f", action="store_true", help="with JOB: every change")
+    client_options(ranktable)
     ranktable.set_defaults(handler=_ranktable)
     add_arguments(ranktable)
 

@@ -153,20 +153,22 @@ def _diagnose_instance(
                 + (f"; waiting: {_ranks(alive)}" if alive else ""),
             )
         ]
-    working = [v for v in views if v.phase not in _RESTING]
-    if not working or not all(stale(v) for v in working):
-        return []
     frozen = [v for v in views if v.heard is not None and now - v.heard > thresholds.silent]
     if frozen and len(frozen) < len(views):
-        # A live runner samples its memory every second: silence means a frozen process
-        # (stopped, swapping, wedged in the kernel), and its peers are waiting on it.
+        # A live runner samples its memory every second, busy or idle: silence while its
+        # peers still talk means a frozen process (stopped, wedged in the kernel), and
+        # whatever the instance does next waits on it.
         waiting = [v for v in views if v not in frozen]
         summary = (
-            f"{_ranks(frozen)} went silent in {_where(frozen[0])}; "
+            f"{_ranks(frozen)} went silent in {_where(frozen[0])} "
+            f"{now - max(v.heard or now for v in frozen):.0f}s ago; "
             f"{_ranks(waiting)} waiting in "
             f"{', '.join(sorted({_where(v) for v in waiting}))}"
         )
         return [make(FindingKind.STALLED_RANK, frozen, waiting, summary)]
+    working = [v for v in views if v.phase not in _RESTING]
+    if not working or not all(stale(v) for v in working):
+        return []
     # Ranks move in lockstep: one at rest while a peer waits in a collective is behind too.
     steps = {v.step for v in views if v.step is not None}
     phases = {v.phase for v in views if v.phase is not None}

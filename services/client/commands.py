@@ -11,7 +11,7 @@ from typing import Any
 
 from services.client.http import ClientError, Gateway
 
-__all__ = ["add_client_commands"]
+__all__ = ["add_client_commands", "client_options", "ranktable_client"]
 
 
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
@@ -149,6 +149,18 @@ def _runners(args: argparse.Namespace, gateway: Gateway) -> None:
         _out(args, found, f"deleted {args.id}")
 
 
+def ranktable_client(args: argparse.Namespace) -> int:
+    """`rankscope ranktable JOB`: print (or follow) a job's rank table."""
+    run: Any = _run(_ranktable)
+    return int(run(args, None))
+
+
+def client_options(parser: argparse.ArgumentParser) -> None:
+    """The options every client command takes."""
+    parser.add_argument("--url", help="gateway URL [RANKSCOPE_URL, http://127.0.0.1:8000]")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
 def _run(handler: Any) -> Any:
     def run(args: argparse.Namespace, _settings: object) -> int:
         try:
@@ -169,8 +181,7 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
 
     def command(name: str, help: str, handler: Any) -> argparse.ArgumentParser:
         parser: argparse.ArgumentParser = commands.add_parser(name, help=help)
-        parser.add_argument("--url", help="gateway URL [RANKSCOPE_URL, http://127.0.0.1:8000]")
-        parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+        client_options(parser)
         parser.set_defaults(handler=_run(handler))
         made.append(parser)
         return parser
@@ -181,9 +192,6 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
     timeline.add_argument("--instance", help="only this instance")
     command("placement", "which layers sit on which node", _placement)
     command("diagnose", "findings that name the stuck rank (exit 1 when any)", _diagnose)
-    ranktable = command("ranktable", "a job's rank table", _ranktable)
-    ranktable.add_argument("job", help="job id (= instance id)")
-    ranktable.add_argument("--follow", "-f", action="store_true", help="print every change")
     runners = command("runners", "Runner specs", _runners)
     actions = runners.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", help="list Runner specs")

@@ -62,6 +62,7 @@ def test_the_finding_clears_when_the_rank_catches_up() -> None:
     state.apply_telemetry(entries(rank(1), (0, 1, Phase.DECODE_BARRIER, 8)))
     clock.now += 11
     assert _run(state, clock)
+    _sample(state, 1, 1)  # rank 1 is alive all along, waiting
     state.apply_telemetry(entries(rank(0), (1, 12, Phase.DECODE_BARRIER, 8)))
     assert _run(state, clock) == []
 
@@ -86,21 +87,25 @@ def test_a_frozen_rank_is_told_from_the_one_waiting_on_it() -> None:
     assert finding.kind is FindingKind.STALLED_RANK
     assert finding.culpritRanks == [0]
     assert finding.waitingRanks == [1]
-    assert "rank 0 (node-0) went silent in decode_stream at step 5" in finding.summary
+    assert "rank 0 (node-0) went silent in decode_stream at step 5 11s ago" in finding.summary
 
 
-def test_a_frozen_idle_rank_holding_up_a_new_task_is_named() -> None:
+def _sample(state: ClusterState, r: int, seq: int) -> None:
+    memory = MlxMemorySnapshot(generatedAt=at(seq), source="mlx.core")
+    state.apply_telemetry(MemorySampled(runner=rank(r), seq=seq, snapshot=memory))
+
+
+def test_a_frozen_idle_rank_is_named_while_its_peer_still_talks() -> None:
     state, clock = _setup()
-    state.apply_telemetry(entries(rank(1), (0, 1, Phase.IDLE, None)))  # then SIGSTOPped
-    state.apply_telemetry(
-        entries(rank(0), (0, 1, Phase.IDLE, None), (1, 2, Phase.TASK_SUBMISSION, None))
-    )
-    clock.now += 11
-    memory = MlxMemorySnapshot(generatedAt=at(11), source="mlx.core")
-    state.apply_telemetry(MemorySampled(runner=rank(0), seq=2, snapshot=memory))
+    for r in (0, 1):  # both idle; then rank 1 is SIGSTOPped and only rank 0 keeps sampling
+        state.apply_telemetry(entries(rank(r), (0, 1, Phase.IDLE, None)))
+    clock.now += 6
+    _sample(state, 0, 1)
     (finding,) = _run(state, clock)
+    assert finding.kind is FindingKind.STALLED_RANK
     assert finding.culpritRanks == [1]
     assert finding.waitingRanks == [0]
+    assert "rank 1 (node-1) went silent in idle 6s ago" in finding.summary
 
 
 def test_an_idle_rank_while_its_peer_waits_in_a_collective_is_behind() -> None:

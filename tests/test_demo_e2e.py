@@ -1,0 +1,196 @@
+"""End to end: `rankscope up --demo` as a user runs it, checked over HTTP, then a runner
+frozen with SIGSTOP is named by the diagnosis, and SIGTERM leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            children = (
+                (task / "children").read_text().split() if (task / "children").exists() else []
+            )
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    stack.append(child)
+    return found
+
+
+class Demo:
+    def __init__(self, process: subprocess.Popen[str], base: str) -> None:
+        self.process = process
+        self.base = base
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.base + path, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def post(self, path: str, body: Any) -> Any:
+        request = urllib.request.Request(
+            self.base + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return json.loads(reply.read())
+
+    def until(self, check: Callable[[], Any], seconds: float) -> Any:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                found = check()
+            except (urllib.error.URLError, OSError, KeyError, IndexError):
+                found = None
+            if found:
+                return found
+            time.sleep(0.25)
+        raise AssertionError(f"not reached within {seconds:g}s")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
+    port = _free_port()
+    env = {**os.environ, "RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--demo",
+            "--nats-port",
+            "0",
+            "--gateway-port",
+            str(port),
+            "--grpc-port",
+            str(_free_port()),
+            "--ring-port-base",
+            str(_free_port()),
+            "--data-dir",
+            str(tmp_path_factory.mktemp("demo") / ".rankscope"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("demo ready"):
+            break
+    else:
+        raise AssertionError("the demo never became ready")
+    yield Demo(process, f"http://127.0.0.1:{port}")
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    process.stdout.close()
+
+
+def test_timeline_shows_both_ranks_generating(demo: Demo) -> None:
+    def generated() -> Any:
+        timeline = demo.get("/v1/cluster/timeline?limit=5000")
+        phases = {(e["deviceRank"], e["phase"]) for e in timeline["timeline"]}
+        wanted = {(r, p) for r in (0, 1) for p in ("decode_stream", "completion")}
+        return timeline if wanted <= phases else None
+
+    timeline = demo.until(generated, 60)
+    assert [r["deviceRank"] for r in timeline["runners"]] == [0, 1]
+
+
+def test_placement_covers_every_layer_in_two_shards(demo: Demo) -> None:
+    ranks = demo.get("/v1/placement/runners")
+    assert [r["deviceRank"] for r in ranks] == [0, 1]
+    layers = [layer for r in ranks for layer in range(r["startLayer"], r["endLayer"])]
+    assert layers == list(range(ranks[0]["nLayers"]))
+    assert {r["nodeId"] for r in ranks} == {"node-a", "node-b"}
+
+
+def test_rank_table_is_completed_with_two_devices(demo: Demo) -> None:
+    table = json.loads(demo.get("/v1/jobs/demo-0/ranktable")["rankTable"])
+    assert table["status"] == "completed"
+    devices = [d for s in table["server_group_list"][0]["server_list"] for d in s["device"]]
+    assert sorted(d["rank_id"] for d in devices) == ["0", "1"]
+
+
+def test_a_chat_completion_shows_in_the_timeline(demo: Demo) -> None:
+    reply = demo.post(
+        "/v1/chat/completions",
+        {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8},
+    )
+    assert reply["choices"][0]["message"]["content"]
+    assert reply["usage"]["completion_tokens"] >= 1
+    command = reply["id"]
+    demo.until(
+        lambda: any(
+            e["commandId"] == command
+            for e in demo.get("/v1/cluster/timeline?limit=5000")["timeline"]
+        ),
+        10,
+    )
+
+
+def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
+    runners = demo.get("/v1/cluster/timeline?limit=1")["runners"]
+    frozen = next(r for r in runners if r["deviceRank"] == 1)
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    try:
+        finding = demo.until(
+            lambda: next(
+                (
+                    f
+                    for f in demo.get("/v1/cluster/diagnosis")["findings"]
+                    if frozen["runnerId"] in f["culpritRunnerIds"]
+                ),
+                None,
+            ),
+            30,
+        )
+        assert finding["culpritRanks"] == [1]
+        assert finding["waitingRanks"] == [0]
+    finally:
+        os.kill(frozen["pid"], signal.SIGCONT)
+    demo.until(lambda: not demo.get("/v1/cluster/diagnosis")["findings"], 30)
+
+
+def test_sigterm_stops_everything_and_leaves_no_process(demo: Demo) -> None:
+    everything = _descendants(demo.process.pid)
+    assert len(everything) >= 6  # nats, 3 services, 2 agents, their runners
+    demo.process.send_signal(signal.SIGTERM)
+    assert demo.process.wait(timeout=10) == 0
+    left = [
+        pid
+        for pid in everything
+        if Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    ]
+    assert not left, f"processes left behind: {left}"
