@@ -11,7 +11,7 @@ from services.client.commands import add_client_commands, client_options, rankta
 from shared import logs
 from shared.settings import Settings, SettingsError, add_arguments, load
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _tiny_model(args: argparse.Namespace, settings: Settings) -> int:
@@ -59,7 +59,8 @@ def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
     return run(settings)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `rankscope` argument parser, every subcommand included."""
     parser = argparse.ArgumentParser(
         prog="rankscope",
         description="Diagnostics plane for pipeline-parallel MLX inference.",
@@ -110,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `rankscope`; returns the exit code (2 for bad settings or usage)."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         settings = load(args)
     except SettingsError as exc:

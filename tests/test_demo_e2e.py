@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +46,40 @@ def _descendants(pid: int) -> set[int]:
                     found.add(child)
                     stack.append(child)
     return found
+
+
+ARTIFACTS = REPO / "artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _browse(url: str, screenshot: Path) -> str:
+    """The page as headless Chromium renders it after its scripts ran; saves a screenshot."""
+    assert CHROMIUM, "headless Chromium is needed (Debian package chromium; .ci/run installs it)"
+    screenshot.parent.mkdir(exist_ok=True)
+    flags = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tempfile.mkdtemp()}",
+        "--window-size=1400,820",
+        "--virtual-time-budget=5000",
+    ]
+    subprocess.run(
+        [*flags, f"--screenshot={screenshot}", url + "/"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    dom = subprocess.run(
+        [*flags, "--dump-dom", url + "/"], check=True, capture_output=True, text=True, timeout=60
+    )
+    return dom.stdout
 
 
 class Demo:
@@ -178,6 +215,10 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
         )
         assert finding["culpritRanks"] == [1]
         assert finding["waitingRanks"] == [0]
+        page = _browse(demo.base, ARTIFACTS / "timeline.png")
+        assert "stalled rank" in page.lower()  # the finding is on the page
+        assert re.search(r"node-[ab] \[0, \d+\)", page)  # the placement bar
+        assert "2 ranks" in page  # both lanes
     finally:
         os.kill(frozen["pid"], signal.SIGCONT)
     demo.until(lambda: not demo.get("/v1/cluster/diagnosis")["findings"], 30)

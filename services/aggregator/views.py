@@ -104,6 +104,8 @@ class ClusterState:
         self.nodes: dict[str, NodeInfo] = {}
         self.unreachable: dict[str, UnreachableNode] = {}
         self.duplicates = 0
+        self.version = 0
+        """Bumped by every applied event, so answers built from this state can be reused."""
 
     def _runner(self, ref: RunnerRef) -> RunnerView:
         view = self.runners.get(ref.runnerId)
@@ -114,6 +116,7 @@ class ClusterState:
     def apply_telemetry(self, event: RunnerTelemetry, raw: bytes | None = None) -> int:
         """Apply one telemetry message (`raw`: its JSON as received, kept as is for entry
         batches); returns how many of its items were new."""
+        self.version += 1
         view = self._runner(event.runner)
         view.heard = self._clock()
         if isinstance(event, PhaseEntries):
@@ -163,6 +166,7 @@ class ClusterState:
 
     def apply_placement(self, event: PlacementEvent) -> None:
         """Apply a placement decision."""
+        self.version += 1
         if isinstance(event, InstanceReleased):
             self.instances.pop(event.instanceId, None)
             return
@@ -180,6 +184,7 @@ class ClusterState:
 
     def apply_task(self, event: TaskEvent) -> None:
         """Apply a task or a rank's status of one."""
+        self.version += 1
         tasks = self.tasks.setdefault(event.instanceId, OrderedDict())
         if isinstance(event, TaskCreated):
             tasks[event.taskId] = TaskView(created=event)

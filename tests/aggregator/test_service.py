@@ -279,3 +279,27 @@ async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
         assert unreachable["node-1"].error.startswith("no heartbeat")
         timeline = decode((await _query(nc, js_ready, "timeline")).data, ClusterTimeline)
         assert {u.nodeId for u in timeline.unreachableNodes} == {"node-0", "node-1"}
+
+
+async def test_identical_timeline_queries_share_an_answer_until_something_changes(
+    nc: Client, js_ready: Layout
+) -> None:
+    await _publish(nc, js_ready, placed())
+    async with _aggregator(nc, js_ready):
+        first = (await _query(nc, js_ready, "timeline", {"limit": 5})).data
+        again = (await _query(nc, js_ready, "timeline", {"limit": 5})).data
+        assert again == first  # same generatedAt: built once
+        await _publish(nc, js_ready, entries(rank(0), (0, 1, Phase.CREATED, None)))
+        changed = await _until_async(
+            lambda: _query(nc, js_ready, "timeline", {"limit": 5}), lambda m: m.data != first
+        )
+        assert len(decode(changed.data, ClusterTimeline).timeline) == 1
+
+
+async def _until_async(make: Any, check: Any) -> Any:
+    for _ in range(int(WAIT / 0.02)):
+        found = await make()
+        if check(found):
+            return found
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
