@@ -17,7 +17,7 @@ from starlette.responses import FileResponse, Response
 
 from services.gateway.bus import Bus, BusError
 from services.gateway.metrics import RequestMetrics
-from services.gateway.responses import Json, openapi_components
+from services.gateway.responses import ERRORS, Json, openapi_components
 from services.gateway.routes import chat, cluster, jobs, ops, runners
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
@@ -42,6 +42,7 @@ def create_app(settings: Settings) -> FastAPI:
         await close(nc)
 
     app = FastAPI(
+        responses=ERRORS,
         title="rankscope",
         version="0.1.0",
         lifespan=lifespan,

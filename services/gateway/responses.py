@@ -6,17 +6,15 @@ from typing import Any
 
 import msgspec
 from fastapi import HTTPException
-from starlette.responses import Response
+from starlette.responses import JSONResponse
 
-__all__ = ["Json", "fail", "openapi_components", "schema_ref"]
+__all__ = ["ERRORS", "ErrorBody", "Json", "fail", "openapi_components", "schema_ref"]
 
 _encoder = msgspec.json.Encoder()
 
 
-class Json(Response):
+class Json(JSONResponse):
     """A JSON response encoded by msgspec (structs, dicts, lists, or raw JSON bytes)."""
-
-    media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
         if isinstance(content, bytes):
@@ -45,3 +43,29 @@ def schema_ref(shape: Any) -> dict[str, Any]:
 def openapi_components() -> dict[str, Any]:
     """Every schema registered through `schema_ref`."""
     return dict(_components)
+
+
+class ErrorBody(msgspec.Struct, kw_only=True, frozen=True):
+    """Every error: what went wrong, in one sentence."""
+
+    detail: str
+
+
+def _errors() -> dict[int | str, dict[str, Any]]:
+    reasons = {
+        401: "Bearer token missing",
+        403: "Bearer token wrong",
+        404: "Unknown id",
+        409: "Already exists",
+        413: "Body too large",
+        422: "Bad query or body (the message names the field)",
+        503: "NATS or a service behind the gateway not answering",
+        504: "No answer in time",
+    }
+    return {
+        status: {"description": why, **schema_ref(ErrorBody)} for status, why in reasons.items()
+    }
+
+
+ERRORS = _errors()
+"""Error responses every route may give, for the OpenAPI document."""
