@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import uuid
 from pathlib import Path
 
 from services.agent.agent import Agent
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import Timeouts
+from services.lifecycle import run_until_signalled
 from shared.connection import close, connect
 from shared.heartbeat import Heartbeat
 from shared.host import hostname, memory_bytes
@@ -100,13 +100,4 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
 
 def run(settings: Settings) -> int:
     """Run in the foreground until SIGINT or SIGTERM; returns the exit code."""
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await serve_until(settings, stop)
-
-    asyncio.run(main())
-    return 0
+    return run_until_signalled(serve_until, settings)

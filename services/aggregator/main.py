@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 
 from services.aggregator.diagnosis import Thresholds
 from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
+from services.lifecycle import run_until_signalled
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
@@ -41,13 +41,4 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
 
 def run(settings: Settings) -> int:
     """Run in the foreground until SIGINT or SIGTERM; returns the exit code."""
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await serve_until(settings, stop)
-
-    asyncio.run(main())
-    return 0
+    return run_until_signalled(serve_until, settings)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 
+from services.lifecycle import run_until_signalled
 from services.ranktable.grpc_server import serve
 from services.ranktable.hub import TableHub
 from services.ranktable.service import RankTableService
@@ -37,13 +37,4 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
 
 def run(settings: Settings) -> int:
     """Run in the foreground until SIGINT or SIGTERM; returns the exit code."""
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await serve_until(settings, stop)
-
-    asyncio.run(main())
-    return 0
+    return run_until_signalled(serve_until, settings)
