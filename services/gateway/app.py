@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -12,8 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.responses import FileResponse, Response
+from starlette.responses import FileResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.bus import Bus, BusError
 from services.gateway.metrics import RequestMetrics
@@ -27,6 +29,38 @@ __all__ = ["MAX_BODY_BYTES", "create_app"]
 
 MAX_BODY_BYTES = 1 << 20
 WEB = Path(__file__).parent / "web"
+
+
+class LimitsAndMetrics:
+    """Refuse oversize bodies (413) and count every request by route and status.
+
+    A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would re-stream every
+    response body, which costs dearly on large timelines."""
+
+    def __init__(self, app: ASGIApp, metrics: RequestMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        started, status = time.perf_counter(), 500
+        length = Headers(scope=scope).get("content-length")
+
+        async def sent(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            refusal = Json({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+            await refusal(scope, receive, sent)
+        else:
+            await self._app(scope, receive, sent)
+        path = getattr(scope.get("route"), "path", "unmatched")
+        self._metrics.observe(path, scope["method"], status, time.perf_counter() - started)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -71,24 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
         problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
         return Json({"detail": "; ".join(problems)}, status_code=422)
 
-    @app.middleware("http")
-    async def limits_and_metrics(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        started = time.perf_counter()
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            response: Response = Json(
-                {"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413
-            )
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        app.state.metrics.observe(
-            path, request.method, response.status_code, time.perf_counter() - started
-        )
-        return response
+    app.add_middleware(LimitsAndMetrics, metrics=app.state.metrics)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
