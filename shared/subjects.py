@@ -63,10 +63,6 @@ class Subjects:
         """Every rank's telemetry."""
         return f"{self.prefix}.runner.>"
 
-    def runner_node(self, node_id: str) -> str:
-        """Every telemetry subject of one node (what that node's agent may publish)."""
-        return f"{self.prefix}.runner.{token(node_id)}.>"
-
     def placement(self, instance_id: str) -> str:
         """Placement decisions of one instance."""
         return f"{self.prefix}.placement.{token(instance_id)}"

@@ -54,7 +54,6 @@ class RunnerView:
     """Everything known about one runner."""
 
     ref: RunnerRef
-    assignment: RunnerAssignment | None = None
     seqs: SeqTracker = field(default_factory=SeqTracker)
     status: RunnerStatusChanged | None = None
     phase: Phase | None = None
@@ -180,7 +179,7 @@ class ClusterState:
                 deviceRank=assignment.deviceRank,
                 worldSize=assignment.worldSize,
             )
-            self._runner(ref).assignment = assignment
+            self._runner(ref)  # known from its placement on, before it reports
 
     def apply_task(self, event: TaskEvent) -> None:
         """Apply a task or a rank's status of one."""
