@@ -12,7 +12,7 @@ import pytest
 
 from tests.gateway.conftest import Stack
 
-pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 
@@ -39,6 +39,8 @@ async def test_no_server_errors_and_no_schema_violations(stack_for: Any) -> None
         str(stack.http.base_url).rstrip("/") + "/openapi.json",
         "--checks",
         "not_a_server_error,response_schema_conformance,status_code_conformance",
+        "--request-timeout",
+        "15",
         "--max-examples",
         "10",
         "--seed",
