@@ -1,14 +1,22 @@
-"""Run a service in the foreground until SIGINT or SIGTERM."""
+"""Run a service in the foreground until SIGINT or SIGTERM, and always exit after that."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
 from shared.settings import Settings
 
-__all__ = ["run_until_signalled"]
+__all__ = ["SHUTDOWN_GRACE_S", "run_until_signalled"]
+
+log = logging.getLogger("rankscope")
+
+SHUTDOWN_GRACE_S = 8.0
+"""How long a clean shutdown may take before the process exits regardless (a shutdown
+that waits on a NATS server that is gone must not keep the process alive)."""
 
 
 def run_until_signalled(
@@ -21,7 +29,18 @@ def run_until_signalled(
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        await serve_until(settings, stop)
+        serving = asyncio.ensure_future(serve_until(settings, stop))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not serving.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(serving), SHUTDOWN_GRACE_S)
+            except TimeoutError:
+                log.error("shutdown took over %gs; exiting anyway", SHUTDOWN_GRACE_S)
+                logging.shutdown()
+                os._exit(1)
+        stopping.cancel()
+        serving.result()
 
     asyncio.run(main())
     return 0

@@ -129,19 +129,24 @@ canvas.addEventListener("click", (event) => {
 });
 
 async function refresh() {
+  const started = performance.now();
   try {
     const windowSeconds = Number(document.getElementById("window").value);
     const since = new Date(Date.now() - windowSeconds * 1000).toISOString();
     const [timeline, diagnosis, placement] = await Promise.all([
       json(`/v1/cluster/timeline?limit=50000&since=${encodeURIComponent(since)}`),
       json("/v1/cluster/diagnosis"), json("/v1/placement/runners")]);
+    const fetched = performance.now();
     view = build(timeline, diagnosis.findings);
     showFindings(diagnosis.findings);
     showPlacement(placement);
     draw();
+    const drawn = performance.now();
     const lost = timeline.unreachableNodes.map((u) => `${u.nodeId}: ${u.error}`).join("; ");
     document.getElementById("status").textContent =
-      `${timeline.runners.length} ranks · ${timeline.timeline.length} entries · ${new Date().toLocaleTimeString()}` +
+      `${timeline.runners.length} ranks · ${timeline.timeline.length} entries · ` +
+      `fetched in ${Math.round(fetched - started)} ms, drawn in ${Math.round(drawn - fetched)} ms · ` +
+      new Date().toLocaleTimeString() +
       (lost ? ` · unreachable: ${lost}` : "");
   } catch (error) {
     document.getElementById("status").textContent = `error: ${error.message}`;

@@ -1,0 +1,87 @@
+"""The CLI clients against a real gateway: tables, --json, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gateway.conftest import Stack
+
+pytestmark = pytest.mark.nats
+
+REPO = Path(__file__).parent.parent.parent
+SPEC = {
+    "id": "llm",
+    "worker": {"model": {"id": "tiny"}},
+    "compute_info": {"num_accelerators": 2},
+    "num_replicas": 1,
+    "metadata": {"nLayers": 8, "modelBytes": "4Gi"},
+}
+
+
+async def _cli(*args: str) -> tuple[int, str, str]:
+    run = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        *args,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await run.communicate()
+    return run.returncode or 0, out.decode(), err.decode()
+
+
+async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path: Path) -> None:
+    stack: Stack = await stack_for()
+    url = str(stack.http.base_url).rstrip("/")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+    assert await _cli("runners", "--url", url, "create", str(spec)) == (0, "created llm\n", "")
+    code, out, _ = await _cli("runners", "--url", url, "list")
+    assert code == 0
+    assert out.splitlines()[0].split() == [
+        "ID",
+        "MODEL",
+        "RANKS",
+        "REPLICAS",
+        "PRIORITY",
+        "PODS",
+        "RUNNING",
+    ]
+    assert out.splitlines()[1].split()[:4] == ["llm", "tiny", "2", "1"]
+    for _ in range(100):
+        code, out, _ = await _cli("placement", "--url", url, "--json")
+        if code == 0 and len(json.loads(out)) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert [p["startLayer"] for p in json.loads(out)] == [0, 6]
+    code, out, _ = await _cli("ranktable", "llm-0", "--url", url)
+    assert code == 0
+    assert json.loads(out)["status"] == "initializing"
+    assert await _cli("diagnose", "--url", url) == (
+        0,
+        "no findings: every instance is healthy\n",
+        "",
+    )
+    code, out, _ = await _cli("timeline", "--url", url, "--json")
+    assert code == 0
+    assert set(json.loads(out)) >= {"runners", "timeline", "unreachableNodes"}
+
+
+async def test_errors_are_one_line_with_a_non_zero_exit(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    url = str(stack.http.base_url).rstrip("/")
+    code, out, err = await _cli("runners", "--url", url, "delete", "nope")
+    assert (code, out) == (1, "")
+    assert err == "rankscope: 404: runner 'nope' not found\n"
+    code, _, err = await _cli("placement", "--url", "http://127.0.0.1:1")
+    assert code == 1
+    assert err.startswith("rankscope: cannot reach http://127.0.0.1:1")
+    assert len(err.splitlines()) == 1
