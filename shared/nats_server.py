@@ -22,7 +22,10 @@ from types import TracebackType
 
 from shared.processes import die_with_parent
 
-__all__ = ["EmbeddedNats", "NatsServerError", "find_binary"]
+__all__ = ["CONFIG", "EmbeddedNats", "NatsServerError", "find_binary"]
+
+CONFIG = Path(__file__).parent / "nats.conf"
+"""Server settings rankscope relies on (`max_payload` for large timelines)."""
 
 
 class NatsServerError(RuntimeError):
@@ -103,8 +106,12 @@ class EmbeddedNats:
             raise NatsServerError("the server is already running")
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._ports_dir = tempfile.TemporaryDirectory(prefix="rankscope-nats-")
+        config = self.store_dir / "nats.conf"
+        config.write_text(CONFIG.read_text())
         args = [
             str(find_binary()),
+            "--config",
+            str(config),
             "--addr",
             self.host,
             "--port",

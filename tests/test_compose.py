@@ -32,6 +32,7 @@ def test_nats_runs_jetstream_on_a_volume_with_a_healthcheck() -> None:
     assert "--jetstream" in nats["command"]
     store = nats["command"][nats["command"].index("--store_dir") + 1]
     assert any(volume.endswith(f":{store}") for volume in nats["volumes"])
+    assert "./shared/nats.conf:/etc/nats/rankscope.conf:ro" in nats["volumes"]
     assert "healthcheck" in nats
 
 

@@ -289,6 +289,12 @@ class AggregatorService:
         view = msg.subject.rsplit(".", 1)[-1]
         try:
             body = self._query(view, msg.data or b"{}")
+            if len(body) > self._nc.max_payload:
+                raise _QueryFailedError(
+                    413,
+                    f"the answer is {len(body):,} bytes, over the NATS "
+                    f"limit of {self._nc.max_payload:,}; narrow the query",
+                )
         except _QueryFailedError as failure:
             if msg.reply:
                 await self._nc.publish(

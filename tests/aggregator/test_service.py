@@ -303,3 +303,18 @@ async def _until_async(make: Any, check: Any) -> Any:
             return found
         await asyncio.sleep(0.02)
     raise AssertionError("condition not reached")
+
+
+async def test_an_answer_too_big_for_nats_is_a_clear_error(nc: Client, js_ready: Layout) -> None:
+    await _publish(nc, js_ready, placed())
+    await _publish(
+        nc, js_ready, entries(rank(0), *[(s, s, Phase.DECODE_STREAM, s) for s in range(50)])
+    )
+    async with _aggregator(nc, js_ready):
+        nc._max_payload = 4000  # as if the server allowed only 4 kB
+        reply = await _query(nc, js_ready, "timeline", {"limit": 50})
+        assert reply.headers is not None
+        assert reply.headers[ERROR_HEADER] == "413"
+        assert "narrow the query" in json.loads(reply.data)["error"]
+        small = await _query(nc, js_ready, "timeline", {"limit": 2})
+        assert len(decode(small.data, ClusterTimeline).timeline) == 2
