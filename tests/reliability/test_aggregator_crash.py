@@ -1,0 +1,119 @@
+"""SIGKILL the aggregator while 100k entries stream in, start it again: its views equal,
+entry for entry, those of an aggregator that never stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from nats.errors import Error as NatsError
+
+from services.aggregator.service import ERROR_HEADER, AggregatorService
+from services.aggregator.store import EntryStore
+from services.aggregator.views import ClusterState
+from shared.connection import connect
+from shared.jetstream import Layout, ensure
+from shared.nats_server import EmbeddedNats
+from shared.settings import Settings
+from shared.wire import ClusterTimeline, Phase, TimelineQuery, decode, encode
+from tests.aggregator.builders import entries, placed, rank
+
+pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).parent.parent.parent
+RUNNERS, PER_RUNNER, BATCH = 8, 12_500, 32
+
+
+def _start(url: str, data: Path, node_id: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "aggregator",
+            "--data-dir",
+            str(data),
+            "--node-id",
+            node_id,
+        ],
+        cwd=REPO,
+        env={**os.environ, "RANKSCOPE_NATS_URL": url, "RANKSCOPE_LOG_LEVEL": "error"},
+    )
+
+
+async def test_sigkill_mid_stream_then_restart_gives_identical_views(tmp_path: Path) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "nats").start()
+    nc = await connect(Settings(nats_url=server.url), "crash-test")
+    js = nc.jetstream()
+    layout = Layout()
+    await ensure(js, layout)
+    await js.publish(layout.subjects.placement("i"), encode(placed(world=RUNNERS, layers=16)))
+    reference = AggregatorService(
+        nc=nc, js=js, layout=layout, state=ClusterState(store=EntryStore()), node_id="aggregator"
+    )
+    stop = asyncio.Event()
+    running = asyncio.create_task(reference.run(stop))
+    await reference.ready.wait()
+    victim = _start(server.url, tmp_path / "a", "victim")
+    try:
+        for first in range(0, PER_RUNNER, BATCH):
+            acks = []
+            for r in range(RUNNERS):
+                batch = entries(
+                    rank(r, world=RUNNERS),
+                    *[
+                        (s, s / 100 + r / 1000, Phase.DECODE_STREAM, s)
+                        for s in range(first, min(first + BATCH, PER_RUNNER))
+                    ],
+                )
+                subject = layout.subjects.runner(f"node-{r}", "i", r, "phase")
+                acks.append(await js.publish_async(subject, encode(batch)))
+            await asyncio.gather(*acks)
+            if first == PER_RUNNER // 2 // BATCH * BATCH:
+                victim.send_signal(signal.SIGKILL)  # mid-stream, no chance to clean up
+                assert victim.wait() == -signal.SIGKILL
+        restarted = _start(server.url, tmp_path / "b", "restarted")
+        total = RUNNERS * PER_RUNNER
+        for _ in range(600):
+            if reference.state.store.size == total:
+                break
+            await asyncio.sleep(0.05)
+        stop.set()  # from here on only the restarted aggregator answers queries
+        await running
+        served = None
+        for _ in range(600):
+            try:
+                reply = await nc.request(
+                    layout.subjects.query("timeline"), encode({"limit": 100_000}), timeout=30
+                )
+            except NatsError:  # not subscribed yet
+                await asyncio.sleep(0.1)
+                continue
+            if reply.headers and ERROR_HEADER in reply.headers:  # still rebuilding
+                await asyncio.sleep(0.1)
+                continue
+            candidate = decode(reply.data, ClusterTimeline)
+            if len(candidate.timeline) == total:
+                served = candidate
+                break
+            await asyncio.sleep(0.1)
+        assert served is not None, "the restarted aggregator never served every entry"
+        assert served.localNodeId == "restarted"
+        mine = reference.state.timeline(TimelineQuery(limit=100_000), local_node_id="reference")
+        assert served.timeline == mine.timeline  # entry for entry
+        assert [r.runnerId for r in served.runners] == [r.runnerId for r in mine.runners]
+        restarted.terminate()
+        restarted.wait()
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        if not running.done():
+            stop.set()
+            await running
+        await nc.close()
+        server.stop()
