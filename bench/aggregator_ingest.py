@@ -21,6 +21,7 @@ import tracemalloc
 from pathlib import Path
 
 import nats
+from common import runner_ref
 from nats.js.api import DeliverPolicy
 
 from services.aggregator.service import AggregatorService
@@ -32,7 +33,6 @@ from shared.wire import (
     FlightEntry,
     Phase,
     PhaseEntries,
-    RunnerRef,
     RunnerTelemetry,
     TimelineQuery,
     decode,
@@ -47,14 +47,7 @@ def _batches(total: int, per_batch: int) -> list[tuple[str, bytes, str]]:
     layout, out = Layout(), []
     per_runner = total // RUNNERS
     for r in range(RUNNERS):
-        ref = RunnerRef(
-            runnerId=f"i{r // 8}-r{r % 8}",
-            nodeId=f"node-{r}",
-            instanceId=f"i{r // 8}",
-            modelId="m",
-            deviceRank=r % 8,
-            worldSize=8,
-        )
+        ref = runner_ref(r)
         subject = layout.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, "phase")
         for first in range(0, per_runner, per_batch):
             batch = PhaseEntries(

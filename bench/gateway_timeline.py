@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import nats
+from common import free_port
 
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
@@ -38,12 +38,6 @@ async def timeline(request):
 app = Starlette(routes=[Route("/v1/cluster/timeline", timeline)])
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning", access_log=False)
 """
-
-
-def _port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def _fill(url: str) -> None:
@@ -134,7 +128,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=8)
     args = parser.parse_args()
-    gateway_port, bare_port = _port(), _port()
+    gateway_port, bare_port = free_port(), free_port()
     with EmbeddedNats(store_dir=Path(tempfile.mkdtemp())) as server:
         asyncio.run(_fill(server.url))
         env = {

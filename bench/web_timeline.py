@@ -12,7 +12,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import nats
+from common import free_port, runner_ref
 
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
@@ -31,7 +31,6 @@ from shared.wire import (
     MlxMemorySnapshot,
     Phase,
     PhaseEntries,
-    RunnerRef,
     encode,
 )
 
@@ -48,12 +47,6 @@ CYCLE = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 async def _fill(url: str, ranks: int, entries: int) -> None:
     layout = Layout()
     nc = await nats.connect(url)
@@ -62,14 +55,7 @@ async def _fill(url: str, ranks: int, entries: int) -> None:
     per_rank = entries // ranks
     start = datetime.now(UTC) - timedelta(seconds=15)  # ends ~5 s ahead: all on screen at load
     for r in range(ranks):
-        ref = RunnerRef(
-            runnerId=f"i{r // 8}-r{r % 8}",
-            nodeId=f"node-{r}",
-            instanceId=f"i{r // 8}",
-            modelId="m",
-            deviceRank=r % 8,
-            worldSize=8,
-        )
+        ref = runner_ref(r)
         subject = layout.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, "phase")
         acks = []
         for first in range(0, per_rank, 64):
@@ -106,7 +92,7 @@ def main() -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         raise SystemExit("needs headless Chromium (Debian package chromium)")
-    port = _port()
+    port = free_port()
     with EmbeddedNats(store_dir=Path(tempfile.mkdtemp())) as server:
         asyncio.run(_fill(server.url, args.ranks, args.entries))
         env = {

@@ -145,6 +145,16 @@ async def _tables(stack: Stack, job: str) -> asyncio.Queue[Msg]:
     return queue
 
 
+async def _placed_and_following(stack: Stack) -> asyncio.Queue[Msg]:
+    """Two nodes, the service, one placed 2-rank instance, and its rank tables from v2 on."""
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    await _place(stack, runner())
+    await _until_version(stack, "llm-0", 1)
+    return await _tables(stack, "llm-0")
+
+
 def _table(msg: Msg) -> tuple[int, RankTable]:
     wire = decode(msg.data, RankTableStream)
     return int((msg.headers or {})[VERSION_HEADER]), decode(wire.rankTable, RankTable)
@@ -286,12 +296,7 @@ async def test_lost_node_re_places_on_the_remaining_capacity(fast_stack: Stack) 
 
 
 async def test_lost_node_without_spare_capacity_is_refused_with_a_reason(stack: Stack) -> None:
-    await stack.put_node(node_info("node-a", 24))
-    await stack.put_node(node_info("node-b", 8))
-    await stack.start()
-    await _place(stack, runner())
-    await _until_version(stack, "llm-0", 1)
-    tables = await _tables(stack, "llm-0")
+    tables = await _placed_and_following(stack)
     kv = await stack.js.key_value(stack.layout.nodes_bucket.bucket)
     await kv.delete(token("node-b"))
     _, table = _table(await _next(tables))
@@ -324,12 +329,7 @@ async def test_bad_spec_is_rejected_and_others_still_place(stack: Stack) -> None
 
 
 async def test_deleting_a_spec_releases_its_instances(stack: Stack) -> None:
-    await stack.put_node(node_info("node-a", 24))
-    await stack.put_node(node_info("node-b", 8))
-    await stack.start()
-    await _place(stack, runner())
-    await _until_version(stack, "llm-0", 1)
-    tables = await _tables(stack, "llm-0")
+    tables = await _placed_and_following(stack)
     kv = await stack.js.key_value(stack.layout.runners_bucket.bucket)
     await kv.delete(token("llm"))
     _, table = _table(await _next(tables))
