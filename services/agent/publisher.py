@@ -113,15 +113,22 @@ class TelemetryPublisher:
         self._wake.set()
 
     def _flush_aged(self, everything: bool = False) -> float | None:
-        """Close batches that waited long enough; returns when the next one is due."""
-        moment, due = time.monotonic(), None
-        for runner_id, batch in list(self._open.items()):
-            ready_at = batch.opened + self._flush_after
-            if everything or ready_at <= moment:
-                self._close(runner_id)
-            elif due is None or ready_at < due:
-                due = ready_at
-        return None if due is None else max(due - moment, 0.0)
+        """Close batches that waited long enough; returns when the next one is due.
+
+        `_open` keeps opening order (a closed batch leaves, a new one goes last), so only
+        the batches due and the first one not yet due are looked at."""
+        moment = time.monotonic()
+        ready = []
+        for runner_id, batch in self._open.items():
+            if not everything and batch.opened + self._flush_after > moment:
+                break
+            ready.append(runner_id)
+        for runner_id in ready:
+            self._close(runner_id)
+        if not self._open:
+            return None
+        first = next(iter(self._open.values()))
+        return max(first.opened + self._flush_after - moment, 0.0)
 
     async def _send(self, outgoing: _Outgoing) -> None:
         try:
