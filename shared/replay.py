@@ -16,6 +16,11 @@ from nats.js.api import DeliverPolicy
 __all__ = ["Follower", "follow"]
 
 
+YIELD_EVERY = 64
+"""Messages handled back to back before other tasks (queries) get a turn: a subscription
+drains its whole pending queue without suspending otherwise."""
+
+
 class Follower:
     """A live ordered consumer; `caught_up` is set once the backlog has been handled."""
 
@@ -23,11 +28,16 @@ class Follower:
         self.caught_up = asyncio.Event()
         self._handle = handle
         self._subscription: JetStreamContext.PushSubscription | None = None
+        self._handled = 0
 
     async def _on_msg(self, msg: Msg) -> None:
         await self._handle(msg)
-        if msg.metadata.num_pending == 0:
+        # parsing the metadata costs more than most handlers: only until caught up
+        if not self.caught_up.is_set() and msg.metadata.num_pending == 0:
             self.caught_up.set()
+        self._handled += 1
+        if self._handled % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
 
     async def stop(self) -> None:
         """Stop following."""
