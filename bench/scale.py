@@ -1,0 +1,462 @@
+"""A simulated cluster of 1,000 nodes x 8 ranks driven into the real aggregator.
+
+Every simulated node is an agent's real publish path: one `TelemetryPublisher` (batches,
+`Nats-Msg-Id`, acks), a `Heartbeat` in the nodes bucket, and answers to the aggregator's
+live-diagnostics probes. Each node runs one 8-rank instance whose ranks move together
+through tasks (prompt build, KV lookup, prefill barrier and forward, decode barrier, one
+`decode_stream` entry per token, parser, idle), and every rank sends an MLX memory snapshot
+once a second. The aggregator is the real `rankscope aggregator` process.
+
+Measured while the load runs, from this process:
+- sustained events/s (flight entries + memory snapshots acknowledged by JetStream) and
+  entries/s the aggregator stored;
+- end-to-end lag: a probe node records an entry, then asks the aggregator's timeline for it
+  every 5 ms until it is there (publish batching included);
+- query p99: timeline of one instance (limit 1000) and the diagnosis, 20 a second;
+- aggregator RSS (VmRSS, peak VmHWM).
+
+    .venv/bin/python bench/scale.py [--nodes 1000] [--ranks 8] [--seconds 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import functools
+import heapq
+import itertools
+import logging
+import multiprocessing
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.queues import Queue
+from pathlib import Path
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.agent.publisher import TelemetryPublisher
+from shared.heartbeat import Heartbeat
+from shared.jetstream import Layout, ensure
+from shared.nats_server import EmbeddedNats
+from shared.subjects import untoken
+from shared.timestamps import now
+from shared.wire import (
+    ClusterTimeline,
+    Diagnosis,
+    FlightEntry,
+    InstanceCreated,
+    Memory,
+    MemorySampled,
+    MlxMemorySnapshot,
+    NodeDiagnostics,
+    NodeInfo,
+    Phase,
+    RunnerAssignment,
+    RunnerRef,
+    TimelineQuery,
+    decode,
+    encode,
+)
+
+REPO = Path(__file__).parent.parent
+GIB = 1 << 30
+PROBE_NODE = "probe"
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What every simulated node does."""
+
+    ranks: int
+    tokens_per_s: float
+    idle_s: tuple[float, float]
+    tokens: tuple[int, int]
+
+
+def _refs(node: str, ranks: int) -> list[RunnerRef]:
+    return [
+        RunnerRef(
+            runnerId=f"{node}-r{r}",
+            nodeId=node,
+            instanceId=f"{node}-job",
+            modelId="bench-model",
+            deviceRank=r,
+            worldSize=ranks,
+        )
+        for r in range(ranks)
+    ]
+
+
+def _placed(node: str, ranks: int) -> InstanceCreated:
+    return InstanceCreated(
+        at=now(),
+        instanceId=f"{node}-job",
+        runnerSpecId="bench",
+        modelId="bench-model",
+        assignments=[
+            RunnerAssignment(
+                runnerId=ref.runnerId,
+                nodeId=node,
+                deviceRank=ref.deviceRank,
+                worldSize=ranks,
+                startLayer=ref.deviceRank * 10,
+                endLayer=ref.deviceRank * 10 + 10,
+                nLayers=ranks * 10,
+                host="10.0.0.1",
+                port=50000 + ref.deviceRank,
+            )
+            for ref in _refs(node, ranks)
+        ],
+    )
+
+
+_STARTUP = [
+    (Phase.CREATED, "spawned"),
+    (Phase.CONNECT_GROUP, "joined"),
+    (Phase.LOAD_MODEL, "loaded"),
+    (Phase.WARMUP, "done"),
+    (Phase.IDLE, "ready"),
+]
+
+
+class _Node:
+    """One simulated agent: its ranks' telemetry through the real publisher."""
+
+    def __init__(self, node_id: str, load: Load, layout: Layout, publisher: TelemetryPublisher):
+        self.node_id = node_id
+        self.refs = _refs(node_id, load.ranks)
+        self._load = load
+        self._publisher = publisher
+        self._phase = [layout.subjects.runner(node_id, r.instanceId, r.deviceRank, "phase")
+                       for r in self.refs]  # fmt: skip
+        self._memory = [layout.subjects.runner(node_id, r.instanceId, r.deviceRank, "memory")
+                        for r in self.refs]  # fmt: skip
+        self._seq = [0] * load.ranks
+        self.events = 0
+
+    def _next(self, rank: int) -> int:
+        seq, self._seq[rank] = self._seq[rank], self._seq[rank] + 1
+        self.events += 1
+        return seq
+
+    def record(self, phase: Phase, event: str, task: str | None, **attrs: int) -> None:
+        """Every rank records the same transition."""
+        at = now()
+        for rank, ref in enumerate(self.refs):
+            entry = FlightEntry(
+                seq=self._next(rank),
+                at=at,
+                phase=phase,
+                event=event,
+                attrs={**attrs, "rank": rank},
+                taskId=task,
+                commandId=task,
+            )
+            self._publisher.entry(ref, self._phase[rank], entry)
+
+    def sample_memory(self) -> None:
+        """One MLX memory snapshot per rank."""
+        at = now()
+        for rank, ref in enumerate(self.refs):
+            snapshot = MlxMemorySnapshot(
+                generatedAt=at,
+                active=Memory(inBytes=3 * GIB + rank),
+                cache=Memory(inBytes=GIB // 2),
+                peak=Memory(inBytes=4 * GIB),
+                source="mlx.core",
+            )
+            seq = self._next(rank)
+            sample = MemorySampled(runner=ref, seq=seq, snapshot=snapshot)
+            self._publisher.message(self._memory[rank], encode(sample), f"{ref.runnerId}:{seq}")
+
+    def script(self, rng: random.Random) -> Iterator[float]:
+        """Tasks back to back with idle gaps; yields the seconds until its next step."""
+        load = self._load
+        for phase, event in _STARTUP:
+            self.record(phase, event, None)
+        yield rng.uniform(0, load.idle_s[1])  # nodes start at random points of the cycle
+        for number in itertools.count(1):
+            task = f"{self.node_id}-t{number}"
+            self.record(Phase.PROMPT_BUILD, "start", task)
+            self.record(Phase.KV_CACHE_LOOKUP, "fresh_cache", task, prompt_tokens=48)
+            self.record(Phase.PREFILL_BARRIER, "enter", task)
+            yield 0.05
+            self.record(Phase.PREFILL_PIPELINE, "done", task, prompt_tokens=48)
+            self.record(Phase.DECODE_BARRIER, "enter", task)
+            self.record(Phase.DECODE_WAIT_FIRST_TOKEN, "first_token", task)
+            for token in range(rng.randint(*load.tokens)):
+                yield 1 / load.tokens_per_s
+                self.record(Phase.DECODE_STREAM, "token", task, token_index=token, step=token)
+            self.record(Phase.PARSER, "finalize", task)
+            self.record(Phase.COMPLETION, "done", task)
+            self.record(Phase.IDLE, "ready", None)
+            yield rng.uniform(*load.idle_s)
+
+
+def _describe(node_id: str) -> NodeInfo:
+    return NodeInfo(
+        nodeId=node_id,
+        friendlyName=node_id,
+        address="10.0.0.1",
+        memoryTotalBytes=192 * GIB,
+        memoryAvailableBytes=160 * GIB,
+        lastHeartbeat=now(),
+    )
+
+
+async def _be_nodes(nc: Client, layout: Layout, names: list[str], stop: asyncio.Event) -> None:
+    """What an agent does for the aggregator besides telemetry: heartbeats (every node once
+    per 3 s, a thirtieth of them every 0.1 s) and answers to live-diagnostics probes."""
+    mine = set(names)
+
+    async def answer(msg: Msg) -> None:
+        node_id = untoken(msg.subject.split(".")[-2])
+        if node_id in mine:
+            diagnostics = NodeDiagnostics(
+                nodeId=node_id, friendlyName=node_id, address="10.0.0.1", generatedAt=now()
+            )
+            await msg.respond(encode(diagnostics))
+
+    probes = await nc.subscribe(f"{layout.subjects.prefix}.node.*.diagnostics", cb=answer)
+    kv = await nc.jetstream().key_value(layout.nodes_bucket.bucket)
+    beats = [Heartbeat(kv=kv, describe=functools.partial(_describe, n), interval=3.0)
+             for n in names]  # fmt: skip
+    rounds = 30
+    while not stop.is_set():
+        for share in range(rounds):
+            await asyncio.gather(*(b.beat() for b in beats[share::rounds]), return_exceptions=True)
+            await asyncio.sleep(3.0 / rounds)
+    await probes.unsubscribe()
+
+
+async def _simulate(
+    url: str, names: list[str], load: Load, seconds: float, out: Queue[tuple[int, int]]
+) -> None:
+    """The nodes `names` for `seconds`: one scheduler drives every node's script and memory
+    sampler; the nodes of this process share one publisher (one pump, as one agent's)."""
+    layout = Layout()
+    nc = await nats.connect(url, pending_size=64 << 20)
+    js = nc.jetstream()
+    stop, rng = asyncio.Event(), random.Random(names[0])
+    publisher = TelemetryPublisher(js=js, max_buffered=1_000_000, max_in_flight=1024)
+    nodes = {n: _Node(n, load, layout, publisher) for n in names}
+    scripts = {n: node.script(rng) for n, node in nodes.items()}
+
+    pumping = asyncio.create_task(publisher.run(stop))
+    beating = asyncio.create_task(_be_nodes(nc, layout, names, stop))
+    begun = time.monotonic()
+    due = [(begun + rng.random(), n, "memory") for n in names]
+    due += [(begun + next(scripts[n]), n, "task") for n in names]
+    heapq.heapify(due)
+    while (moment := time.monotonic()) < begun + seconds:
+        while due[0][0] <= moment:
+            at, name, kind = heapq.heappop(due)
+            if kind == "memory":
+                nodes[name].sample_memory()
+                heapq.heappush(due, (at + 1.0, name, kind))
+            else:
+                heapq.heappush(due, (at + next(scripts[name]), name, kind))
+        await asyncio.sleep(min(max(due[0][0] - time.monotonic(), 0.0), 0.02))
+    stop.set()
+    await asyncio.gather(pumping, beating)
+    out.put((publisher.published_entries, publisher.dropped_entries))
+    await nc.close()
+
+
+def _worker(
+    url: str, names: list[str], load: Load, seconds: float, out: Queue[tuple[int, int]]
+) -> None:
+    logging.getLogger("services.agent.publisher").setLevel(logging.ERROR)  # drops are counted
+    os.nice(10)  # stands in for agents on other machines: the system under test comes first
+    asyncio.run(_simulate(url, names, load, seconds, out))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(len(ordered) * q), len(ordered) - 1)]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss(pid: int) -> tuple[int, int]:
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
+
+
+@dataclass(slots=True)
+class _Measured:
+    lags: list[float]
+    queries: dict[str, list[float]]
+    stored: int
+    findings: dict[str, int]
+
+
+async def _measure(url: str, nodes: int, seconds: float) -> _Measured:
+    """Probe lag and query latency while the simulated cluster runs."""
+    layout = Layout()
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    publisher = TelemetryPublisher(js=js)
+    probe = _Node(PROBE_NODE, Load(1, 1.0, (0, 0), (0, 0)), layout, publisher)
+    await js.publish(layout.subjects.placement(f"{PROBE_NODE}-job"), encode(_placed(PROBE_NODE, 1)))
+    stop = asyncio.Event()
+    pumping = asyncio.create_task(publisher.run(stop))
+    being = asyncio.create_task(_be_nodes(nc, layout, [PROBE_NODE], stop))
+    lags: list[float] = []
+    queries: dict[str, list[float]] = {"timeline": [], "diagnosis": [], "health": []}
+    rng = random.Random(7)
+    kinds: collections.Counter[str] = collections.Counter()
+
+    async def ask(view: str, body: bytes) -> bytes:
+        started = time.perf_counter()
+        reply = await nc.request(layout.subjects.query(view), body, timeout=10)
+        queries[view].append((time.perf_counter() - started) * 1000)
+        return reply.data
+
+    async def lag_probes() -> None:
+        wanted = encode(TimelineQuery(instanceId=f"{PROBE_NODE}-job", limit=1))
+        for number in range(1_000_000):
+            if stop.is_set():
+                return
+            probe.record(Phase.DECODE_STREAM, "token", "probe", probe=number)
+            sent = time.perf_counter()
+            while True:
+                reply = await nc.request(layout.subjects.query("timeline"), wanted, timeout=10)
+                shown = decode(reply.data, ClusterTimeline).timeline
+                if shown and shown[-1].attrs.get("probe") == number:
+                    break
+                await asyncio.sleep(0.005)
+            lags.append((time.perf_counter() - sent) * 1000)
+            await asyncio.sleep(0.2)
+
+    async def query_load() -> None:
+        while not stop.is_set():
+            instance = f"node-{rng.randrange(nodes)}-job"
+            await ask("timeline", encode(TimelineQuery(instanceId=instance, limit=1000)))
+            findings = decode(await ask("diagnosis", b"{}"), Diagnosis).findings
+            kinds.update(f.kind.value for f in findings)
+            await ask("health", b"")
+            await asyncio.sleep(0.1)
+
+    tasks = [asyncio.create_task(lag_probes()), asyncio.create_task(query_load())]
+    health_before = await _health(nc, layout)
+    await asyncio.sleep(seconds)
+    health_after = await _health(nc, layout)
+    stop.set()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, pumping, being, return_exceptions=True)
+    await nc.close()
+    stored = int(str(health_after["entries"])) - int(str(health_before["entries"]))
+    return _Measured(lags, queries, stored, dict(kinds))
+
+
+async def _health(nc: Client, layout: Layout) -> dict[str, object]:
+    reply = await nc.request(layout.subjects.query("health"), b"", timeout=10)
+    return decode(reply.data, dict[str, object])
+
+
+async def _final_health(url: str) -> dict[str, object]:
+    nc = await nats.connect(url)
+    health = await _health(nc, Layout())
+    await nc.close()
+    return health
+
+
+async def _place(url: str, names: list[str], ranks: int) -> None:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await ensure(js, Layout())
+    layout = Layout()
+    acks = [
+        await js.publish_async(layout.subjects.placement(f"{n}-job"), encode(_placed(n, ranks)))
+        for n in names
+    ]
+    await asyncio.gather(*acks)
+    await nc.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--warmup", type=float, default=15.0)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--tokens-per-s", type=float, default=10.0)
+    parser.add_argument(
+        "--idle", type=float, nargs=2, default=(60.0, 140.0), metavar=("MIN", "MAX")
+    )
+    args = parser.parse_args()
+    load = Load(ranks=args.ranks, tokens_per_s=args.tokens_per_s, idle_s=args.idle, tokens=(16, 64))
+    names = [f"node-{i}" for i in range(args.nodes)]
+    with EmbeddedNats(store_dir=Path(tempfile.mkdtemp())) as server:
+        asyncio.run(_place(server.url, names, args.ranks))
+        aggregator = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "aggregator", "--node-id", "bench"],
+            cwd=REPO,
+            env={**os.environ, "RANKSCOPE_NATS_URL": server.url, "RANKSCOPE_LOG_LEVEL": "error"},
+        )
+        context = multiprocessing.get_context("spawn")
+        out = context.Queue()
+        total = args.warmup + args.seconds + 2
+        workers = [
+            context.Process(
+                target=_worker, args=(server.url, names[w :: args.workers], load, total, out)
+            )
+            for w in range(args.workers)
+        ]
+        for worker in workers:
+            worker.start()
+        time.sleep(args.warmup)
+        cpu = [_cpu_seconds(aggregator.pid), _cpu_seconds(server.pid or 0)]
+        measured = asyncio.run(_measure(server.url, args.nodes, args.seconds))
+        cpu = [_cpu_seconds(aggregator.pid) - cpu[0], _cpu_seconds(server.pid or 0) - cpu[1]]
+        rss, peak = _rss(aggregator.pid)
+        totals = [out.get() for _ in workers]
+        for worker in workers:
+            worker.join()
+        time.sleep(2)
+        final = asyncio.run(_final_health(server.url))
+        aggregator.terminate()
+        aggregator.wait()
+    gaps = final["missingSeqs"]
+    assert isinstance(gaps, dict)
+    print(f"{args.nodes} nodes x {args.ranks} ranks, {args.seconds:.0f} s measured")
+    print(f"published: {sum(t[0] for t in totals) / total:,.0f} events/s acknowledged "
+          f"(flight entries + memory snapshots)")  # fmt: skip
+    print(f"aggregator stored: {measured.stored / args.seconds:,.0f} flight entries/s")
+    print(f"lag publish -> visible in a query: {_summary(measured.lags, '.0f')} "
+          f"({len(measured.lags)} probes)")  # fmt: skip
+    for view, times in measured.queries.items():
+        print(f"query {view}: {_summary(times, '.1f')}")
+    print(f"CPU: aggregator {cpu[0] / args.seconds:.0%} of a core, "
+          f"nats-server {cpu[1] / args.seconds:.0%}")  # fmt: skip
+    print(f"aggregator RSS {rss / 2**20:.0f} MiB (peak {peak / 2**20:.0f} MiB)")
+    print(f"findings seen under load: {measured.findings or 'none'}; "
+          f"bad messages: {final['badMessages'] or 'none'}; "
+          f"entries dropped by publishers: {sum(t[1] for t in totals)}; "
+          f"runners with seq gaps once the load stopped: {len(gaps)}")  # fmt: skip
+
+
+def _summary(values: list[float], style: str) -> str:
+    return f"p50 {statistics.median(values):{style}} ms, p99 {_percentile(values, 0.99):{style}} ms"
+
+
+if __name__ == "__main__":
+    main()
