@@ -30,7 +30,15 @@ def _tiny_model(args: argparse.Namespace, settings: Settings) -> int:
 def _up(args: argparse.Namespace, settings: Settings) -> int:
     from services.stack.main import run
 
-    return run(settings, demo=args.demo)
+    return run(settings, demo=args.demo, nats_auth=args.nats_auth)
+
+
+def _nats_config(args: argparse.Namespace, settings: Settings) -> int:
+    from shared.jetstream import Layout
+    from shared.nats_auth import render
+
+    print(render(Layout.from_settings(settings), args.node), end="")
+    return 0
 
 
 def _agent(args: argparse.Namespace, settings: Settings) -> int:
@@ -69,8 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run the whole stack on this machine")
     up.add_argument("--demo", action="store_true", help="add a demo cluster with a tiny model")
+    up.add_argument(
+        "--nats-auth",
+        action="store_true",
+        help="give the embedded NATS one user per role, each allowed only what it does",
+    )
     up.set_defaults(handler=_up)
     add_arguments(up)
+
+    nats_config = commands.add_parser(
+        "nats-config", help="print a nats-server config with one user per role and per node"
+    )
+    nats_config.add_argument(
+        "--node", action="append", default=[], metavar="NODE_ID", help="an agent's node id"
+    )
+    nats_config.set_defaults(handler=_nats_config)
+    add_arguments(nats_config)
 
     agent = commands.add_parser("agent", help="run this node's agent (runners, flight recorder)")
     agent.set_defaults(handler=_agent)

@@ -10,6 +10,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from shared.nats_auth import inbox_prefix
 from shared.settings import Settings
 
 __all__ = ["close", "connect"]
@@ -53,6 +54,8 @@ async def connect(settings: Settings, name: str, **options: Any) -> Client:
     options.setdefault("error_cb", _error)
     options.setdefault("disconnected_cb", _disconnected)
     options.setdefault("reconnected_cb", _reconnected)
+    if settings.nats_user:
+        options.setdefault("inbox_prefix", inbox_prefix(settings.nats_user))
     return await nats.connect(
         servers=settings.nats_servers,
         name=name,

@@ -67,8 +67,10 @@ class EmbeddedNats:
         monitor: bool = False,
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 10.0,
+        config: str | None = None,
     ) -> None:
         self.store_dir = store_dir
+        self.config = config
         self.host = host
         self.port = port
         self.monitor = monitor
@@ -107,7 +109,8 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._ports_dir = tempfile.TemporaryDirectory(prefix="rankscope-nats-")
         config = self.store_dir / "nats.conf"
-        config.write_text(CONFIG.read_text())
+        config.touch(mode=0o600)  # it may hold passwords
+        config.write_text(self.config if self.config is not None else CONFIG.read_text())
         args = [
             str(find_binary()),
             "--config",

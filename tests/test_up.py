@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +22,9 @@ import nats
 import pytest
 
 from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
+from shared.connection import close, connect
 from shared.jetstream import Layout
+from shared.settings import Settings
 
 pytestmark = pytest.mark.nats
 
@@ -44,8 +48,9 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+@contextlib.contextmanager
+def _up(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+    """`rankscope up` running until the block ends, and the lines it printed at start."""
     process = subprocess.Popen(
         [
             sys.executable,
@@ -60,6 +65,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, str
             str(_free_port()),
             "--data-dir",
             str(tmp_path / "data"),
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -74,13 +80,21 @@ def stack(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, str
         parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
         if len(parts) == 2:
             shown[parts[0]] = parts[1]
-    yield process, shown
-    if process.poll() is None:
-        process.kill()
-    process.wait()
-    process.stdout.close()
-    assert process.stderr is not None
-    process.stderr.close()
+    try:
+        yield process, shown
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        process.stdout.close()
+        assert process.stderr is not None
+        process.stderr.close()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+    with _up(tmp_path) as started:
+        yield started
 
 
 async def test_streams_and_buckets_are_ready(
@@ -116,7 +130,11 @@ async def test_the_aggregator_answers_queries(
     stack: tuple[subprocess.Popen[str], dict[str, str]],
 ) -> None:
     _, shown = stack
-    nc = await nats.connect(shown["NATS"].split()[0])
+    assert await _aggregator_ready(Settings(nats_url=shown["NATS"].split()[0]))
+
+
+async def _aggregator_ready(settings: Settings) -> bool:
+    nc = await connect(settings, "test")
     health: dict[str, object] = {}
     for _ in range(300):  # it may still be starting: up to 30 s
         with contextlib.suppress(nats.errors.Error):
@@ -125,8 +143,42 @@ async def test_the_aggregator_answers_queries(
             if health["ready"]:
                 break
         await asyncio.sleep(0.1)
-    await nc.close()
-    assert health["ready"] is True
+    await close(nc)
+    return health.get("ready") is True
+
+
+def _get(url: str) -> str:
+    """The body of `url`, retried while the gateway is still starting (up to 30 s)."""
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                return str(answer.read().decode())
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer")
+
+
+async def test_with_nats_auth_every_service_works_and_no_secret_shows(tmp_path: Path) -> None:
+    token = "api-token-that-must-not-show"
+    with _up(tmp_path, "--nats-auth", "--api-token", token) as (process, shown):
+        assert "one user per role" in shown["NATS"]
+        config = (tmp_path / "data" / "nats" / "nats.conf").read_text()
+        passwords = re.findall(r'password: "([^"]+)"', config)
+        assert len(passwords) == 3, "aggregator, rank-table service, gateway"
+        url = shown["NATS"].split()[0]
+        gateway = Settings(nats_url=url, nats_user="gateway", nats_password=passwords[2])
+        assert await _aggregator_ready(gateway)
+        web = shown["web"].split()[0].rstrip("/")
+        assert "timeline" in await asyncio.to_thread(_get, f"{web}/v1/cluster/timeline")
+        metrics = await asyncio.to_thread(_get, f"{web}/metrics")
+        process.send_signal(signal.SIGTERM)
+        _, logs = process.communicate(timeout=20)
+    server_log = (tmp_path / "data" / "nats" / "nats-server.log").read_text()
+    assert "Violation" not in server_log, server_log
+    for secret in (token, *passwords):
+        assert secret not in logs
+        assert secret not in metrics
+        assert secret not in server_log
 
 
 async def test_a_crashed_service_is_restarted_and_reported(

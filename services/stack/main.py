@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from services.stack.demo import drive
 from services.stack.supervisor import ChildSpec, Supervisor
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
+from shared.nats_auth import agent_user, render
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, to_environ
 from shared.tiny_model import TinyModelSpec, write_tiny_model
@@ -31,6 +34,9 @@ SERVICES = (
 """The services `up` runs; each is a `rankscope` subcommand."""
 
 
+DEMO_NODES = ("node-a", "node-b")
+
+
 def demo_agents(settings: Settings) -> tuple[ChildSpec, ...]:
     """The demo's two node agents on loopback, each with a data dir of its own."""
     return tuple(
@@ -43,7 +49,29 @@ def demo_agents(settings: Settings) -> tuple[ChildSpec, ...]:
                 "RANKSCOPE_DATA_DIR": str(settings.data_dir / node),
             },
         )
-        for node in ("node-a", "node-b")
+        for node in DEMO_NODES
+    )
+
+
+def _user_of(child: ChildSpec) -> str:
+    node = child.env.get("RANKSCOPE_NODE_ID")
+    return agent_user(node) if node is not None else child.args[0]
+
+
+def with_users(children: Sequence[ChildSpec]) -> tuple[dict[str, str], tuple[ChildSpec, ...]]:
+    """A fresh password per child's role (an agent's is its node's), and the children
+    connecting as those users."""
+    passwords = {_user_of(child): secrets.token_urlsafe(24) for child in children}
+    return passwords, tuple(
+        replace(
+            child,
+            env={
+                **child.env,
+                "RANKSCOPE_NATS_USER": _user_of(child),
+                "RANKSCOPE_NATS_PASSWORD": passwords[_user_of(child)],
+            },
+        )
+        for child in children
     )
 
 
@@ -56,28 +84,43 @@ def demo_model(settings: Settings) -> Path:
     return directory
 
 
-async def _serve(settings: Settings, *, demo: bool) -> None:
+async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    children = SERVICES + (demo_agents(settings) if demo else ())
     async with contextlib.AsyncExitStack() as stack:
         servers = settings.nats_servers
         if settings.nats_url is None:
+            config = None
+            if nats_auth:
+                passwords, children = with_users(children)
+                config = render(
+                    Layout.from_settings(settings), DEMO_NODES if demo else (), passwords
+                )
+                settings = replace(
+                    settings, nats_user="ranktable", nats_password=passwords["ranktable"]
+                )
             server = EmbeddedNats(
-                store_dir=settings.data_dir / "nats", port=settings.nats_port, monitor=True
+                store_dir=settings.data_dir / "nats",
+                port=settings.nats_port,
+                monitor=True,
+                config=config,
             ).start()
             stack.callback(server.stop)
             servers = [server.url]
             settings = replace(settings, nats_url=server.url)
+        elif nats_auth:
+            raise SystemExit("--nats-auth configures the embedded NATS: leave --nats-url unset")
         nc = await connect(settings, "rankscope-up")
         stack.push_async_callback(close, nc)
         await ensure(nc.jetstream(), Layout.from_settings(settings))
-        print(f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready)")
+        users = " (one user per role)" if nats_auth else ""
+        print(f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready){users}")
         model = demo_model(settings) if demo else None
         if model is not None:
             print(f"demo model  {model}")
-        children = SERVICES + (demo_agents(settings) if demo else ())
         supervisor = Supervisor(children, env=to_environ(settings))
         await supervisor.start()
         supervising = asyncio.create_task(supervisor.run(stop))
@@ -96,7 +139,7 @@ async def _serve(settings: Settings, *, demo: bool) -> None:
         await supervising
 
 
-def run(settings: Settings, *, demo: bool) -> int:
+def run(settings: Settings, *, demo: bool, nats_auth: bool = False) -> int:
     """Run the stack in the foreground; returns the exit code."""
-    asyncio.run(_serve(settings, demo=demo))
+    asyncio.run(_serve(settings, demo=demo, nats_auth=nats_auth))
     return 0

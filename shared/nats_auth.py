@@ -1,0 +1,194 @@
+"""NATS users, one per role, each allowed only what that role does.
+
+- an agent (one user per node, `agent-<nodeId>`) publishes telemetry only under its own
+  node's subjects and its own heartbeat key, answers probes of its own node, reads the
+  placement and task streams (its assignments), and reports task status and output;
+- the aggregator reads telemetry, placements, tasks and nodes, and writes only findings
+  and dead letters; it answers queries and probes agents;
+- the rank-table service reads specs, nodes, placements and runner status, and writes
+  placements, rank tables and spec status;
+- the gateway asks queries, writes specs and tasks, and reads rank tables, output and
+  the buckets; it can never publish runner telemetry.
+
+Only the aggregator and the rank-table service may create or update streams; nobody may
+delete or purge them. Each user receives replies only under its own inbox prefix
+(`_INBOX_<user>`), so no role can read another's answers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shared.jetstream import Layout
+from shared.subjects import token
+
+__all__ = ["ROLES", "Permissions", "agent_user", "inbox_prefix", "password_variable", "render"]
+
+ROLES = ("aggregator", "ranktable", "gateway")
+"""The service roles; every agent is a user of its own (`agent_user`)."""
+
+
+def agent_user(node_id: str) -> str:
+    """The NATS user of the agent on `node_id`."""
+    return f"agent-{token(node_id)}"
+
+
+def inbox_prefix(user: str) -> str:
+    """Where `user` receives replies and push deliveries."""
+    return f"_INBOX_{token(user)}"
+
+
+def password_variable(user: str) -> str:
+    """The environment variable the server config reads `user`'s password from."""
+    return "RANKSCOPE_NATS_PASSWORD_" + "".join(c if c.isalnum() else "_" for c in user).upper()
+
+
+@dataclass(frozen=True, slots=True)
+class Permissions:
+    """Subjects one user may publish to and subscribe to."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+class _Api:
+    """JetStream API subjects for the streams of one layout."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.all_streams = [s.name for s in layout.streams] + [
+            b.stream_name for b in layout.buckets
+        ]
+
+    def stream(self, name: str) -> str:
+        for stream in self.layout.streams:
+            if stream.name.endswith("_" + name):
+                return stream.name
+        raise KeyError(name)
+
+    def everyone(self) -> list[str]:
+        """Checking that the streams exist (every service does at start-up)."""
+        return ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.*"]
+
+    def own(self) -> list[str]:
+        """Creating and updating rankscope's streams and buckets."""
+        return [f"$JS.API.STREAM.{verb}.{name}" for verb in ("CREATE", "UPDATE")
+                for name in self.all_streams]  # fmt: skip
+
+    def read(self, *streams: str) -> list[str]:
+        """Ordered consumers, direct gets and last-message reads on `streams`."""
+        subjects = ["$JS.FC.>"]
+        for name in streams:
+            subjects += [
+                f"$JS.API.CONSUMER.CREATE.{name}",
+                f"$JS.API.CONSUMER.CREATE.{name}.>",
+                f"$JS.API.CONSUMER.INFO.{name}.*",
+                f"$JS.API.CONSUMER.DELETE.{name}.*",
+                f"$JS.API.DIRECT.GET.{name}",
+                f"$JS.API.DIRECT.GET.{name}.>",
+                f"$JS.API.STREAM.MSG.GET.{name}",
+            ]
+        return subjects
+
+
+def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permissions:
+    """What `user` (a role of `ROLES`, or an agent with its `node_id`) may do."""
+    api, subjects = _Api(layout), layout.subjects
+    p = subjects.prefix
+    nodes_kv = layout.nodes_bucket.stream_name
+    runners_kv = layout.runners_bucket.stream_name
+    status_kv = layout.runner_status_bucket.stream_name
+    inbox = [f"{inbox_prefix(user)}.>"]
+    if node_id is not None:
+        node = token(node_id)
+        return Permissions(
+            publish=(
+                f"{p}.runner.{node}.>",
+                f"$KV.{layout.nodes_bucket.bucket}.{node}",
+                f"{p}.tasks.>",
+                f"{p}.output.>",
+                *api.everyone(),
+                *api.read(api.stream("PLACEMENT"), api.stream("TASKS")),
+                # a restarted runner resumes its seq from its last stored message
+                f"$JS.API.STREAM.MSG.GET.{api.stream('RUNNER')}",
+            ),
+            subscribe=(*inbox, subjects.node_diagnostics(node_id)),
+        )
+    if user == "aggregator":
+        return Permissions(
+            publish=(
+                f"{p}.diagnosis.>",
+                subjects.deadletter(),
+                f"{p}.node.*.diagnostics",
+                *api.everyone(),
+                *api.own(),
+                *api.read(
+                    api.stream("RUNNER"), api.stream("PLACEMENT"), api.stream("TASKS"), nodes_kv
+                ),
+            ),
+            subscribe=(*inbox, f"{p}.query.*"),
+        )
+    if user == "ranktable":
+        return Permissions(
+            publish=(
+                f"{p}.placement.>",
+                f"{p}.ranktable.>",
+                f"$KV.{layout.runner_status_bucket.bucket}.>",
+                *api.everyone(),
+                *api.own(),
+                *api.read(
+                    api.stream("RUNNER"),
+                    api.stream("PLACEMENT"),
+                    api.stream("RANKTABLE"),
+                    runners_kv,
+                    nodes_kv,
+                    status_kv,
+                ),
+            ),
+            subscribe=tuple(inbox),
+        )
+    if user == "gateway":
+        return Permissions(
+            publish=(
+                f"{p}.query.*",
+                f"{p}.tasks.>",
+                f"{p}.node.*.diagnostics",
+                f"$KV.{layout.runners_bucket.bucket}.>",
+                *api.everyone(),
+                *api.read(api.stream("RANKTABLE"), runners_kv, nodes_kv, status_kv),
+            ),
+            subscribe=(*inbox, f"{p}.ranktable.>", f"{p}.output.>"),
+        )
+    raise ValueError(f"no role {user!r}; roles are {', '.join(ROLES)} and agent-<node>")
+
+
+def render(layout: Layout, nodes: Sequence[str], passwords: Mapping[str, str] | None = None) -> str:
+    """A nats-server config: rankscope's limits and one user per role and per node.
+
+    Passwords are written as given, or, when `passwords` is None, as references to
+    environment variables of the server (`password_variable`), so the file holds no secret.
+    """
+    users = [(role, permissions(layout, role)) for role in ROLES]
+    users += [(agent_user(n), permissions(layout, agent_user(n), n)) for n in nodes]
+    lines = [
+        "# rankscope's NATS server config with one user per role (`rankscope nats-config`).",
+        "# Timelines for a browser can be tens of MB; NATS's 1 MB default would refuse them.",
+        "max_payload: 64MB",
+        "authorization {",
+        "  users: [",
+    ]
+    for user, allowed in users:
+        secret = (
+            json.dumps(passwords[user]) if passwords is not None else f"${password_variable(user)}"
+        )
+        lines += [
+            f"    {{user: {json.dumps(user)}, password: {secret}, permissions: {{",
+            f"      publish: {{allow: {json.dumps(list(allowed.publish))}}}",
+            f"      subscribe: {{allow: {json.dumps(list(allowed.subscribe))}}}",
+            "      allow_responses: true",
+            "    }}",
+        ]
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)

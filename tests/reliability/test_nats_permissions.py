@@ -1,0 +1,152 @@
+"""With rankscope's per-role NATS config, the server itself refuses what a role must not
+do, while the same user's own work goes through."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.js.api import StreamConfig
+from nats.js.errors import NotFoundError
+
+from shared.connection import close, connect
+from shared.jetstream import Layout, ensure
+from shared.nats_auth import ROLES, agent_user, render
+from shared.nats_server import EmbeddedNats
+from shared.settings import Settings
+
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
+
+NODES = ("node-a", "node-b")
+LAYOUT = Layout()
+SUBJECTS = LAYOUT.subjects
+PASSWORDS = {user: f"pw-{user}" for user in (*ROLES, *(agent_user(n) for n in NODES))}
+
+
+class _Session:
+    """One user's connection and the server errors it received."""
+
+    def __init__(self, nc: Client, errors: list[str]) -> None:
+        self.nc, self.js, self.errors = nc, nc.jetstream(timeout=1.0), errors
+
+    async def refused(self, what: str) -> None:
+        """The server reported a permissions violation naming `what`."""
+        for _ in range(100):
+            if any("permissions violation" in e.lower() and what.lower() in e.lower()
+                   for e in self.errors):  # fmt: skip
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no permissions violation for {what!r}; got {self.errors}")
+
+    async def publish_refused(self, subject: str) -> None:
+        with pytest.raises((TimeoutError, NatsError)):
+            await self.js.publish(subject, b"{}", timeout=0.5)
+        await self.refused(subject)
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
+    server = EmbeddedNats(store_dir=tmp_path, config=render(LAYOUT, NODES, PASSWORDS)).start()
+    owner = await _login(server, "aggregator")
+    await ensure(owner.js, LAYOUT)
+    await close(owner.nc)
+    yield server
+    server.stop()
+
+
+async def _login(server: EmbeddedNats, user: str) -> _Session:
+    errors: list[str] = []
+
+    async def collect(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    settings = Settings(nats_url=server.url, nats_user=user, nats_password=PASSWORDS[user])
+    return _Session(await connect(settings, f"test-{user}", error_cb=collect), errors)
+
+
+async def _stored(session: _Session, subject: str) -> bool:
+    try:
+        await session.js.get_last_msg(LAYOUT.runner_stream.name, subject)
+    except NotFoundError:
+        return False
+    return True
+
+
+async def test_an_agent_publishes_only_under_its_own_node(server: EmbeddedNats) -> None:
+    agent = await _login(server, agent_user("node-a"))
+    mine = SUBJECTS.runner("node-a", "i", 0, "memory")
+    theirs = SUBJECTS.runner("node-b", "i", 0, "memory")
+    await agent.js.publish(mine, b"{}")
+    await agent.publish_refused(theirs)
+    await agent.publish_refused(f"$KV.{LAYOUT.nodes_bucket.bucket}.node-b")
+    await agent.publish_refused(SUBJECTS.placement("i"))
+    await agent.publish_refused(SUBJECTS.diagnosis("i"))
+    assert await _stored(agent, mine)
+    assert not await _stored(agent, theirs)
+    await close(agent.nc)
+
+
+async def test_an_agent_reads_its_assignments_but_not_the_telemetry_stream(
+    server: EmbeddedNats,
+) -> None:
+    agent = await _login(server, agent_user("node-a"))
+    await agent.js.subscribe(SUBJECTS.placement_all(), ordered_consumer=True)
+    await agent.nc.subscribe(SUBJECTS.node_diagnostics("node-a"))
+    with pytest.raises((TimeoutError, NatsError)):
+        await agent.js.subscribe(SUBJECTS.runner_all(), ordered_consumer=True)
+    await agent.refused("CONSUMER.CREATE")
+    await agent.nc.subscribe(SUBJECTS.node_diagnostics("node-b"))
+    await agent.refused(f'subscription to "{SUBJECTS.node_diagnostics("node-b")}"')
+    await agent.nc.subscribe("_INBOX_gateway.>")  # nobody reads another's replies
+    await agent.refused('subscription to "_INBOX_gateway.>"')
+    await close(agent.nc)
+
+
+async def test_the_gateway_cannot_publish_runner_telemetry_or_placements(
+    server: EmbeddedNats,
+) -> None:
+    gateway = await _login(server, "gateway")
+    await gateway.publish_refused(SUBJECTS.runner("node-a", "i", 0, "phase"))
+    await gateway.publish_refused(SUBJECTS.placement("i"))
+    await gateway.publish_refused(f"$KV.{LAYOUT.nodes_bucket.bucket}.node-a")
+    await gateway.js.publish(SUBJECTS.tasks("i"), b"{}")  # its own work
+    await close(gateway.nc)
+
+
+async def test_the_aggregator_writes_only_its_own_subjects(server: EmbeddedNats) -> None:
+    aggregator = await _login(server, "aggregator")
+    await aggregator.js.publish(SUBJECTS.diagnosis("i"), b"{}")
+    await aggregator.js.subscribe(SUBJECTS.runner_all(), ordered_consumer=True)
+    await aggregator.publish_refused(SUBJECTS.runner("node-a", "i", 0, "phase"))
+    await aggregator.publish_refused(SUBJECTS.placement("i"))
+    await aggregator.publish_refused(SUBJECTS.tasks("i"))
+    await aggregator.publish_refused(f"$KV.{LAYOUT.runners_bucket.bucket}.spec")
+    await close(aggregator.nc)
+
+
+async def test_only_owners_change_streams_and_nobody_deletes_them(server: EmbeddedNats) -> None:
+    for user in ("gateway", agent_user("node-a")):
+        session = await _login(server, user)
+        with pytest.raises((TimeoutError, NatsError)):
+            await session.js.update_stream(
+                StreamConfig(name=LAYOUT.runner_stream.name, subjects=[SUBJECTS.runner_all()])
+            )
+        await session.refused("STREAM.UPDATE")
+        await close(session.nc)
+    for user in ROLES:
+        session = await _login(server, user)
+        with pytest.raises((TimeoutError, NatsError)):
+            await session.js.delete_stream(LAYOUT.runner_stream.name)
+        await session.refused("STREAM.DELETE")
+        await close(session.nc)
+
+
+async def test_a_wrong_password_is_refused(server: EmbeddedNats) -> None:
+    nc = Client()
+    with pytest.raises(NatsError, match=r"(?i)authorization"):
+        await nc.connect(server.url, user="gateway", password="guess", allow_reconnect=False)
+    await nc.close()
