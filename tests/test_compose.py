@@ -12,11 +12,14 @@ from typing import Any
 import yaml
 
 from services.cli import build_parser
+from shared.jetstream import Layout
+from shared.nats_auth import password_variable, render
 from shared.settings import Settings, env_name
 
 REPO = Path(__file__).parent.parent
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 SETTINGS = {env_name(f.name) for f in dataclasses.fields(Settings)}
+AGENTS = {n: s for n, s in COMPOSE["services"].items() if n.startswith("agent")}
 
 
 def _rankscope_argv(service: dict[str, Any]) -> list[str] | None:
@@ -32,8 +35,27 @@ def test_nats_runs_jetstream_on_a_volume_with_a_healthcheck() -> None:
     assert "--jetstream" in nats["command"]
     store = nats["command"][nats["command"].index("--store_dir") + 1]
     assert any(volume.endswith(f":{store}") for volume in nats["volumes"])
-    assert "./shared/nats.conf:/etc/nats/rankscope.conf:ro" in nats["volumes"]
+    assert "./deploy/nats-auth.conf:/etc/nats/rankscope.conf:ro" in nats["volumes"]
     assert "healthcheck" in nats
+
+
+def test_the_shipped_nats_config_is_what_nats_config_prints_for_the_compose_nodes() -> None:
+    nodes = [s["environment"]["RANKSCOPE_NODE_ID"] for n, s in AGENTS.items()]
+    assert nodes == ["node-1", "node-2"]
+    assert (REPO / "deploy" / "nats-auth.conf").read_text() == render(Layout(), nodes), (
+        "regenerate: rankscope nats-config --node node-1 --node node-2 > deploy/nats-auth.conf"
+    )
+
+
+def test_every_service_connects_as_its_own_user_with_a_password_the_server_knows() -> None:
+    server_env = COMPOSE["services"]["nats"]["environment"]
+    config = (REPO / "deploy" / "nats-auth.conf").read_text()
+    assert set(re.findall(r"password: \$(\w+)", config)) == set(server_env)
+    for name in ("aggregator", "ranktable", "gateway", *AGENTS):
+        env = COMPOSE["services"][name]["environment"]
+        user = env["RANKSCOPE_NATS_USER"]
+        # the service's password is the same variable (and default) the server reads
+        assert env["RANKSCOPE_NATS_PASSWORD"] == server_env[password_variable(user)], name
 
 
 def test_every_service_command_is_a_real_subcommand() -> None:
@@ -49,6 +71,8 @@ def test_every_service_command_is_a_real_subcommand() -> None:
 
 def test_every_variable_is_a_real_setting() -> None:
     for name, service in COMPOSE["services"].items():
+        if name == "nats":
+            continue
         variables = set(service.get("environment", {}))
         entry = " ".join(service.get("entrypoint") or [])
         variables |= set(re.findall(r"(RANKSCOPE_[A-Z_]+)=", entry))
@@ -59,5 +83,5 @@ def test_gateway_on_8000_with_a_readiness_check_and_restart_policies() -> None:
     gateway = COMPOSE["services"]["gateway"]
     assert "8000:8000" in gateway["ports"]
     assert "/readyz" in " ".join(gateway["healthcheck"]["test"])
-    for name in ("aggregator", "ranktable", "gateway", "agent"):
+    for name in ("aggregator", "ranktable", "gateway", *AGENTS):
         assert COMPOSE["services"][name]["restart"] == "unless-stopped"
