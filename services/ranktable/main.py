@@ -30,7 +30,13 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         hub = TableHub()
         server, port = await serve(hub, settings.grpc_host, settings.grpc_port)
         stack.push_async_callback(server.stop, 1.0)
-        service = RankTableService(js=js, layout=layout, hub=hub, port_base=settings.ring_port_base)
+        service = RankTableService(
+            js=js,
+            layout=layout,
+            hub=hub,
+            port_base=settings.ring_port_base,
+            connected=lambda: nc.is_connected,
+        )
         log.info("rank-table service up; gRPC config.Config on port %d", port)
         await service.run(stop)
 

@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from services.ranktable.hub import TableHub
@@ -64,6 +65,8 @@ class RankTableService:
         hub: where in-process subscribers (gRPC) follow rank tables.
         port_base: first ring port handed out per node.
         clock: monotonic seconds, for node expiry.
+        connected: whether NATS is reachable; while it is not, silence proves nothing, so no
+            node expires, and every node gets a whole TTL once NATS is back.
     """
 
     def __init__(
@@ -74,8 +77,10 @@ class RankTableService:
         hub: TableHub,
         port_base: int,
         clock: Callable[[], float] = time.monotonic,
+        connected: Callable[[], bool] = lambda: True,
     ) -> None:
         self._js = js
+        self._connected = connected
         self._layout = layout
         self._hub = hub
         self._port_base = port_base
@@ -117,7 +122,7 @@ class RankTableService:
             watchers = [
                 tasks.create_task(self._watch(specs_kv, self._on_spec, specs_loaded)),
                 tasks.create_task(self._watch(nodes_kv, self._on_node, nodes_loaded)),
-                tasks.create_task(self._expire_nodes(stop)),
+                tasks.create_task(self._expire_nodes(nodes_kv, stop)),
             ]
             await specs_loaded.wait()
             await nodes_loaded.wait()
@@ -228,14 +233,34 @@ class RankTableService:
             log.warning("node %s", how, extra={"nodeId": node_id})
         self._deadlines.pop(node_id, None)
 
-    async def _expire_nodes(self, stop: asyncio.Event) -> None:
-        period = self._layout.node_ttl_s / 4
+    async def _still_there(self, kv: KeyValue, node_id: str, recheck: float) -> bool:
+        """Whether the server still holds the node's heartbeat. The bucket's TTL is the
+        authority: a watcher can lag (just after NATS came back, its consumer is rebuilt)."""
+        try:
+            entry = await kv.get(token(node_id))
+        except KeyNotFoundError:
+            return False
+        except (NatsError, TimeoutError):
+            return True  # cannot tell now; ask again at the next round
+        self._on_node(entry)
+        self._deadlines[node_id] = self._clock() + recheck
+        return True
+
+    async def _expire_nodes(self, kv: KeyValue, stop: asyncio.Event) -> None:
+        period, ttl, outage = self._layout.node_ttl_s / 4, self._layout.node_ttl_s, False
         while not stop.is_set():
             moment = self._clock()
-            for node_id, deadline in list(self._deadlines.items()):
-                if deadline <= moment:
-                    self._forget_node(node_id, "lost: no heartbeat within the TTL")
-                    self._dirty.set()
+            if not self._connected():
+                outage = True
+            elif outage:
+                outage = False
+                log.info("NATS is back: every node has %gs to be heard again", ttl)
+                self._deadlines = {node_id: moment + ttl for node_id in self._deadlines}
+            else:
+                for node_id, deadline in list(self._deadlines.items()):
+                    if deadline <= moment and not await self._still_there(kv, node_id, period):
+                        self._forget_node(node_id, "lost: no heartbeat within the TTL")
+                        self._dirty.set()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), period)
 
