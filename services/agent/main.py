@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import uuid
 from pathlib import Path
 
@@ -90,12 +91,22 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         await placements.stop()
         await diagnostics.unsubscribe()
         await agent.shutdown()
+        _reap_runners()
         beat_stop.set()
         await beating
         publishing_stop.set()
         await publishing
         if publisher.dropped_entries:
             log.warning("telemetry dropped: %d entries", publisher.dropped_entries)
+
+
+def _reap_runners() -> None:
+    """No runner outlives its agent: one wedged in a collective ignores SIGTERM, and the
+    interpreter would wait for it at exit forever."""
+    for child in multiprocessing.active_children():
+        log.warning("runner pid %s still alive after release: killed", child.pid)
+        child.kill()
+        child.join(5)
 
 
 def run(settings: Settings) -> int:
