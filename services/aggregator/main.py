@@ -35,6 +35,10 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             thresholds=Thresholds(
                 working=settings.stall_threshold, loading=settings.load_threshold
             ),
+            # a silent node is reported well before the rank-table service, one TTL after
+            # its last heartbeat, releases what ran on it
+            probe_interval=min(2.0, settings.heartbeat_ttl / 4),
+            probe_timeout=min(1.0, settings.heartbeat_ttl / 4),
         )
         await service.run(stop)
 
