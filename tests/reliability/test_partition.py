@@ -1,0 +1,154 @@
+"""A network partition, made with a network namespace: node-b's agent and runner live in
+their own namespace, joined to the host by a veth pair. Cutting the link looks like a lost
+node to everyone else (within two heartbeat TTLs); when the link returns, the node rejoins
+and what it recorded while cut off arrives, each entry once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from shared.nats_server import EmbeddedNats
+from shared.timestamps import format_ts, to_epoch
+from shared.wire import ClusterTimeline, Phase, decode
+from tests.gateway.conftest import free_port
+from tests.reliability.deployment import Agent, Deployment, deployed, node_loss_seen
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.nats,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(240),
+]
+
+TTL = 3.0
+HOST_IP, NODE_IP = "10.231.7.1", "10.231.7.2"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+class Link:
+    """A network namespace joined to the host by a veth pair that can be cut."""
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.namespace, self.host_end, self.node_end = f"rs-{tag}", f"rsh-{tag}", f"rsn-{tag}"
+
+    def __enter__(self) -> Link:
+        _ip("netns", "add", self.namespace)
+        _ip("link", "add", self.host_end, "type", "veth", "peer", "name", self.node_end)
+        _ip("link", "set", self.node_end, "netns", self.namespace)
+        _ip("addr", "add", f"{HOST_IP}/30", "dev", self.host_end)
+        _ip("link", "set", self.host_end, "up")
+        inside = ("-n", self.namespace)
+        _ip(*inside, "addr", "add", f"{NODE_IP}/30", "dev", self.node_end)
+        _ip(*inside, "link", "set", self.node_end, "up")
+        _ip(*inside, "link", "set", "lo", "up")
+        return self
+
+    def cut(self) -> None:
+        _ip("link", "set", self.host_end, "down")
+
+    def mend(self) -> None:
+        _ip("link", "set", self.host_end, "up")
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run(["ip", "link", "del", self.host_end], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True)
+
+
+def _namespaces_work() -> bool:
+    if os.geteuid() != 0:
+        return False
+    try:
+        with Link():
+            return True
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def link() -> Iterator[Link]:
+    if not _namespaces_work():
+        pytest.skip("needs root and `ip netns` (iproute2) to build a network namespace")
+    with Link() as made:
+        yield made
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def deployment(
+    link: Link, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Deployment]:
+    root = tmp_path_factory.mktemp("partition")
+    port = free_port()
+    server = EmbeddedNats(store_dir=root / "nats", host="0.0.0.0", port=port).start()
+    agents = {
+        "node-a": Agent(address=HOST_IP),
+        "node-b": Agent(
+            within=("ip", "netns", "exec", link.namespace),
+            nats_url=f"nats://{HOST_IP}:{port}",
+            address=NODE_IP,
+        ),
+    }
+    async with deployed(root, server, agents, heartbeat_ttl=TTL, collective_timeout=4.0) as built:
+        yield built
+    server.stop()
+
+
+async def test_a_cut_link_is_a_lost_node_and_the_mended_link_brings_everything_back(
+    link: Link, deployment: Deployment
+) -> None:
+    lost = {r.nodeId: r for r in (await deployment.timeline()).runners}["node-b"]
+    await deployment.generate("partition", max_tokens=3000)
+    await deployment.until(
+        "decoding", lambda: deployment.entries("partition", Phase.DECODE_STREAM), 60
+    )
+    cut_at = time.time()
+    await node_loss_seen(deployment, "node-b", link.cut, TTL)
+    await asyncio.sleep(max(0.0, cut_at + 2 * TTL + 2 - time.time()))  # its watchdog fires
+    link.mend()
+    mended_at = time.time()
+
+    async def rejoined() -> bool | None:
+        found = await deployment.timeline()
+        return None if any(n.nodeId == "node-b" for n in found.unreachableNodes) else True
+
+    await deployment.until("node-b rejoined", rejoined, 30)
+
+    async def buffered() -> list[str] | None:  # the events, if any arrived
+        reply = await deployment.http.get(
+            "/v1/cluster/timeline",
+            params={
+                "nodeId": "node-b",
+                "since": format_ts(datetime.fromtimestamp(cut_at, tz=UTC)),
+                "limit": 100_000,
+            },
+        )
+        mine = [e for e in decode(reply.content, ClusterTimeline).timeline
+                if e.runnerId == lost.runnerId and to_epoch(e.at) < mended_at]  # fmt: skip
+        return [e.event for e in mine] if mine else None
+
+    # what node-b's runner recorded on the far side (its watchdog, its exit) arrives
+    await deployment.until("entries recorded while cut off", buffered, 30)
+    reply = await deployment.http.get(
+        "/v1/cluster/timeline", params={"nodeId": "node-b", "limit": 100_000}
+    )
+    times = Counter(
+        (e.runnerId, e.at, e.phase, e.event)
+        for e in decode(reply.content, ClusterTimeline).timeline
+    )
+    assert [key for key, n in times.items() if n > 1] == [], "an entry arrived twice"
+    health = (await deployment.nc.request("rankscope.query.health", b"")).data
+    assert lost.runnerId not in decode(health, dict[str, Any])["missingSeqs"]
