@@ -2,11 +2,12 @@
 
 - an agent (one user per node, `agent-<nodeId>`) publishes telemetry only under its own
   node's subjects and its own heartbeat key, answers probes of its own node, reads the
-  placement and task streams (its assignments), and reports task status and output;
+  placement and task streams (its assignments), and reports task status, output and
+  messages it could not apply (dead letters);
 - the aggregator reads telemetry, placements, tasks and nodes, and writes only findings
   and dead letters; it answers queries and probes agents;
 - the rank-table service reads specs, nodes, placements and runner status, and writes
-  placements, rank tables and spec status;
+  placements, rank tables, spec status and dead letters;
 - the gateway asks queries, writes specs and tasks, and reads rank tables, output and
   the buckets; it can never publish runner telemetry.
 
@@ -109,6 +110,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 f"$KV.{layout.nodes_bucket.bucket}.{node}",
                 f"{p}.tasks.>",
                 f"{p}.output.>",
+                subjects.deadletter(),
                 *api.everyone(),
                 *api.read(api.stream("PLACEMENT"), api.stream("TASKS")),
                 # a restarted runner resumes its seq from its last stored message
@@ -136,6 +138,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 f"{p}.placement.>",
                 f"{p}.ranktable.>",
                 f"$KV.{layout.runner_status_bucket.bucket}.>",
+                subjects.deadletter(),
                 *api.everyone(),
                 *api.own(),
                 *api.read(

@@ -16,6 +16,7 @@ from nats.js.errors import NotFoundError
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import RunnerConfig, Timeouts
 from services.agent.supervisor import RunnerSupervisor
+from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
 from shared.replay import Follower, follow
 from shared.timestamps import now
@@ -76,18 +77,16 @@ class Agent:
         self._task_followers: dict[str, Follower] = {}
         self._final_tasks: set[str] = set()
         self._outputs: set[asyncio.Task[None]] = set()
-        self.bad_messages = 0
-
-    def _bad(self, subject: str, error: Exception) -> None:
-        self.bad_messages += 1
-        log.warning("skipped a message that does not decode: %s", error, extra={"subject": subject})
+        self.dead_letters = DeadLetters(
+            js=js, subject=layout.subjects.deadletter(), service=f"agent {self._node_id}"
+        )
 
     async def on_placement(self, msg: Msg) -> None:
         """Start, keep or stop local runners to match the latest placement of an instance."""
         try:
             event: PlacementEvent = decode(msg.data, PlacementEvent)
         except WireError as exc:
-            self._bad(msg.subject, exc)
+            self.dead_letters.reject(msg.subject, msg.data, "placement_undecodable", exc)
             return
         if isinstance(event, InstanceReleased):
             await self._release_instance(event.instanceId, keep=set())
@@ -163,7 +162,7 @@ class Agent:
         try:
             event: TaskEvent = decode(msg.data, TaskEvent)
         except WireError as exc:
-            self._bad(msg.subject, exc)
+            self.dead_letters.reject(msg.subject, msg.data, "task_undecodable", exc)
             return
         if isinstance(event, TaskStatusChanged):
             if event.taskStatus.is_final:

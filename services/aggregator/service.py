@@ -8,7 +8,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from services.aggregator.diagnosis import Thresholds, diagnose
 from services.aggregator.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
 from services.aggregator.views import ClusterState
+from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
 from shared.replay import follow
 from shared.subjects import untoken
@@ -93,33 +94,18 @@ class AggregatorService:
         self._probe_timeout = probe_timeout
         self._clock = clock
         self.ready = asyncio.Event()
-        self.bad: dict[str, int] = {}
+        self.dead_letters = DeadLetters(
+            js=js, subject=layout.subjects.deadletter(), service="aggregator"
+        )
         self._placed_at: dict[str, float] = {}
         self._heartbeats: dict[str, float] = {}
         self._silent_probes: dict[str, float] = {}
         self._open: dict[tuple[str, FindingKind], Finding] = {}
         self._since: dict[tuple[str, FindingKind], str] = {}
-        self._background: set[asyncio.Task[Any]] = set()
         self._answers: dict[tuple[str, bytes], tuple[int, float, bytes]] = {}
 
-    def _spawn(self, work: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     def _reject(self, msg: Msg, error: BadInputError) -> None:
-        first = error.kind not in self.bad
-        self.bad[error.kind] = self.bad.get(error.kind, 0) + 1
-        if first:
-            log.warning("bad input (%s) on %s: %s", error.kind, msg.subject, error)
-        headers = {
-            "Rankscope-Subject": msg.subject,
-            "Rankscope-Error": str(error)[:512],
-            "Rankscope-Kind": error.kind,
-        }
-        self._spawn(
-            self._js.publish(self._layout.subjects.deadletter(), msg.data or b"", headers=headers)
-        )
+        self.dead_letters.reject(msg.subject, msg.data, error.kind, error)
 
     async def _on_telemetry(self, msg: Msg) -> None:
         try:
@@ -370,7 +356,7 @@ class AggregatorService:
             "evictedEntries": self.state.store.evicted,
             "runners": len(self.state.runners),
             "duplicates": self.state.duplicates,
-            "badMessages": dict(self.bad),
+            "badMessages": dict(self.dead_letters.counts),
             "missingSeqs": {
                 r: v.seqs.missing for r, v in self.state.runners.items() if v.seqs.missing
             },

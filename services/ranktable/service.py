@@ -27,6 +27,7 @@ from services.ranktable.placement import NodeView, Plan, plan
 from services.ranktable.specs import PlacementSpec, SpecError, validate
 from services.ranktable.state import PlacementState, Readiness, apply_placement, apply_status
 from services.ranktable.tables import rank_table
+from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
 from shared.replay import Follower, follow
 from shared.subjects import token, untoken
@@ -96,7 +97,9 @@ class RankTableService:
         self._status_kv: KeyValue | None = None
         self._dirty = asyncio.Event()
         self.ready = asyncio.Event()
-        self.bad_messages = 0
+        self.dead_letters = DeadLetters(
+            js=js, subject=layout.subjects.deadletter(), service="ranktable"
+        )
 
     @property
     def placements(self) -> dict[str, InstanceCreated]:
@@ -139,7 +142,7 @@ class RankTableService:
             try:
                 event: PlacementEvent = decode(msg.data, PlacementEvent)
             except WireError as exc:
-                self._count_bad(msg.subject, exc)
+                self.dead_letters.reject(msg.subject, msg.data, "placement_undecodable", exc)
                 return
             self._state = apply_placement(self._state, event, msg.metadata.sequence.stream)
 
@@ -152,7 +155,7 @@ class RankTableService:
                 table = decode(wire.rankTable, RankTable)
                 version = int((msg.headers or {}).get(VERSION_HEADER, "0"))
             except (WireError, ValueError) as exc:
-                self._count_bad(msg.subject, exc)
+                self.dead_letters.reject(msg.subject, msg.data, "ranktable_undecodable", exc)
                 return
             self._tables[wire.jobId] = (version, table)
             self._hub.publish(wire.jobId, version, wire)
@@ -172,15 +175,11 @@ class RankTableService:
         await follower.caught_up.wait()
         await follower.stop()
 
-    def _count_bad(self, subject: str, error: Exception) -> None:
-        self.bad_messages += 1
-        log.warning("skipped a message that does not decode: %s", error, extra={"subject": subject})
-
     async def _on_status(self, msg: Msg) -> None:
         try:
             event: RunnerTelemetry = decode(msg.data, RunnerTelemetry)
         except WireError as exc:
-            self._count_bad(msg.subject, exc)
+            self.dead_letters.reject(msg.subject, msg.data, "status_undecodable", exc)
             return
         if isinstance(event, RunnerStatusChanged):
             self._readiness = apply_status(self._readiness, event)
@@ -223,7 +222,8 @@ class RankTableService:
         try:
             info = decode(entry.value or b"", NodeInfo)
         except WireError as exc:
-            self._count_bad(f"{self._layout.nodes_bucket.bucket}/{entry.key}", exc)
+            subject = f"$KV.{self._layout.nodes_bucket.bucket}.{entry.key}"
+            self.dead_letters.reject(subject, entry.value, "node_undecodable", exc)
             return
         self._nodes[node_id] = NodeView.of(info)
         self._deadlines[node_id] = self._clock() + self._layout.node_ttl_s

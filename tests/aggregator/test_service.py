@@ -228,9 +228,9 @@ async def test_malformed_messages_are_counted_dead_lettered_and_skipped(
     async with _aggregator(nc, js_ready) as running:
         state = running.service.state
         assert state.store.size == valid
-        assert sum(running.service.bad.values()) == 1002
-        assert running.service.bad["telemetry_rank_outside_world"] == 142
-        await _until(lambda: not running.service._background)
+        assert running.service.dead_letters.total == 1002
+        assert running.service.dead_letters.counts["telemetry_rank_outside_world"] == 142
+        await running.service.dead_letters.settled()
     info = await js.stream_info(js_ready.deadletter_stream.name)
     assert info.state.messages == 1002
 
