@@ -1,29 +1,41 @@
 """Generated garbage — random bytes, wrong types, huge strings, deep nesting, valid JSON of
-the wrong shape — on every subject the aggregator consumes, mixed with valid events: no
-crash, every valid event applied, every bad one counted and dead-lettered."""
+the wrong shape — on every subject and bucket the aggregator, the rank-table service and an
+agent consume, mixed with valid events: no crash, every valid event applied, every bad one
+counted and dead-lettered."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nats.aio.client import Client
 
+from services.agent.agent import Agent
+from services.agent.publisher import TelemetryPublisher
 from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
+from services.ranktable.hub import TableHub
+from services.ranktable.service import RankTableService
 from shared.connection import connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
+from shared.replay import follow
 from shared.settings import Settings
 from shared.subjects import Subjects
 from shared.wire import Phase, encode
 from tests.aggregator.builders import entries, placed, rank
+from tests.ranktable.builders import node_info, runner
 
 pytestmark = [pytest.mark.nats, pytest.mark.filterwarnings("ignore:Generating overly large repr")]
 
@@ -89,11 +101,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield running
 
 
-async def _scenario(url: str, garbage: list[tuple[str, bytes]]) -> None:
-    layout = Layout(subjects=Subjects(f"fuzz{uuid.uuid4().hex[:8]}"))
-    nc = await connect(Settings(nats_url=url), "fuzz")
+_FUZZED = settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
+)
+
+
+async def _aggregator_scenario(
+    nc: Client, layout: Layout, garbage: list[tuple[str, bytes]]
+) -> None:
     js = nc.jetstream()
-    await ensure(js, layout)
     subjects = {
         "runner": layout.subjects.runner("node-0", "i", 0, "phase"),
         "placement": layout.subjects.placement("i"),
@@ -108,29 +130,16 @@ async def _scenario(url: str, garbage: list[tuple[str, bytes]]) -> None:
     stop = asyncio.Event()
     running = asyncio.create_task(service.run(stop))
     await asyncio.wait_for(service.ready.wait(), 30)
-    for _ in range(500):  # dead letters are published in the background
-        if not service._background:
-            break
-        await asyncio.sleep(0.01)
+    await service.dead_letters.settled()
     stop.set()
     await running
-    dead = await js.stream_info(layout.deadletter_stream.name)
-    await nc.close()
     assert state.store.size == len(garbage)  # every valid entry applied
     assert list(state.instances) == ["i"]  # the valid placement too
-    assert sum(service.bad.values()) == len(garbage)
-    assert dead.state.messages == len(garbage)
+    assert service.dead_letters.total == len(garbage)
+    assert await _dead_lettered(nc, layout) == len(garbage)
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.function_scoped_fixture,
-        HealthCheck.data_too_large,
-    ],
-)
+@settings(_FUZZED, max_examples=25)
 @given(
     garbage=st.lists(
         st.tuples(st.sampled_from(["runner", "placement", "tasks"]), bad_payloads),
@@ -141,4 +150,113 @@ async def _scenario(url: str, garbage: list[tuple[str, bytes]]) -> None:
 def test_garbage_on_every_subject_loses_no_valid_event(
     server: EmbeddedNats, garbage: list[tuple[str, bytes]]
 ) -> None:
-    asyncio.run(_scenario(server.url, garbage))
+    asyncio.run(_in_space(server.url, _aggregator_scenario, garbage))
+
+
+@contextlib.asynccontextmanager
+async def _fuzz_space(url: str) -> AsyncIterator[tuple[Client, Layout]]:
+    """A layout of its own for one example, removed afterwards (JetStream's storage is
+    reserved per stream, and examples are many)."""
+    layout = Layout(subjects=Subjects(f"fuzz{uuid.uuid4().hex[:8]}"))
+    nc = await connect(Settings(nats_url=url), "fuzz")
+    js = nc.jetstream()
+    await ensure(js, layout)
+    try:
+        yield nc, layout
+    finally:
+        for name in [s.name for s in layout.streams] + [b.stream_name for b in layout.buckets]:
+            await js.delete_stream(name)
+        await nc.close()
+
+
+async def _in_space(
+    url: str, scenario: Callable[[Client, Layout, Any], Awaitable[None]], garbage: Any
+) -> None:
+    async with _fuzz_space(url) as (nc, layout):
+        await scenario(nc, layout, garbage)
+
+
+async def _dead_lettered(nc: Client, layout: Layout) -> int:
+    return (await nc.jetstream().stream_info(layout.deadletter_stream.name)).state.messages
+
+
+async def _ranktable_scenario(nc: Client, layout: Layout, garbage: list[tuple[str, bytes]]) -> None:
+    js, subjects = nc.jetstream(), layout.subjects
+    nodes = await js.key_value(layout.nodes_bucket.bucket)
+    specs = await js.key_value(layout.runners_bucket.bucket)
+    for n, (where, payload) in enumerate(garbage):  # one subject each: some replay the last
+        if where == "node":
+            await nodes.put(f"garbage-{n}", payload)
+        elif where == "status":
+            await js.publish(subjects.runner("node-a", f"x{n}", 0, "status"), payload)
+        elif where == "placement":
+            await js.publish(subjects.placement(f"x{n}"), payload)
+        else:
+            await js.publish(subjects.ranktable(f"x{n}"), payload)
+    for info in (node_info("node-a", 24), node_info("node-b", 8)):
+        await nodes.put(info.nodeId, encode(info))
+    await specs.put("llm", encode(runner()))
+    service = RankTableService(js=js, layout=layout, hub=TableHub(), port_base=52000)
+    stop = asyncio.Event()
+    running = asyncio.create_task(service.run(stop))
+    for _ in range(300):
+        if "llm-0" in service.placements:
+            break
+        await asyncio.sleep(0.05)
+    placed = service.placements
+    stop.set()
+    await running
+    await service.dead_letters.settled()
+    assert {a.nodeId for a in placed["llm-0"].assignments} == {"node-a", "node-b"}
+    assert service.dead_letters.total == len(garbage)
+    assert await _dead_lettered(nc, layout) == len(garbage)
+
+
+@_FUZZED
+@given(
+    garbage=st.lists(
+        st.tuples(st.sampled_from(["node", "status", "placement", "ranktable"]), bad_payloads),
+        min_size=10,
+        max_size=20,
+    )
+)
+def test_garbage_the_rank_table_service_reads_loses_no_valid_node_or_spec(
+    server: EmbeddedNats, garbage: list[tuple[str, bytes]]
+) -> None:
+    asyncio.run(_in_space(server.url, _ranktable_scenario, garbage))
+
+
+async def _agent_scenario(nc: Client, layout: Layout, garbage: list[bytes]) -> None:
+    js, subjects = nc.jetstream(), layout.subjects
+    describe = functools.partial(node_info, "node-0", 24)
+    agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=TelemetryPublisher(js=js))
+    follower = await follow(js, subjects.placement_all(), agent.on_placement)
+    local = msgspec.structs.replace(placed(), modelPath="/nonexistent/model")
+    for payload in garbage:
+        await js.publish(subjects.placement("i"), payload)
+    await js.publish(subjects.placement("i"), encode(local))  # valid, after the garbage
+    for payload in garbage:
+        await js.publish(subjects.tasks("i"), payload)
+    await follower.caught_up.wait()
+    for _ in range(300):
+        if agent.dead_letters.total == 2 * len(garbage):
+            break
+        await asyncio.sleep(0.05)
+    applied = set(agent.supervisors)
+    await agent.shutdown()
+    await follower.stop()
+    await agent.dead_letters.settled()
+    assert applied == {"i-r0"}  # the valid placement started node-0's rank
+    assert agent.dead_letters.counts == {
+        "placement_undecodable": len(garbage),
+        "task_undecodable": len(garbage),
+    }
+    assert await _dead_lettered(nc, layout) == 2 * len(garbage)
+
+
+@settings(_FUZZED, max_examples=3)
+@given(garbage=st.lists(bad_payloads, min_size=5, max_size=10))
+def test_garbage_an_agent_reads_loses_no_valid_placement(
+    server: EmbeddedNats, garbage: list[bytes]
+) -> None:
+    asyncio.run(_in_space(server.url, _agent_scenario, garbage))
