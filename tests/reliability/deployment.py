@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -44,12 +45,28 @@ from shared.wire import (
 )
 from tests.gateway.conftest import free_port
 
-__all__ = ["JOB", "SPEC", "Agent", "Deployment", "both", "deployed", "node_loss_seen"]
+__all__ = [
+    "FAULT_TEST_MARKS",
+    "JOB",
+    "SPEC",
+    "Agent",
+    "Deployment",
+    "both",
+    "deployed",
+    "node_loss_seen",
+]
 
 REPO = Path(__file__).parent.parent.parent
 SPEC = "faults"
 JOB = f"{SPEC}-0"
 T = TypeVar("T")
+FAULT_TEST_MARKS = [
+    pytest.mark.slow,
+    pytest.mark.nats,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(240),
+]
+"""Marks of a module whose tests share one deployment."""
 
 
 @dataclass

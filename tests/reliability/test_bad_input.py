@@ -139,14 +139,15 @@ async def _aggregator_scenario(
     assert await _dead_lettered(nc, layout) == len(garbage)
 
 
-@settings(_FUZZED, max_examples=25)
-@given(
-    garbage=st.lists(
-        st.tuples(st.sampled_from(["runner", "placement", "tasks"]), bad_payloads),
-        min_size=20,
-        max_size=40,
+def _garbage(places: list[str], size: int) -> st.SearchStrategy[list[tuple[str, bytes]]]:
+    """`size` to twice as many bad payloads, each bound for one of `places`."""
+    return st.lists(
+        st.tuples(st.sampled_from(places), bad_payloads), min_size=size, max_size=2 * size
     )
-)
+
+
+@settings(_FUZZED, max_examples=25)
+@given(garbage=_garbage(["runner", "placement", "tasks"], 20))
 def test_garbage_on_every_subject_loses_no_valid_event(
     server: EmbeddedNats, garbage: list[tuple[str, bytes]]
 ) -> None:
@@ -213,13 +214,7 @@ async def _ranktable_scenario(nc: Client, layout: Layout, garbage: list[tuple[st
 
 
 @_FUZZED
-@given(
-    garbage=st.lists(
-        st.tuples(st.sampled_from(["node", "status", "placement", "ranktable"]), bad_payloads),
-        min_size=10,
-        max_size=20,
-    )
-)
+@given(garbage=_garbage(["node", "status", "placement", "ranktable"], 10))
 def test_garbage_the_rank_table_service_reads_loses_no_valid_node_or_spec(
     server: EmbeddedNats, garbage: list[tuple[str, bytes]]
 ) -> None:

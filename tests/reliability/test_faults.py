@@ -25,14 +25,16 @@ from shared.wire import (
     Phase,
 )
 from tests.gateway.conftest import free_port
-from tests.reliability.deployment import Agent, Deployment, both, deployed, node_loss_seen
+from tests.reliability.deployment import (
+    FAULT_TEST_MARKS,
+    Agent,
+    Deployment,
+    both,
+    deployed,
+    node_loss_seen,
+)
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.nats,
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.timeout(240),
-]
+pytestmark = FAULT_TEST_MARKS
 
 TTL = 3.0
 SILENT = 5.0  # Thresholds.silent: a rank without a word this long is frozen

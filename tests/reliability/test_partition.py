@@ -22,14 +22,15 @@ from shared.nats_server import EmbeddedNats
 from shared.timestamps import format_ts, to_epoch
 from shared.wire import ClusterTimeline, Phase, decode
 from tests.gateway.conftest import free_port
-from tests.reliability.deployment import Agent, Deployment, deployed, node_loss_seen
+from tests.reliability.deployment import (
+    FAULT_TEST_MARKS,
+    Agent,
+    Deployment,
+    deployed,
+    node_loss_seen,
+)
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.nats,
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.timeout(240),
-]
+pytestmark = FAULT_TEST_MARKS
 
 TTL = 3.0
 HOST_IP, NODE_IP = "10.231.7.1", "10.231.7.2"
