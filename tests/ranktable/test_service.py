@@ -4,6 +4,7 @@ NATS and gRPC, readiness, node loss, restarts and bad specs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 
 from services.ranktable.grpc_server import serve
 from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
@@ -82,9 +84,18 @@ class Stack:
         assert key is not None
         await kv.put(token(key), spec)
 
-    async def status(self, spec_id: str) -> RunnerSpecStatus:
+    async def status(
+        self, spec_id: str, until: Callable[[RunnerSpecStatus], bool] = lambda _: True
+    ) -> RunnerSpecStatus:
+        """The spec's status, once `until` holds (statuses follow the rank tables)."""
         kv = await self.js.key_value(self.layout.runner_status_bucket.bucket)
-        return decode((await kv.get(token(spec_id))).value or b"", RunnerSpecStatus)
+        for _ in range(int(WAIT / 0.05)):
+            with contextlib.suppress(KeyNotFoundError):
+                status = decode((await kv.get(token(spec_id))).value or b"", RunnerSpecStatus)
+                if until(status):
+                    return status
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the status of {spec_id!r} never got there")
 
     async def report(self, instance: InstanceCreated, kind: RunnerStatusKind, seq: int = 1) -> None:
         for a in instance.assignments:
@@ -197,7 +208,7 @@ async def test_two_nodes_one_spec_place_one_instance_in_proportion(stack: Stack)
     assert [s.server_id for s in table.server_group_list[0].server_list] == ["node-a", "node-b"]
     events = await stack.js.stream_info(stack.layout.placement_stream.name)
     assert events.state.messages == 1
-    status = await stack.status("llm")
+    status = await stack.status("llm", until=lambda s: bool(s.instances))
     assert status.accepted
     assert status.instances == ["llm-0"]
     assert status.runner_metrics.pods_total == 2
@@ -223,7 +234,8 @@ async def test_nats_and_grpc_subscribers_see_initializing_then_completed(stack: 
         assert (v1, v2) == (1, 2)
         assert table.status is RankTableStatus.COMPLETED
         call.cancel()
-    assert (await stack.status("llm")).runner_metrics.pods_running == 2
+    running = await stack.status("llm", until=lambda s: s.runner_metrics.pods_running > 0)
+    assert running.runner_metrics.pods_running == 2
 
 
 async def test_identical_tables_are_not_sent_again(stack: Stack) -> None:
@@ -302,9 +314,8 @@ async def test_lost_node_without_spare_capacity_is_refused_with_a_reason(stack: 
     _, table = _table(await _next(tables))
     assert table.status is RankTableStatus.INITIALIZING
     assert table.server_group_list[0].server_list == []
-    status = await stack.status("llm")
-    assert status.reason is not None
-    assert "need 2 nodes, but nodepool 'default' has 1 live" in status.reason
+    status = await stack.status("llm", until=lambda s: s.reason is not None)
+    assert "need 2 nodes, but nodepool 'default' has 1 live" in (status.reason or "")
 
 
 async def test_bad_spec_is_rejected_and_others_still_place(stack: Stack) -> None:
@@ -317,13 +328,13 @@ async def test_bad_spec_is_rejected_and_others_still_place(stack: Stack) -> None
     mismatched = runner("other")
     await stack.put_spec(mismatched, key="mismatch")
     await _until_version(stack, "llm-0", 1)
-    broken = await stack.status("broken")
+    broken = await stack.status("broken", until=lambda s: s.reason is not None)
     assert not broken.accepted
     assert broken.reason == "rejected: Expected `int` <= 9 - at `$.priority`"
-    sizeless = await stack.status("sizeless")
+    sizeless = await stack.status("sizeless", until=lambda s: s.reason is not None)
     assert sizeless.reason is not None
     assert "model's size is unknown" in sizeless.reason
-    mismatch = await stack.status("mismatch")
+    mismatch = await stack.status("mismatch", until=lambda s: s.reason is not None)
     assert mismatch.reason == "rejected: id 'other' does not match its key 'mismatch'"
     assert set(stack.service.placements) == {"llm-0"}  # type: ignore[union-attr]
 
