@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError
 
 from services.agent.agent import Agent
 from services.agent.publisher import TelemetryPublisher
@@ -33,7 +34,7 @@ from shared.nats_server import EmbeddedNats
 from shared.replay import follow
 from shared.settings import Settings
 from shared.subjects import Subjects
-from shared.wire import Phase, encode
+from shared.wire import Phase, RunnerSpecStatus, decode, encode
 from tests.aggregator.builders import entries, placed, rank
 from tests.ranktable.builders import node_info, runner
 
@@ -186,7 +187,9 @@ async def _ranktable_scenario(nc: Client, layout: Layout, garbage: list[tuple[st
     nodes = await js.key_value(layout.nodes_bucket.bucket)
     specs = await js.key_value(layout.runners_bucket.bucket)
     for n, (where, payload) in enumerate(garbage):  # one subject each: some replay the last
-        if where == "node":
+        if where == "spec":  # an operator's own object: answered in its status instead
+            await specs.put(f"bad-{n}", payload)
+        elif where == "node":
             await nodes.put(f"garbage-{n}", payload)
         elif where == "status":
             await js.publish(subjects.runner("node-a", f"x{n}", 0, "status"), payload)
@@ -197,11 +200,17 @@ async def _ranktable_scenario(nc: Client, layout: Layout, garbage: list[tuple[st
     for info in (node_info("node-a", 24), node_info("node-b", 8)):
         await nodes.put(info.nodeId, encode(info))
     await specs.put("llm", encode(runner()))
+    bad_specs = {f"bad-{n}" for n, (where, _) in enumerate(garbage) if where == "spec"}
+    statuses = await js.key_value(layout.runner_status_bucket.bucket)
     service = RankTableService(js=js, layout=layout, hub=TableHub(), port_base=52000)
     stop = asyncio.Event()
     running = asyncio.create_task(service.run(stop))
+    answered: dict[str, RunnerSpecStatus] = {}
     for _ in range(300):
-        if "llm-0" in service.placements:
+        for key in bad_specs - set(answered):
+            with contextlib.suppress(KeyNotFoundError):
+                answered[key] = decode((await statuses.get(key)).value or b"", RunnerSpecStatus)
+        if "llm-0" in service.placements and set(answered) == bad_specs:
             break
         await asyncio.sleep(0.05)
     placed = service.placements
@@ -209,12 +218,14 @@ async def _ranktable_scenario(nc: Client, layout: Layout, garbage: list[tuple[st
     await running
     await service.dead_letters.settled()
     assert {a.nodeId for a in placed["llm-0"].assignments} == {"node-a", "node-b"}
-    assert service.dead_letters.total == len(garbage)
-    assert await _dead_lettered(nc, layout) == len(garbage)
+    assert all(s.reason and not s.instances for s in answered.values())
+    assert set(answered) == bad_specs
+    assert service.dead_letters.total == len(garbage) - len(bad_specs)
+    assert await _dead_lettered(nc, layout) == len(garbage) - len(bad_specs)
 
 
 @_FUZZED
-@given(garbage=_garbage(["node", "status", "placement", "ranktable"], 10))
+@given(garbage=_garbage(["spec", "node", "status", "placement", "ranktable"], 10))
 def test_garbage_the_rank_table_service_reads_loses_no_valid_node_or_spec(
     server: EmbeddedNats, garbage: list[tuple[str, bytes]]
 ) -> None:
