@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+
+from shared.wire import WireError, decode
 
 __all__ = ["DeadLetters"]
 
@@ -35,6 +39,14 @@ class DeadLetters:
     def total(self) -> int:
         """Messages rejected so far."""
         return sum(self.counts.values())
+
+    def decoded(self, msg: Msg, tp: Any, kind: str) -> Any:
+        """`msg` decoded as `tp`, or None once it is rejected as bad input of `kind`."""
+        try:
+            return decode(msg.data, tp)
+        except WireError as exc:
+            self.reject(msg.subject, msg.data, kind, exc)
+            return None
 
     def reject(self, subject: str, data: bytes | None, kind: str, error: object) -> None:
         """Count `data` (received on `subject`) as bad input of `kind` and dead-letter it."""

@@ -83,10 +83,10 @@ class Agent:
 
     async def on_placement(self, msg: Msg) -> None:
         """Start, keep or stop local runners to match the latest placement of an instance."""
-        try:
-            event: PlacementEvent = decode(msg.data, PlacementEvent)
-        except WireError as exc:
-            self.dead_letters.reject(msg.subject, msg.data, "placement_undecodable", exc)
+        event: PlacementEvent | None = self.dead_letters.decoded(
+            msg, PlacementEvent, "placement_undecodable"
+        )
+        if event is None:
             return
         if isinstance(event, InstanceReleased):
             await self._release_instance(event.instanceId, keep=set())
@@ -159,10 +159,8 @@ class Agent:
                 await follower.stop()
 
     async def _on_task(self, msg: Msg) -> None:
-        try:
-            event: TaskEvent = decode(msg.data, TaskEvent)
-        except WireError as exc:
-            self.dead_letters.reject(msg.subject, msg.data, "task_undecodable", exc)
+        event: TaskEvent | None = self.dead_letters.decoded(msg, TaskEvent, "task_undecodable")
+        if event is None:
             return
         if isinstance(event, TaskStatusChanged):
             if event.taskStatus.is_final:

@@ -139,12 +139,11 @@ class RankTableService:
 
     async def _replay_placements(self) -> None:
         async def handle(msg: Msg) -> None:
-            try:
-                event: PlacementEvent = decode(msg.data, PlacementEvent)
-            except WireError as exc:
-                self.dead_letters.reject(msg.subject, msg.data, "placement_undecodable", exc)
-                return
-            self._state = apply_placement(self._state, event, msg.metadata.sequence.stream)
+            event: PlacementEvent | None = self.dead_letters.decoded(
+                msg, PlacementEvent, "placement_undecodable"
+            )
+            if event is not None:
+                self._state = apply_placement(self._state, event, msg.metadata.sequence.stream)
 
         await self._drain(follow(self._js, self._layout.subjects.placement_all(), handle))
 
@@ -176,11 +175,9 @@ class RankTableService:
         await follower.stop()
 
     async def _on_status(self, msg: Msg) -> None:
-        try:
-            event: RunnerTelemetry = decode(msg.data, RunnerTelemetry)
-        except WireError as exc:
-            self.dead_letters.reject(msg.subject, msg.data, "status_undecodable", exc)
-            return
+        event: RunnerTelemetry | None = self.dead_letters.decoded(
+            msg, RunnerTelemetry, "status_undecodable"
+        )
         if isinstance(event, RunnerStatusChanged):
             self._readiness = apply_status(self._readiness, event)
             self._dirty.set()
