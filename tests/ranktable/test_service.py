@@ -172,23 +172,38 @@ def _table(msg: Msg) -> tuple[int, RankTable]:
 
 
 async def _place(stack: Stack, spec: Runner, instance_id: str = "llm-0") -> InstanceCreated:
-    """Put a spec and wait for its instance's placement event."""
+    """Put a spec and wait for its instance's placement event and the rank table that
+    lists it. Subscribers may see the event before the service has published that table,
+    and a status reported in between would make the first table of the job `completed`."""
     events: asyncio.Queue[Msg] = asyncio.Queue()
     sub = await stack.nc.subscribe(stack.layout.subjects.placement(instance_id), cb=events.put)
     await stack.put_spec(spec)
     event: PlacementEvent = decode((await _next(events)).data, PlacementEvent)
     await sub.unsubscribe()
     assert isinstance(event, InstanceCreated)
+    nodes = {a.nodeId for a in event.assignments}
+    await _until(stack, instance_id, lambda _, table: _nodes_of(table) == nodes)
     return event
 
 
-async def _until_version(stack: Stack, job: str, version: int) -> None:
+def _nodes_of(wire: RankTableStream) -> set[str]:
+    table = decode(wire.rankTable, RankTable)
+    return {s.server_id for group in table.server_group_list for s in group.server_list}
+
+
+async def _until(stack: Stack, job: str, until: Callable[[int, RankTableStream], bool]) -> None:
+    """Until the job's current or a later rank table and its version satisfy `until`."""
+
     async def reached() -> None:
-        async for seen, _ in stack.hub.follow(job):
-            if seen >= version:
+        async for version, table in stack.hub.follow(job):
+            if until(version, table):
                 return
 
     await asyncio.wait_for(reached(), WAIT)
+
+
+async def _until_version(stack: Stack, job: str, version: int) -> None:
+    await _until(stack, job, lambda seen, _: seen >= version)
 
 
 async def test_two_nodes_one_spec_place_one_instance_in_proportion(stack: Stack) -> None:
