@@ -143,6 +143,12 @@ async def test_a_cut_link_is_a_lost_node_and_the_mended_link_brings_everything_b
 
     # what node-b's runner recorded on the far side (its watchdog, its exit) arrives
     await deployment.until("entries recorded while cut off", buffered, 30)
+
+    async def complete() -> bool | None:  # retried batches may land after later ones
+        health = (await deployment.nc.request("rankscope.query.health", b"")).data
+        return None if lost.runnerId in decode(health, dict[str, Any])["missingSeqs"] else True
+
+    await deployment.until(f"every seq of {lost.runnerId}", complete, 30)
     reply = await deployment.http.get(
         "/v1/cluster/timeline", params={"nodeId": "node-b", "limit": 100_000}
     )
@@ -151,5 +157,3 @@ async def test_a_cut_link_is_a_lost_node_and_the_mended_link_brings_everything_b
         for e in decode(reply.content, ClusterTimeline).timeline
     )
     assert [key for key, n in times.items() if n > 1] == [], "an entry arrived twice"
-    health = (await deployment.nc.request("rankscope.query.health", b"")).data
-    assert lost.runnerId not in decode(health, dict[str, Any])["missingSeqs"]
