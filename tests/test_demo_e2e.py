@@ -1,5 +1,7 @@
 """End to end: `rankscope up --demo` as a user runs it, checked over HTTP, then a runner
-frozen with SIGSTOP is named by the diagnosis, and SIGTERM leaves nothing behind."""
+frozen with SIGSTOP is named by the diagnosis, and SIGTERM leaves nothing behind. All of
+it twice: on an open NATS, and with `--nats-auth`, where every service and each agent has
+only its own user's permissions and the server must refuse none of their work."""
 
 from __future__ import annotations
 
@@ -83,9 +85,10 @@ def _browse(url: str, screenshot: Path) -> str:
 
 
 class Demo:
-    def __init__(self, process: subprocess.Popen[str], base: str) -> None:
+    def __init__(self, process: subprocess.Popen[str], base: str, data: Path) -> None:
         self.process = process
         self.base = base
+        self.data = data
 
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.base + path, timeout=30) as reply:
@@ -113,9 +116,11 @@ class Demo:
         raise AssertionError(f"not reached within {seconds:g}s")
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
-    port = _free_port()
+@pytest.fixture(scope="module", params=[(), ("--nats-auth",)], ids=["open", "nats-auth"])
+def demo(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Demo]:
+    port, data = _free_port(), tmp_path_factory.mktemp("demo") / ".rankscope"
     env = {**os.environ, "RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
     process = subprocess.Popen(
         [
@@ -133,7 +138,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
             "--ring-port-base",
             str(_free_port()),
             "--data-dir",
-            str(tmp_path_factory.mktemp("demo") / ".rankscope"),
+            str(data),
+            *request.param,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -147,7 +153,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
             break
     else:
         raise AssertionError("the demo never became ready")
-    yield Demo(process, f"http://127.0.0.1:{port}")
+    yield Demo(process, f"http://127.0.0.1:{port}", data)
     if process.poll() is None:
         process.kill()
     process.wait()
@@ -195,6 +201,15 @@ def test_a_chat_completion_shows_in_the_timeline(demo: Demo) -> None:
         ),
         10,
     )
+
+
+def test_the_server_refused_nothing_rankscope_did(demo: Demo) -> None:
+    demo.post(
+        "/v1/chat/completions",
+        {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
+    log = (demo.data / "nats" / "nats-server.log").read_text()
+    assert "Violation" not in log, [line for line in log.splitlines() if "Violation" in line]
 
 
 def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
