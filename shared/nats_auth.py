@@ -1,15 +1,15 @@
 """NATS users, one per role, each allowed only what that role does.
 
-- an agent (one user per node, `agent-<nodeId>`) publishes telemetry only under its own
-  node's subjects and its own heartbeat key, answers probes of its own node, reads the
-  placement and task streams (its assignments), and reports task status, output and
-  messages it could not apply (dead letters);
+- an agent (one user per node, `agent-<nodeId>`) publishes telemetry, task status and
+  output only under its own node's subjects, and its own heartbeat key; it answers probes
+  of its own node, reads the placement and task streams (its assignments) and its own
+  node's last telemetry, and reports messages it could not apply (dead letters);
 - the aggregator reads telemetry, placements, tasks and nodes, and writes only findings
   and dead letters; it answers queries and probes agents;
 - the rank-table service reads specs, nodes, placements and runner status, and writes
   placements, rank tables, spec status and dead letters;
 - the gateway asks queries, writes specs and tasks, and reads rank tables, output and
-  the buckets; it can never publish runner telemetry.
+  the buckets; it can never publish runner telemetry, task status or output.
 
 Only the aggregator and the rank-table service may create or update streams; nobody may
 delete or purge them. Each user receives replies only under its own inbox prefix
@@ -108,13 +108,13 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
             publish=(
                 f"{p}.runner.{node}.>",
                 f"$KV.{layout.nodes_bucket.bucket}.{node}",
-                f"{p}.tasks.>",
-                f"{p}.output.>",
+                f"{p}.tasks.*.status.{node}",
+                f"{p}.output.*.{node}",
                 subjects.deadletter(),
                 *api.everyone(),
                 *api.read(api.stream("PLACEMENT"), api.stream("TASKS")),
                 # a restarted runner resumes its seq from its last stored message
-                f"$JS.API.STREAM.MSG.GET.{api.stream('RUNNER')}",
+                f"$JS.API.DIRECT.GET.{api.stream('RUNNER')}.{p}.runner.{node}.>",
             ),
             subscribe=(*inbox, subjects.node_diagnostics(node_id)),
         )
@@ -156,7 +156,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
         return Permissions(
             publish=(
                 f"{p}.query.*",
-                f"{p}.tasks.>",
+                f"{p}.tasks.*",
                 f"{p}.node.*.diagnostics",
                 f"$KV.{layout.runners_bucket.bucket}.>",
                 *api.everyone(),

@@ -7,11 +7,11 @@ report caught up when nothing is pending, and keep following live messages after
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 __all__ = ["Follower", "follow"]
 
@@ -52,15 +52,21 @@ async def follow(
     handle: Callable[[Msg], Awaitable[None]],
     *,
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+    also: Sequence[str] = (),
 ) -> Follower:
-    """Start an ordered consumer on `subject` calling `handle` for each message in order.
+    """Start an ordered consumer on `subject` (and the subjects `also`, of the same
+    stream, interleaved in stream order) calling `handle` for each message in order.
 
     `handle` must not raise for bad payloads: it is the place to count and skip them.
     Await `follower.caught_up` before trusting state built from the backlog.
     """
     follower = Follower(handle)
     follower._subscription = await js.subscribe(
-        subject, cb=follower._on_msg, ordered_consumer=True, deliver_policy=deliver_policy
+        subject,
+        cb=follower._on_msg,
+        ordered_consumer=True,
+        deliver_policy=deliver_policy,
+        config=ConsumerConfig(filter_subjects=[subject, *also]) if also else None,
     )
     info = await follower._subscription.consumer_info()
     if info.num_pending == 0 and not (info.delivered and info.delivered.stream_seq):

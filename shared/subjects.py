@@ -72,11 +72,20 @@ class Subjects:
         return f"{self.prefix}.placement.>"
 
     def tasks(self, instance_id: str) -> str:
-        """Tasks and task status of one instance."""
+        """Tasks (and cancels) asked of one instance."""
         return f"{self.prefix}.tasks.{token(instance_id)}"
 
+    def task_status(self, instance_id: str, node_id: str) -> str:
+        """Status of an instance's tasks as one node's ranks report it:
+        `<prefix>.tasks.<instanceId>.status.<nodeId>`."""
+        return f"{self.task_statuses(instance_id)[:-1]}{token(node_id)}"
+
+    def task_statuses(self, instance_id: str) -> str:
+        """Status of an instance's tasks from every node."""
+        return f"{self.tasks(instance_id)}.status.*"
+
     def tasks_all(self) -> str:
-        """Tasks of every instance."""
+        """Tasks and task status of every instance."""
         return f"{self.prefix}.tasks.>"
 
     def ranktable(self, job_id: str) -> str:
@@ -103,9 +112,10 @@ class Subjects:
         """Request to the aggregator for one view."""
         return f"{self.prefix}.query.{token(view)}"
 
-    def output(self, command_id: str) -> str:
-        """Generated token chunks of one command (core NATS)."""
-        return f"{self.prefix}.output.{token(command_id)}"
+    def output(self, command_id: str, node_id: str) -> str:
+        """Generated token chunks of one command (core NATS), from the node of its
+        instance's last rank: `<prefix>.output.<commandId>.<nodeId>`."""
+        return f"{self.prefix}.output.{token(command_id)}.{token(node_id)}"
 
     def deadletter(self) -> str:
         """Copies of messages that could not be applied."""

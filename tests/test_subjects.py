@@ -15,10 +15,12 @@ def test_design_subject_names() -> None:
     assert S.runner("node-a", "inst-1", 0, "phase") == "rankscope.runner.node-a.inst-1.0.phase"
     assert S.placement("inst-1") == "rankscope.placement.inst-1"
     assert S.tasks("inst-1") == "rankscope.tasks.inst-1"
+    assert S.task_status("inst-1", "node-a") == "rankscope.tasks.inst-1.status.node-a"
+    assert S.task_statuses("inst-1") == "rankscope.tasks.inst-1.status.*"
     assert S.ranktable("job") == "rankscope.ranktable.job"
     assert S.node_diagnostics("node-a") == "rankscope.node.node-a.diagnostics"
     assert S.query("timeline") == "rankscope.query.timeline"
-    assert S.output("cmpl-1") == "rankscope.output.cmpl-1"
+    assert S.output("cmpl-1", "node-a") == "rankscope.output.cmpl-1.node-a"
     assert S.runner_all() == "rankscope.runner.>"
 
 

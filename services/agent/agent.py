@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -125,8 +126,12 @@ class Agent:
             self.supervisors[assignment.runnerId] = supervisor
             supervisor.start()
         if event.instanceId not in self._task_followers:
+            subjects = self._layout.subjects
             self._task_followers[event.instanceId] = await follow(
-                self._js, self._layout.subjects.tasks(event.instanceId), self._on_task
+                self._js,
+                subjects.tasks(event.instanceId),
+                self._on_task,
+                also=[subjects.task_statuses(event.instanceId)],
             )
 
     async def _resume_seq(self, ref: RunnerRef) -> int:
@@ -134,10 +139,12 @@ class Agent:
         last = -1
         for kind in ("phase", "memory", "status"):
             subject = self._layout.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, kind)
+            stored = await self._last_stored(subject)
+            if stored is None:
+                continue
             try:
-                raw = await self._js.get_last_msg(self._layout.runner_stream.name, subject)
-                event: RunnerTelemetry = decode(raw.data or b"", RunnerTelemetry)
-            except (NotFoundError, WireError):
+                event: RunnerTelemetry = decode(stored, RunnerTelemetry)
+            except WireError:
                 continue
             if event.runner.runnerId != ref.runnerId:
                 continue
@@ -146,6 +153,24 @@ class Agent:
             )
             last = max(last, *seqs)
         return last + 1
+
+    async def _last_stored(self, subject: str) -> bytes | None:
+        """The last telemetry stored under `subject`, if any; asks again while NATS cannot
+        answer, as a runner started without it would reuse `seq`s (dropped as duplicates)."""
+        delay = 0.5
+        while True:
+            try:
+                raw = await self._js.get_last_msg(
+                    self._layout.runner_stream.name, subject, direct=True
+                )
+            except NotFoundError:
+                return None
+            except (NatsError, TimeoutError) as exc:
+                log.warning("cannot read %s (%s); asking again in %gs", subject, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+            else:
+                return raw.data
 
     async def _release_instance(self, instance_id: str, keep: set[str]) -> None:
         for runner_id, supervisor in list(self.supervisors.items()):
@@ -175,7 +200,7 @@ class Agent:
 
     def _output(self, chunk: TokenChunk) -> None:
         # Core NATS, in order: tasks start in the order they are created.
-        subject = self._layout.subjects.output(chunk.commandId)
+        subject = self._layout.subjects.output(chunk.commandId, self._node_id)
         task = asyncio.get_running_loop().create_task(self._nc.publish(subject, encode(chunk)))
         self._outputs.add(task)
         task.add_done_callback(self._outputs.discard)
@@ -191,7 +216,7 @@ class Agent:
             runnerId=ref.runnerId,
             detail=detail,
         )
-        subject = self._layout.subjects.tasks(ref.instanceId)
+        subject = self._layout.subjects.task_status(ref.instanceId, self._node_id)
         msg_id = f"{task_id}:{ref.runnerId}:{status.value}"
         self._publisher.message(subject, encode(event), msg_id)
 

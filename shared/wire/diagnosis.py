@@ -89,8 +89,8 @@ class InstanceState(CamelStruct, kw_only=True, frozen=True):
 
     @property
     def ready(self) -> bool:
-        """Whether every rank is ready."""
-        return all(rank.ready for rank in self.ranks)
+        """Whether it has ranks and every one is ready."""
+        return bool(self.ranks) and all(rank.ready for rank in self.ranks)
 
 
 class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -56,6 +56,8 @@ WAIT = 60.0
 LAYERS = 5
 PROMPT = "Which node holds layer seven?"
 RANKS = ("i-a0-r0", "i-a0-r1")
+SPEAKER = "node-b"
+"""The node of the last rank, which sends the output."""
 
 
 def _free_port() -> int:
@@ -135,7 +137,7 @@ class Cluster:
         async def keep(msg: Msg) -> None:
             await chunks.put(decode(msg.data, TokenChunk))
 
-        sub = await self.nc.subscribe(self.layout.subjects.output(command_id), cb=keep)
+        sub = await self.nc.subscribe(self.layout.subjects.output(command_id, SPEAKER), cb=keep)
         await self.submit(command_id, max_tokens)
         text, seqs = "", list[int]()
         while True:
@@ -427,7 +429,7 @@ async def test_a_cancel_stops_every_rank_at_the_same_step(cluster: Cluster) -> N
     async def keep(msg: Msg) -> None:
         await chunks.put(decode(msg.data, TokenChunk))
 
-    await cluster.nc.subscribe(cluster.layout.subjects.output("cmd-cancel"), cb=keep)
+    await cluster.nc.subscribe(cluster.layout.subjects.output("cmd-cancel", SPEAKER), cb=keep)
     await cluster.submit("cmd-cancel", max_tokens=2000)
     await asyncio.wait_for(chunks.get(), WAIT)  # it is generating
     cancel = TaskCreated(

@@ -70,7 +70,7 @@ async def _login(server: EmbeddedNats, user: str) -> _Session:
 
 async def _stored(session: _Session, subject: str) -> bool:
     try:
-        await session.js.get_last_msg(LAYOUT.runner_stream.name, subject)
+        await session.js.get_last_msg(LAYOUT.runner_stream.name, subject, direct=True)
     except NotFoundError:
         return False
     return True
@@ -81,12 +81,35 @@ async def test_an_agent_publishes_only_under_its_own_node(server: EmbeddedNats) 
     mine = SUBJECTS.runner("node-a", "i", 0, "memory")
     theirs = SUBJECTS.runner("node-b", "i", 0, "memory")
     await agent.js.publish(mine, b"{}")
+    await agent.js.publish(SUBJECTS.task_status("i", "node-a"), b"{}")
+    await agent.nc.publish(SUBJECTS.output("cmd", "node-a"), b"{}")
     await agent.publish_refused(theirs)
+    await agent.publish_refused(SUBJECTS.task_status("i", "node-b"))
+    await agent.publish_refused(SUBJECTS.tasks("i"))  # only the gateway asks for work
     await agent.publish_refused(f"$KV.{LAYOUT.nodes_bucket.bucket}.node-b")
     await agent.publish_refused(SUBJECTS.placement("i"))
     await agent.publish_refused(SUBJECTS.diagnosis("i"))
-    assert await _stored(agent, mine)
-    assert not await _stored(agent, theirs)
+    await agent.nc.publish(SUBJECTS.output("cmd", "node-b"), b"{}")
+    await agent.refused(SUBJECTS.output("cmd", "node-b"))
+    assert await _stored(agent, mine)  # how a restarted runner resumes its seq
+    await close(agent.nc)
+    aggregator = await _login(server, "aggregator")
+    assert not await _stored(aggregator, theirs)
+    await close(aggregator.nc)
+
+
+async def test_an_agent_reads_no_other_node_s_telemetry(server: EmbeddedNats) -> None:
+    agent = await _login(server, agent_user("node-b"))
+    await agent.js.publish(SUBJECTS.runner("node-b", "i", 1, "memory"), b"{}")
+    await close(agent.nc)
+    agent = await _login(server, agent_user("node-a"))
+    theirs = SUBJECTS.runner("node-b", "i", 1, "memory")
+    with pytest.raises((TimeoutError, NatsError)):
+        await _stored(agent, theirs)
+    await agent.refused(f"DIRECT.GET.{LAYOUT.runner_stream.name}.{theirs}")
+    with pytest.raises((TimeoutError, NatsError)):
+        await agent.js.get_last_msg(LAYOUT.runner_stream.name, theirs)
+    await agent.refused("STREAM.MSG.GET")
     await close(agent.nc)
 
 
@@ -106,13 +129,16 @@ async def test_an_agent_reads_its_assignments_but_not_the_telemetry_stream(
     await close(agent.nc)
 
 
-async def test_the_gateway_cannot_publish_runner_telemetry_or_placements(
+async def test_the_gateway_cannot_publish_telemetry_placements_status_or_output(
     server: EmbeddedNats,
 ) -> None:
     gateway = await _login(server, "gateway")
     await gateway.publish_refused(SUBJECTS.runner("node-a", "i", 0, "phase"))
     await gateway.publish_refused(SUBJECTS.placement("i"))
     await gateway.publish_refused(f"$KV.{LAYOUT.nodes_bucket.bucket}.node-a")
+    await gateway.publish_refused(SUBJECTS.task_status("i", "node-a"))
+    await gateway.nc.publish(SUBJECTS.output("cmd", "node-a"), b"{}")
+    await gateway.refused(SUBJECTS.output("cmd", "node-a"))
     await gateway.js.publish(SUBJECTS.tasks("i"), b"{}")  # its own work
     await close(gateway.nc)
 

@@ -73,12 +73,13 @@ async def _instance(nats: Bus, model: str) -> InstanceState:
     return ready[0]
 
 
-async def _chunks(nats: Bus, task: TaskCreated) -> AsyncIterator[TokenChunk]:
-    """Submit the task and yield its output chunks in order until the last."""
+async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[TokenChunk]:
+    """Submit the task and yield its output chunks, as node `speaker` (the node of the
+    instance's last rank) sends them, in order until the last."""
     assert task.commandId is not None
     arrived: asyncio.Queue[Msg] = asyncio.Queue()
     subscription = await nats.nc.subscribe(
-        nats.layout.subjects.output(task.commandId), cb=arrived.put
+        nats.layout.subjects.output(task.commandId, speaker), cb=arrived.put
     )
     try:
         await nats.publish(nats.layout.subjects.tasks(task.instanceId), encode(task), task.taskId)
@@ -124,12 +125,13 @@ async def chat_completions(nats: Nats, body: Annotated[bytes, Depends(_body)]) -
         ),
     )
     created = int(time.time())
+    speaker = max(instance.ranks, key=lambda rank: rank.deviceRank).nodeId
     if request.stream:
         return StreamingResponse(
-            _stream(nats, task, request.model, created), media_type="text/event-stream"
+            _stream(nats, task, speaker, request.model, created), media_type="text/event-stream"
         )
     text, last = "", None
-    async for chunk in _chunks(nats, task):
+    async for chunk in _chunks(nats, task, speaker):
         text, last = text + chunk.text, chunk
     assert last is not None
     prompt, produced = last.promptTokens or 0, last.completionTokens or 0
@@ -155,7 +157,9 @@ async def chat_completions(nats: Nats, body: Annotated[bytes, Depends(_body)]) -
     )
 
 
-async def _stream(nats: Bus, task: TaskCreated, model: str, created: int) -> AsyncIterator[bytes]:
+async def _stream(
+    nats: Bus, task: TaskCreated, speaker: str, model: str, created: int
+) -> AsyncIterator[bytes]:
     base = {
         "id": task.commandId,
         "object": "chat.completion.chunk",
@@ -169,7 +173,7 @@ async def _stream(nats: Bus, task: TaskCreated, model: str, created: int) -> Asy
         ],
     }
     yield b"data: " + encode(first) + b"\n\n"
-    async for chunk in _chunks(nats, task):
+    async for chunk in _chunks(nats, task, speaker):
         delta = {"content": chunk.text} if chunk.text else {}
         piece = {
             **base,
