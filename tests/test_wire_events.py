@@ -13,12 +13,14 @@ from shared.wire import (
     GenerationRequest,
     InstanceCreated,
     InstanceReleased,
+    InstanceState,
     Memory,
     MemorySampled,
     MlxMemorySnapshot,
     Phase,
     PhaseEntries,
     PlacementEvent,
+    RankState,
     ReleaseCause,
     RunnerAssignment,
     RunnerRef,
@@ -144,3 +146,15 @@ def test_assignment_port_must_be_a_port() -> None:
 def test_terminal_task_statuses() -> None:
     assert not TaskStatus.RUNNING.is_final
     assert TaskStatus.TIMED_OUT.is_final
+
+
+def test_an_instance_is_ready_only_with_every_rank_ready() -> None:
+    def rank(n: int, ready: bool) -> RankState:
+        return RankState(runnerId=f"r-{n}", nodeId="node-a", deviceRank=n, ready=ready, lost=False)
+
+    def instance(*ranks: RankState) -> InstanceState:
+        return InstanceState(instanceId="i-1", modelId="tiny", ranks=list(ranks))
+
+    assert instance(rank(0, True), rank(1, True)).ready
+    assert not instance(rank(0, True), rank(1, False)).ready
+    assert not instance().ready  # no rank can serve nothing
