@@ -44,6 +44,11 @@ async def _reconnected() -> None:
     log.info("NATS reconnected")
 
 
+MAX_OUTSTANDING_PINGS = 3
+"""Pings without an answer after which a link counts as dead and is reconnected: a link
+that vanished without a FIN is noticed in about this many ping intervals."""
+
+
 async def connect(settings: Settings, name: str, **options: Any) -> Client:
     """Connect as client `name`, reconnecting forever once connected; connection trouble
     is logged in one line each, not as tracebacks.
@@ -66,6 +71,8 @@ async def connect(settings: Settings, name: str, **options: Any) -> Client:
         tls=_tls(settings),
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
+        ping_interval=settings.nats_ping_interval,
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
         connect_timeout=options.pop("connect_timeout", 5),
         allow_reconnect=True,
         **options,

@@ -132,6 +132,9 @@ class Settings:
     nats_tls_cert: Path | None = _setting(None, Path, "Client certificate for NATS TLS.")
     nats_tls_key: Path | None = _setting(None, Path, "Client key for NATS TLS.")
     nats_port: int = _setting(4222, _port, "Client port of the embedded nats-server (0: any).")
+    nats_ping_interval: float = _setting(
+        10.0, _duration, "How often a service pings NATS; 3 pings unanswered end a dead link."
+    )
     subject_prefix: str = _setting("rankscope", _prefix, "First token of every subject.")
     data_dir: Path = _setting(Path(".rankscope"), Path, "Where local state lives.")
     node_id: str | None = _setting(None, _text, "This node's id (default: kept in data dir).")
