@@ -23,7 +23,7 @@ from services.aggregator.inputs import BadInputError, parse_placement, parse_tas
 from services.aggregator.views import ClusterState
 from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
-from shared.replay import follow
+from shared.replay import follow, follow_bucket
 from shared.subjects import untoken
 from shared.timestamps import now
 from shared.wire import (
@@ -136,13 +136,10 @@ class AggregatorService:
             await follow(self._js, subjects.placement_all(), self._on_placement),
             await follow(self._js, subjects.tasks_all(), self._on_task),
             await follow(self._js, subjects.runner_all(), self._on_telemetry),
+            await follow_bucket(self._js, self._layout.nodes_bucket.bucket, self._on_node),
         ]
-        nodes = await self._js.key_value(self._layout.nodes_bucket.bucket)
-        loaded = asyncio.Event()
-        watching = asyncio.create_task(self._watch_nodes(nodes, loaded))
         for follower in followers:
             await follower.caught_up.wait()
-        await loaded.wait()
         self.ready.set()
         log.info(
             "aggregator caught up: %d entries from %d runners",
@@ -155,29 +152,24 @@ class AggregatorService:
             asyncio.create_task(self._freeze_heap_forever(stop)),
         ]
         await stop.wait()
-        for task in (*loops, watching):
+        for task in loops:
             task.cancel()
-        await asyncio.gather(*loops, watching, return_exceptions=True)
+        await asyncio.gather(*loops, return_exceptions=True)
         await queries.unsubscribe()
         for follower in followers:
             await follower.stop()
 
-    async def _watch_nodes(self, kv: KeyValue, loaded: asyncio.Event) -> None:
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:
-                loaded.set()
-                continue
-            node_id = untoken(entry.key)
-            if entry.operation is not None:
-                self.state.set_node(node_id, None)
-                continue
-            try:
-                self.state.set_node(node_id, decode(entry.value or b"", NodeInfo))
-            except WireError as exc:
-                log.warning("node entry %s does not decode: %s", entry.key, exc)
-                continue
-            self._heartbeats[node_id] = self._clock()
+    async def _on_node(self, entry: KeyValue.Entry) -> None:
+        node_id = untoken(entry.key)
+        if entry.operation is not None:
+            self.state.set_node(node_id, None)
+            return
+        try:
+            self.state.set_node(node_id, decode(entry.value or b"", NodeInfo))
+        except WireError as exc:
+            log.warning("node entry %s does not decode: %s", entry.key, exc)
+            return
+        self._heartbeats[node_id] = self._clock()
 
     @staticmethod
     async def _freeze_heap_forever(stop: asyncio.Event) -> None:

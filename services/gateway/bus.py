@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from nats.aio.client import Client
@@ -14,6 +15,7 @@ from nats.js.kv import KeyValue
 from services.aggregator.service import ERROR_HEADER
 from services.ranktable.service import VERSION_HEADER
 from shared.jetstream import Layout
+from shared.replay import follow_bucket
 from shared.subjects import token, untoken
 from shared.wire import QueryError, RankTableStream, decode, encode
 
@@ -84,18 +86,20 @@ class Bus:
 
     async def values(self, bucket: str) -> dict[str, bytes]:
         """Every value of a bucket by key."""
-        store = await self.kv(bucket)
         found: dict[str, bytes] = {}
+
+        async def keep(entry: KeyValue.Entry) -> None:
+            if entry.operation is None and entry.value is not None:
+                found[untoken(entry.key)] = entry.value
+
         try:
-            watcher = await store.watchall()
-            async for entry in watcher:
-                if entry is None:
-                    break
-                if entry.operation is None and entry.value is not None:
-                    found[untoken(entry.key)] = entry.value
-            await watcher.stop()  # type: ignore[no-untyped-call]
+            follower = await follow_bucket(self.js, bucket, keep)
+            try:
+                await asyncio.wait_for(follower.caught_up.wait(), self.timeout)
+            finally:
+                await follower.stop()
         except (NatsError, TimeoutError) as exc:
-            raise BusError(503, f"NATS read failed: {exc}") from None
+            raise BusError(503, f"NATS read failed: {exc or type(exc).__name__}") from None
         return found
 
     async def put(self, bucket: str, key: str, value: bytes) -> None:

@@ -29,7 +29,7 @@ from services.ranktable.state import PlacementState, Readiness, apply_placement,
 from services.ranktable.tables import rank_table
 from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
-from shared.replay import Follower, follow
+from shared.replay import Follower, follow, follow_bucket
 from shared.subjects import token, untoken
 from shared.timestamps import now, to_epoch
 from shared.wire import (
@@ -117,25 +117,27 @@ class RankTableService:
             self._on_status,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         )
-        specs_kv = await self._js.key_value(self._layout.runners_bucket.bucket)
         nodes_kv = await self._js.key_value(self._layout.nodes_bucket.bucket)
         self._status_kv = await self._js.key_value(self._layout.runner_status_bucket.bucket)
+        followers = (
+            status,
+            await follow_bucket(
+                self._js, self._layout.runners_bucket.bucket, self._on(self._on_spec)
+            ),
+            await follow_bucket(
+                self._js, self._layout.nodes_bucket.bucket, self._on(self._on_node)
+            ),
+        )
         async with asyncio.TaskGroup() as tasks:
-            specs_loaded, nodes_loaded = asyncio.Event(), asyncio.Event()
-            watchers = [
-                tasks.create_task(self._watch(specs_kv, self._on_spec, specs_loaded)),
-                tasks.create_task(self._watch(nodes_kv, self._on_node, nodes_loaded)),
-                tasks.create_task(self._expire_nodes(nodes_kv, stop)),
-            ]
-            await specs_loaded.wait()
-            await nodes_loaded.wait()
-            await status.caught_up.wait()
+            expiry = tasks.create_task(self._expire_nodes(nodes_kv, stop))
+            for follower in followers:
+                await follower.caught_up.wait()
             reconciler = tasks.create_task(self._reconcile_forever(stop))
             await stop.wait()
             reconciler.cancel()
-            for watcher in watchers:
-                watcher.cancel()
-        await status.stop()
+            expiry.cancel()
+        for follower in followers:
+            await follower.stop()
 
     async def _replay_placements(self) -> None:
         async def handle(msg: Msg) -> None:
@@ -182,16 +184,16 @@ class RankTableService:
             self._readiness = apply_status(self._readiness, event)
             self._dirty.set()
 
-    async def _watch(
-        self, kv: KeyValue, apply: Callable[[KeyValue.Entry], None], loaded: asyncio.Event
-    ) -> None:
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:
-                loaded.set()
-                continue
+    def _on(
+        self, apply: Callable[[KeyValue.Entry], None]
+    ) -> Callable[[KeyValue.Entry], Awaitable[None]]:
+        """`apply` an entry of a bucket, then mark the world dirty."""
+
+        async def handle(entry: KeyValue.Entry) -> None:
             apply(entry)
             self._dirty.set()
+
+        return handle
 
     def _on_spec(self, entry: KeyValue.Entry) -> None:
         spec_id = untoken(entry.key)
