@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
+from nats.aio.msg import Msg
 
+from shared.timestamps import now
 from shared.wire import (
     InstanceCreated,
+    InstanceState,
+    NodeDiagnostics,
     RankTableStatus,
     RunnerRef,
     RunnerStatusChanged,
     RunnerStatusKind,
+    TaskCreated,
+    TaskEvent,
+    TokenChunk,
     decode,
     encode,
 )
@@ -199,7 +209,8 @@ async def _next_event(lines: Any) -> str:
     raise AssertionError("stream ended")
 
 
-async def _report_ready(stack: Stack) -> None:
+async def _report_ready(stack: Stack) -> InstanceCreated:
+    """Every rank of llm-0 reports READY, as its runners would; the placement."""
     js = stack.nc.jetstream()
     raw = await js.get_last_msg(
         stack.layout.placement_stream.name, stack.layout.subjects.placement("llm-0")
@@ -219,6 +230,7 @@ async def _report_ready(stack: Stack) -> None:
         )
         subject = stack.layout.subjects.runner(a.nodeId, "llm-0", a.deviceRank, "status")
         await js.publish(subject, encode(event))
+    return instance
 
 
 async def test_chat_completion_without_a_serving_instance(stack_for: Any) -> None:
@@ -276,3 +288,115 @@ async def test_reads_can_be_closed_too(stack_for: Any) -> None:
     allowed = await stack.http.get("/v1/runners", headers={"Authorization": "Bearer s3cret"})
     assert allowed.status_code == 200
     assert (await stack.http.get("/healthz")).status_code == 200
+
+
+async def _serving(stack: Stack) -> str:
+    """llm-0 placed and ready, its nodes answering probes as agents do; the node of its
+    last rank, which speaks for its output."""
+    await stack.http.post("/v1/runners", json={"runners": [SPEC]})
+    await _until(lambda: _has_table(stack))
+    instance = await _report_ready(stack)
+    for node_id in {a.nodeId for a in instance.assignments}:
+        here = NodeDiagnostics(nodeId=node_id, friendlyName=node_id, address="", generatedAt=now())
+
+        async def answer(msg: Msg, here: NodeDiagnostics = here) -> None:
+            await msg.respond(encode(here))
+
+        await stack.nc.subscribe(stack.layout.subjects.node_diagnostics(node_id), cb=answer)
+
+    async def ready() -> bool:
+        reply = await stack.nc.request(stack.layout.subjects.query("instances"), b"")
+        return any(i.ready for i in decode(reply.data, list[InstanceState]))
+
+    await _until(ready)
+    return max(instance.assignments, key=lambda a: a.deviceRank).nodeId
+
+
+def _chunk(seq: int, text: str, finish: str | None = None) -> bytes:
+    counts = {"promptTokens": 3, "completionTokens": seq + 1} if finish else {}
+    return encode(TokenChunk(commandId="", seq=seq, text=text, finishReason=finish, **counts))
+
+
+@contextlib.asynccontextmanager
+async def _answered(
+    stack: Stack, speaker: str, answers: list[tuple[str, bytes]]
+) -> AsyncIterator[None]:
+    """Answer the next task of llm-0 with `answers`, (node, raw chunk) pairs sent on its
+    output subject as that node ("": the speaker), as the last rank's node would."""
+    tasks = await stack.nc.subscribe(stack.layout.subjects.tasks("llm-0"))
+
+    async def answer() -> None:
+        task = decode((await tasks.next_msg(timeout=10)).data, TaskEvent)
+        assert isinstance(task, TaskCreated)
+        assert task.commandId
+        for node, raw in answers:
+            subject = stack.layout.subjects.output(task.commandId, node or speaker)
+            await stack.nc.publish(subject, raw)
+
+    answering = asyncio.create_task(answer())
+    yield
+    await answering
+    await tasks.unsubscribe()
+
+
+CHAT = {"model": "llm", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _chat(stack: Stack, speaker: str, answers: list[tuple[str, bytes]]) -> httpx.Response:
+    async with _answered(stack, speaker, answers):
+        return await stack.http.post("/v1/chat/completions", json=CHAT)
+
+
+async def _chat_events(stack: Stack, speaker: str, answers: list[tuple[str, bytes]]) -> list[str]:
+    """The data lines of a streamed chat."""
+    async with (
+        _answered(stack, speaker, answers),
+        stack.http.stream("POST", "/v1/chat/completions", json=CHAT | {"stream": True}) as events,
+    ):
+        return [line[6:] async for line in events.aiter_lines() if line.startswith("data: ")]
+
+
+async def test_a_chat_reply_is_its_chunks_in_order_from_the_last_rank_s_node(
+    stack_for: Any,
+) -> None:
+    stack: Stack = await stack_for()
+    speaker = await _serving(stack)
+    other = "node-a" if speaker == "node-b" else "node-b"
+    reply = await _chat(
+        stack,
+        speaker,
+        [
+            (other, _chunk(0, "forged", "stop")),
+            ("", _chunk(0, "Hel")),
+            ("", _chunk(1, "lo", "length")),
+        ],
+    )
+    assert reply.status_code == 200
+    assert reply.json()["choices"][0]["message"]["content"] == "Hello"
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+    assert reply.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    ("answers", "lost"),
+    [
+        ([_chunk(0, "Hel"), _chunk(2, "!", "stop")], "1"),
+        ([b"not a chunk", _chunk(1, "lo", "stop")], "0"),
+        ([_chunk(0, "a"), _chunk(4, "e", "stop")], "1-3"),
+    ],
+    ids=["one lost", "one undecodable", "three lost"],
+)
+async def test_a_lost_output_chunk_is_a_502_naming_it_not_a_reply_with_a_hole(
+    stack_for: Any, answers: list[bytes], lost: str
+) -> None:
+    stack: Stack = await stack_for()
+    speaker = await _serving(stack)
+    reply = await _chat(stack, speaker, [("", raw) for raw in answers])
+    assert reply.status_code == 502
+    assert reply.json()["detail"].startswith(f"output chunks {lost} of chatcmpl-")
+    events = await _chat_events(stack, speaker, [("", raw) for raw in answers])
+    assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-1] != "[DONE]"
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == 502
+    assert error["message"].startswith(f"output chunks {lost} of chatcmpl-")

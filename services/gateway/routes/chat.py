@@ -6,12 +6,13 @@ The completion id is the task's `commandId`, so a completion can be found in the
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from nats.aio.msg import Msg
 from starlette.responses import StreamingResponse
 
@@ -27,6 +28,7 @@ from shared.wire import (
     TaskCreated,
     TaskKind,
     TokenChunk,
+    WireError,
     decode,
     encode,
 )
@@ -34,6 +36,7 @@ from shared.wire.base import SnakeStruct
 
 __all__ = ["ChatRequest", "router"]
 
+log = logging.getLogger(__name__)
 router = APIRouter(tags=["chat"])
 Nats = Annotated[Bus, Depends(bus)]
 GENERATION_TIMEOUT_S = 300.0
@@ -75,7 +78,11 @@ async def _instance(nats: Bus, model: str) -> InstanceState:
 
 async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[TokenChunk]:
     """Submit the task and yield its output chunks, as node `speaker` (the node of the
-    instance's last rank) sends them, in order until the last."""
+    instance's last rank) sends them, in order until the last.
+
+    Output travels on core NATS, which does not resend: a chunk lost on the way (or one
+    that cannot be decoded) ends the answer with a 502 naming the missing `seq`s, never a
+    reply with a hole in its text."""
     assert task.commandId is not None
     arrived: asyncio.Queue[Msg] = asyncio.Queue()
     subscription = await nats.nc.subscribe(
@@ -83,13 +90,27 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[T
     )
     try:
         await nats.publish(nats.layout.subjects.tasks(task.instanceId), encode(task), task.taskId)
-        deadline = time.monotonic() + GENERATION_TIMEOUT_S
+        deadline, expected = time.monotonic() + GENERATION_TIMEOUT_S, 0
         while True:
             try:
                 msg = await asyncio.wait_for(arrived.get(), deadline - time.monotonic())
             except TimeoutError:
                 raise fail(504, f"no output within {GENERATION_TIMEOUT_S:g}s") from None
-            chunk = decode(msg.data, TokenChunk)
+            try:
+                chunk = decode(msg.data, TokenChunk)
+            except WireError as exc:
+                log.warning("undecodable output chunk of %s: %s", task.commandId, exc)
+                continue  # its seq will be missing
+            if chunk.seq < expected:
+                continue  # seen already
+            if chunk.seq > expected:
+                lost = f"{expected}" if chunk.seq == expected + 1 else f"{expected}-{chunk.seq - 1}"
+                raise fail(
+                    502,
+                    f"output chunks {lost} of {task.commandId} were lost on the way; "
+                    "the generation itself may have finished (see the timeline)",
+                )
+            expected += 1
             yield chunk
             if chunk.finishReason is not None:
                 return
@@ -173,11 +194,16 @@ async def _stream(
         ],
     }
     yield b"data: " + encode(first) + b"\n\n"
-    async for chunk in _chunks(nats, task, speaker):
-        delta = {"content": chunk.text} if chunk.text else {}
-        piece = {
-            **base,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": chunk.finishReason}],
-        }
-        yield b"data: " + encode(piece) + b"\n\n"
+    try:
+        async for chunk in _chunks(nats, task, speaker):
+            delta = {"content": chunk.text} if chunk.text else {}
+            piece = {
+                **base,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": chunk.finishReason}],
+            }
+            yield b"data: " + encode(piece) + b"\n\n"
+    except HTTPException as exc:  # the status line is sent: the error goes in the stream
+        error = {"message": exc.detail, "type": "server_error", "code": exc.status_code}
+        yield b"data: " + encode({"error": error}) + b"\n\n"
+        return
     yield b"data: [DONE]\n\n"
