@@ -8,8 +8,8 @@
   and dead letters; it answers queries and probes agents;
 - the rank-table service reads specs, nodes, placements and runner status, and writes
   placements, rank tables, spec status and dead letters;
-- the gateway asks queries, writes specs and tasks, and reads rank tables, output and
-  the buckets; it can never publish runner telemetry, task status or output.
+- the gateway asks queries, writes specs and tasks, and reads rank tables, output, task
+  status and the buckets; it can never publish runner telemetry, task status or output.
 
 Only the aggregator and the rank-table service may create or update streams; nobody may
 delete or purge them. Each user receives replies only under its own inbox prefix
@@ -162,7 +162,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 *api.everyone(),
                 *api.read(api.stream("RANKTABLE"), runners_kv, nodes_kv, status_kv),
             ),
-            subscribe=(*inbox, f"{p}.ranktable.>", f"{p}.output.>"),
+            subscribe=(*inbox, f"{p}.ranktable.>", f"{p}.output.>", f"{p}.tasks.*.status.*"),
         )
     raise ValueError(f"no role {user!r}; roles are {', '.join(ROLES)} and agent-<node>")
 

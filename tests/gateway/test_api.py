@@ -23,6 +23,8 @@ from shared.wire import (
     RunnerStatusKind,
     TaskCreated,
     TaskEvent,
+    TaskStatus,
+    TaskStatusChanged,
     TokenChunk,
     decode,
     encode,
@@ -319,10 +321,11 @@ def _chunk(seq: int, text: str, finish: str | None = None) -> bytes:
 
 @contextlib.asynccontextmanager
 async def _answered(
-    stack: Stack, speaker: str, answers: list[tuple[str, bytes]]
+    stack: Stack, speaker: str, answers: list[tuple[str, bytes]], failure: str | None = None
 ) -> AsyncIterator[None]:
     """Answer the next task of llm-0 with `answers`, (node, raw chunk) pairs sent on its
-    output subject as that node ("": the speaker), as the last rank's node would."""
+    output subject as that node ("": the speaker), as the last rank's node would; then,
+    with `failure`, report the task failed for that reason, as a dying rank's agent does."""
     tasks = await stack.nc.subscribe(stack.layout.subjects.tasks("llm-0"))
 
     async def answer() -> None:
@@ -332,6 +335,17 @@ async def _answered(
         for node, raw in answers:
             subject = stack.layout.subjects.output(task.commandId, node or speaker)
             await stack.nc.publish(subject, raw)
+        if failure is not None:
+            failed = TaskStatusChanged(
+                at=now(),
+                taskId=task.taskId,
+                instanceId="llm-0",
+                taskStatus=TaskStatus.FAILED,
+                runnerId="llm-0-a0-r0",
+                detail=failure,
+            )
+            subject = stack.layout.subjects.task_status("llm-0", "node-a")
+            await stack.nc.jetstream().publish(subject, encode(failed))
 
     answering = asyncio.create_task(answer())
     yield
@@ -400,3 +414,14 @@ async def test_a_lost_output_chunk_is_a_502_naming_it_not_a_reply_with_a_hole(
     error = json.loads(events[-1])["error"]
     assert error["code"] == 502
     assert error["message"].startswith(f"output chunks {lost} of chatcmpl-")
+
+
+async def test_a_task_a_rank_reports_failed_ends_the_chat_with_a_502_at_once(
+    stack_for: Any,
+) -> None:
+    stack: Stack = await stack_for()
+    speaker = await _serving(stack)
+    async with _answered(stack, speaker, [("", _chunk(0, "Hel"))], failure="killed by SIGKILL"):
+        reply = await stack.http.post("/v1/chat/completions", json=CHAT)
+    assert reply.status_code == 502
+    assert reply.json()["detail"] == ("the task failed on llm-0-a0-r0: killed by SIGKILL")

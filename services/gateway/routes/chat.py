@@ -26,7 +26,10 @@ from shared.wire import (
     GenerationRequest,
     InstanceState,
     TaskCreated,
+    TaskEvent,
     TaskKind,
+    TaskStatus,
+    TaskStatusChanged,
     TokenChunk,
     WireError,
     decode,
@@ -82,20 +85,27 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[T
 
     Output travels on core NATS, which does not resend: a chunk lost on the way (or one
     that cannot be decoded) ends the answer with a 502 naming the missing `seq`s, never a
-    reply with a hole in its text."""
+    reply with a hole in its text. A rank that reports the task failed or timed out ends
+    it with a 502 saying why, without waiting out the deadline."""
     assert task.commandId is not None
+    subjects = nats.layout.subjects
+    output = subjects.output(task.commandId, speaker)
     arrived: asyncio.Queue[Msg] = asyncio.Queue()
-    subscription = await nats.nc.subscribe(
-        nats.layout.subjects.output(task.commandId, speaker), cb=arrived.put
-    )
+    subscriptions = [
+        await nats.nc.subscribe(output, cb=arrived.put),
+        await nats.nc.subscribe(subjects.task_statuses(task.instanceId), cb=arrived.put),
+    ]
     try:
-        await nats.publish(nats.layout.subjects.tasks(task.instanceId), encode(task), task.taskId)
+        await nats.publish(subjects.tasks(task.instanceId), encode(task), task.taskId)
         deadline, expected = time.monotonic() + GENERATION_TIMEOUT_S, 0
         while True:
             try:
                 msg = await asyncio.wait_for(arrived.get(), deadline - time.monotonic())
             except TimeoutError:
                 raise fail(504, f"no output within {GENERATION_TIMEOUT_S:g}s") from None
+            if msg.subject != output:
+                _raise_if_failed(msg, task.taskId)
+                continue
             try:
                 chunk = decode(msg.data, TokenChunk)
             except WireError as exc:
@@ -115,7 +125,23 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[T
             if chunk.finishReason is not None:
                 return
     finally:
-        await subscription.unsubscribe()
+        for subscription in subscriptions:
+            await subscription.unsubscribe()
+
+
+def _raise_if_failed(msg: Msg, task_id: str) -> None:
+    """A 502 when `msg` is a rank reporting task `task_id` failed or timed out."""
+    try:
+        event = decode(msg.data, TaskEvent)
+    except WireError:
+        return  # the status stream's readers count it; this reply does not depend on it
+    if (
+        isinstance(event, TaskStatusChanged)
+        and event.taskId == task_id
+        and event.taskStatus in (TaskStatus.FAILED, TaskStatus.TIMED_OUT)
+    ):
+        reason = event.detail or event.taskStatus.value
+        raise fail(502, f"the task failed on {event.runnerId or 'a rank'}: {reason}")
 
 
 @router.post(
