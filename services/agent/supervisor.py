@@ -297,6 +297,9 @@ class RunnerSupervisor:
 
     def _crash(self, code: int, cause: str) -> None:
         log.error("runner died: %s", cause, extra={"runnerId": self.runner_id})
+        if self.active_task_id is not None:  # it will never finish: whoever waits is told
+            self._on_task(self.active_task_id, TaskStatus.FAILED, f"the runner died: {cause}")
+            self.active_task_id = self.active_command_id = None
         self._record(
             FlightEntry(
                 seq=self._next_seq(),

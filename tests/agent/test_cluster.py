@@ -364,12 +364,27 @@ async def test_a_nats_outage_during_generation_loses_no_entry(cluster: Cluster) 
     assert _complete(stored, "task-cmd-outage")
 
 
-async def test_a_killed_runner_is_failed_with_its_signal_and_the_cluster_heals(
+async def test_a_runner_killed_mid_generation_is_failed_with_its_signal_and_the_cluster_heals(
     cluster: Cluster,
 ) -> None:
+    chunks: asyncio.Queue[Msg] = asyncio.Queue()
+    await cluster.nc.subscribe(cluster.layout.subjects.output("cmd-killed", SPEAKER), cb=chunks.put)
+    await cluster.submit("cmd-killed", max_tokens=2000)
+    await asyncio.wait_for(chunks.get(), WAIT)  # it is generating
     (victim,) = (await cluster.diagnostics("node-b")).runners
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)
+
+    def task_failed() -> dict[str, str | None]:
+        return {
+            e.runnerId or "": e.detail
+            for e in cluster.task_statuses
+            if e.taskId == "task-cmd-killed" and e.taskStatus is TaskStatus.FAILED
+        }
+
+    # the task can never finish: every rank says so, and nobody waits on it forever
+    await cluster.until(lambda: set(RANKS) <= set(task_failed()))
+    assert task_failed()[RANKS[1]] == "the runner died: killed by SIGKILL"
 
     def failed() -> bool:
         latest = cluster.latest(RANKS[1])
