@@ -321,11 +321,14 @@ def _chunk(seq: int, text: str, finish: str | None = None) -> bytes:
 
 @contextlib.asynccontextmanager
 async def _answered(
-    stack: Stack, speaker: str, answers: list[tuple[str, bytes]], failure: str | None = None
+    stack: Stack,
+    speaker: str,
+    answers: list[tuple[str, bytes]],
+    reports: tuple[tuple[str, TaskStatus, str | None], ...] = (),
 ) -> AsyncIterator[None]:
     """Answer the next task of llm-0 with `answers`, (node, raw chunk) pairs sent on its
-    output subject as that node ("": the speaker), as the last rank's node would; then,
-    with `failure`, report the task failed for that reason, as a dying rank's agent does."""
+    output subject as that node ("": the speaker), as the last rank's node would; then
+    send `reports`, (node, status, detail) of the task, as the ranks' agents do."""
     tasks = await stack.nc.subscribe(stack.layout.subjects.tasks("llm-0"))
 
     async def answer() -> None:
@@ -335,17 +338,17 @@ async def _answered(
         for node, raw in answers:
             subject = stack.layout.subjects.output(task.commandId, node or speaker)
             await stack.nc.publish(subject, raw)
-        if failure is not None:
-            failed = TaskStatusChanged(
+        for node, status, detail in reports:
+            report = TaskStatusChanged(
                 at=now(),
                 taskId=task.taskId,
                 instanceId="llm-0",
-                taskStatus=TaskStatus.FAILED,
-                runnerId="llm-0-a0-r0",
-                detail=failure,
+                taskStatus=status,
+                runnerId=f"runner-on-{node or speaker}",
+                detail=detail,
             )
-            subject = stack.layout.subjects.task_status("llm-0", "node-a")
-            await stack.nc.jetstream().publish(subject, encode(failed))
+            subject = stack.layout.subjects.task_status("llm-0", node or speaker)
+            await stack.nc.jetstream().publish(subject, encode(report))
 
     answering = asyncio.create_task(answer())
     yield
@@ -421,7 +424,23 @@ async def test_a_task_a_rank_reports_failed_ends_the_chat_with_a_502_at_once(
 ) -> None:
     stack: Stack = await stack_for()
     speaker = await _serving(stack)
-    async with _answered(stack, speaker, [("", _chunk(0, "Hel"))], failure="killed by SIGKILL"):
+    failed = (("node-a", TaskStatus.FAILED, "the runner died: killed by SIGKILL"),)
+    async with _answered(stack, speaker, [("", _chunk(0, "Hel"))], failed):
         reply = await stack.http.post("/v1/chat/completions", json=CHAT)
     assert reply.status_code == 502
-    assert reply.json()["detail"] == ("the task failed on llm-0-a0-r0: killed by SIGKILL")
+    assert reply.json()["detail"] == (
+        "the task failed on runner-on-node-a: the runner died: killed by SIGKILL"
+    )
+
+
+async def test_a_last_chunk_missing_after_its_rank_completed_is_a_502(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    speaker = await _serving(stack)
+    other = "node-a" if speaker == "node-b" else "node-b"
+    completed = ((other, TaskStatus.COMPLETE, None), ("", TaskStatus.COMPLETE, None))
+    async with _answered(stack, speaker, [("", _chunk(0, "Hel"))], completed):
+        reply = await stack.http.post("/v1/chat/completions", json=CHAT)
+    assert reply.status_code == 502
+    assert reply.json()["detail"].startswith("output chunks from 1 on of chatcmpl-")
+    reply = await _chat(stack, speaker, [("", _chunk(0, "Hel")), ("", _chunk(1, "lo", "stop"))])
+    assert reply.json()["choices"][0]["message"]["content"] == "Hello"  # the next one is fine

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["chat"])
 Nats = Annotated[Bus, Depends(bus)]
 GENERATION_TIMEOUT_S = 300.0
+FINAL_CHUNK_GRACE_S = 5.0
+"""How long the last chunk may trail the `Complete` status of its rank before it counts as
+lost: both come from the same agent, the status batched with its telemetry."""
 
 
 class Message(SnakeStruct, kw_only=True, frozen=True):
@@ -85,11 +88,14 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[T
 
     Output travels on core NATS, which does not resend: a chunk lost on the way (or one
     that cannot be decoded) ends the answer with a 502 naming the missing `seq`s, never a
-    reply with a hole in its text. A rank that reports the task failed or timed out ends
-    it with a 502 saying why, without waiting out the deadline."""
+    reply with a hole in its text; so does a last chunk still missing
+    `FINAL_CHUNK_GRACE_S` after the speaker reported the task complete. A rank that
+    reports the task failed or timed out ends it with a 502 saying why, without waiting
+    out the deadline."""
     assert task.commandId is not None
     subjects = nats.layout.subjects
     output = subjects.output(task.commandId, speaker)
+    speaker_status = subjects.task_status(task.instanceId, speaker)
     arrived: asyncio.Queue[Msg] = asyncio.Queue()
     subscriptions = [
         await nats.nc.subscribe(output, cb=arrived.put),
@@ -97,14 +103,22 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[T
     ]
     try:
         await nats.publish(subjects.tasks(task.instanceId), encode(task), task.taskId)
-        deadline, expected = time.monotonic() + GENERATION_TIMEOUT_S, 0
+        deadline, expected, completed = time.monotonic() + GENERATION_TIMEOUT_S, 0, False
         while True:
             try:
                 msg = await asyncio.wait_for(arrived.get(), deadline - time.monotonic())
             except TimeoutError:
+                if completed:
+                    raise fail(
+                        502,
+                        f"output chunks from {expected} on of {task.commandId} were lost on "
+                        "the way; the generation itself finished (see the timeline)",
+                    ) from None
                 raise fail(504, f"no output within {GENERATION_TIMEOUT_S:g}s") from None
             if msg.subject != output:
-                _raise_if_failed(msg, task.taskId)
+                if _completed(msg, task.taskId) and msg.subject == speaker_status:
+                    completed = True
+                    deadline = min(deadline, time.monotonic() + FINAL_CHUNK_GRACE_S)
                 continue
             try:
                 chunk = decode(msg.data, TokenChunk)
@@ -129,19 +143,19 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[T
             await subscription.unsubscribe()
 
 
-def _raise_if_failed(msg: Msg, task_id: str) -> None:
-    """A 502 when `msg` is a rank reporting task `task_id` failed or timed out."""
+def _completed(msg: Msg, task_id: str) -> bool:
+    """Whether `msg` is a rank reporting task `task_id` complete; a 502 when it reports
+    it failed or timed out."""
     try:
         event = decode(msg.data, TaskEvent)
     except WireError:
-        return  # the status stream's readers count it; this reply does not depend on it
-    if (
-        isinstance(event, TaskStatusChanged)
-        and event.taskId == task_id
-        and event.taskStatus in (TaskStatus.FAILED, TaskStatus.TIMED_OUT)
-    ):
+        return False  # the status stream's readers count it; this reply does not need it
+    if not isinstance(event, TaskStatusChanged) or event.taskId != task_id:
+        return False
+    if event.taskStatus in (TaskStatus.FAILED, TaskStatus.TIMED_OUT):
         reason = event.detail or event.taskStatus.value
         raise fail(502, f"the task failed on {event.runnerId or 'a rank'}: {reason}")
+    return event.taskStatus is TaskStatus.COMPLETE
 
 
 @router.post(
