@@ -167,7 +167,8 @@ class AggregatorService:
         try:
             self.state.set_node(node_id, decode(entry.value or b"", NodeInfo))
         except WireError as exc:
-            log.warning("node entry %s does not decode: %s", entry.key, exc)
+            subject = f"$KV.{self._layout.nodes_bucket.bucket}.{entry.key}"
+            self.dead_letters.reject(subject, entry.value, "node_undecodable", exc)
             return
         self._heartbeats[node_id] = self._clock()
 

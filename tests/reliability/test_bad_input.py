@@ -122,10 +122,15 @@ async def _aggregator_scenario(
         "placement": layout.subjects.placement("i"),
         "tasks": layout.subjects.tasks("i"),
     }
+    nodes = await js.key_value(layout.nodes_bucket.bucket)
     await js.publish(subjects["placement"], encode(placed()))
     for seq, (where, payload) in enumerate(garbage):
-        await js.publish(subjects[where], payload)
+        if where == "nodes":
+            await nodes.put(f"garbage-{seq}", payload)
+        else:
+            await js.publish(subjects[where], payload)
         await js.publish(subjects["runner"], encode(entries(rank(0), (seq, seq, Phase.IDLE, None))))
+    await nodes.put("node-0", encode(node_info("node-0", 24)))
     state = ClusterState(store=EntryStore())
     service = AggregatorService(nc=nc, js=js, layout=layout, state=state, node_id="fuzz")
     stop = asyncio.Event()
@@ -136,6 +141,7 @@ async def _aggregator_scenario(
     await running
     assert state.store.size == len(garbage)  # every valid entry applied
     assert list(state.instances) == ["i"]  # the valid placement too
+    assert "node-0" in state.nodes  # and the valid node
     assert service.dead_letters.total == len(garbage)
     assert await _dead_lettered(nc, layout) == len(garbage)
 
@@ -148,7 +154,7 @@ def _garbage(places: list[str], size: int) -> st.SearchStrategy[list[tuple[str, 
 
 
 @settings(_FUZZED, max_examples=25)
-@given(garbage=_garbage(["runner", "placement", "tasks"], 20))
+@given(garbage=_garbage(["runner", "placement", "tasks", "nodes"], 20))
 def test_garbage_on_every_subject_loses_no_valid_event(
     server: EmbeddedNats, garbage: list[tuple[str, bytes]]
 ) -> None:
