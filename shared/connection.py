@@ -13,9 +13,17 @@ from nats.aio.client import Client
 from shared.nats_auth import inbox_prefix
 from shared.settings import Settings
 
-__all__ = ["close", "connect"]
+__all__ = ["close", "connect", "slow_consumer_drops"]
 
 log = logging.getLogger(__name__)
+
+_drops = [0]
+
+
+def slow_consumer_drops() -> int:
+    """Messages this process's NATS clients dropped because a subscription's queue was
+    full. Always 0 unless something is wrong: followers pull only what they can hold."""
+    return _drops[0]
 
 
 def _tls(settings: Settings) -> ssl.SSLContext | None:
@@ -33,6 +41,12 @@ def _tls(settings: Settings) -> ssl.SSLContext | None:
 
 
 async def _error(error: Exception) -> None:
+    if isinstance(error, nats.errors.SlowConsumerError):
+        _drops[0] += 1
+        if _drops[0] & (_drops[0] - 1):
+            return  # logged at the 1st, 2nd, 4th, 8th ... drop, not once per message
+        log.error("NATS dropped a message for a slow subscription (%d so far)", _drops[0])
+        return
     log.warning("NATS: %s", error or type(error).__name__)
 
 

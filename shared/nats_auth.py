@@ -79,12 +79,14 @@ class _Api:
                 for name in self.all_streams]  # fmt: skip
 
     def read(self, *streams: str) -> list[str]:
-        """Ordered consumers, direct gets and last-message reads on `streams`."""
+        """Pull followers, ordered consumers, direct gets and last-message reads on
+        `streams`."""
         subjects = ["$JS.FC.>"]
         for name in streams:
             subjects += [
                 f"$JS.API.CONSUMER.CREATE.{name}",
                 f"$JS.API.CONSUMER.CREATE.{name}.>",
+                f"$JS.API.CONSUMER.MSG.NEXT.{name}.*",
                 f"$JS.API.CONSUMER.INFO.{name}.*",
                 f"$JS.API.CONSUMER.DELETE.{name}.*",
                 f"$JS.API.DIRECT.GET.{name}",

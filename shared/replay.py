@@ -1,51 +1,251 @@
-"""Follow a stream (or a KV bucket) with an ordered consumer and know when the backlog
-is applied.
+"""Follow a stream (or a KV bucket) without ever losing a message, and know when the
+backlog is applied.
 
 This is how views are rebuilt: replay from the start (or the last message per subject),
-report caught up when nothing is pending, and keep following live messages after that.
+report caught up once everything the stream held at the start is handled, and keep
+following live messages after that.
+
+A follower pulls: it asks the server for `batch` messages at a time and asks for more only
+when those are handled, so a slow handler slows the server down instead of filling the
+client's queue (a push consumer's flow control is answered when a message is read off the
+socket, not when it is handled, and the client then drops what its queue cannot hold). It
+checks every delivery's consumer sequence and, on a gap, a stalled pull or a lost
+consumer, starts a new consumer just after the last handled stream sequence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 __all__ = ["Follower", "follow", "follow_bucket"]
 
+log = logging.getLogger(__name__)
+
+BATCH = 512
+"""Messages asked for in one pull: enough to hide the round trip, few enough to hold."""
 
 YIELD_EVERY = 64
-"""Messages handled back to back before other tasks (queries) get a turn: a subscription
-drains its whole pending queue without suspending otherwise."""
+"""Messages handled back to back before other tasks (queries) get a turn."""
+
+HEARTBEAT_S = 2.0
+"""The server's idle heartbeat while a pull waits for messages."""
+
+STALL_HEARTBEATS = 5
+"""Heartbeats missed in a row after which the consumer counts as lost and is replaced."""
+
+PULL_EXPIRES_S = 30.0
+"""How long one pull waits on the server for messages before it is renewed."""
+
+_STATUS = "Status"
+_HEARTBEAT, _NO_MESSAGES, _EXPIRED = "100", "404", "408"
+
+
+class _RestartError(Exception):
+    """The consumer cannot go on; a new one starts after the last handled message."""
+
+
+def _positions(reply: str) -> tuple[int, int, int]:
+    """(stream seq, consumer seq, pending) from a JetStream delivery's reply subject:
+    `$JS.ACK[.<domain>.<hash>].<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]`."""
+    tokens = reply.split(".")
+    base = 4 if len(tokens) == 9 else 6
+    return int(tokens[base + 1]), int(tokens[base + 2]), int(tokens[base + 4])
 
 
 class Follower:
-    """A live ordered consumer; `caught_up` is set once the backlog has been handled."""
+    """Pulls a stream's messages through `handle`, in stream order, each exactly once;
+    `caught_up` is set once what the stream held at the start is handled.
 
-    def __init__(self, handle: Callable[[Msg], Awaitable[None]]) -> None:
+    Args:
+        js: JetStream context.
+        stream: the stream followed.
+        subjects: filter subjects (interleaved in stream order).
+        handle: called once per message, in order; it should not raise (an exception is
+            logged and the message skipped).
+        deliver_policy: where the first consumer starts.
+        batch: messages asked for per pull.
+        heartbeat: seconds between the server's idle heartbeats.
+    """
+
+    def __init__(
+        self,
+        *,
+        js: JetStreamContext,
+        stream: str,
+        subjects: Sequence[str],
+        handle: Callable[[Msg], Awaitable[None]],
+        deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+        batch: int = BATCH,
+        heartbeat: float = HEARTBEAT_S,
+    ) -> None:
         self.caught_up = asyncio.Event()
+        self.handled = 0
+        """Messages handled so far."""
+        self.restarts = 0
+        """Consumers replaced after a gap, a stall or a lost consumer."""
+        self.last_seq = 0
+        """Stream sequence of the last handled message."""
+        self._js = js
+        self._nc = js._nc
+        self._stream = stream
+        self._subjects = list(subjects)
         self._handle = handle
-        self._subscription: JetStreamContext.PushSubscription | None = None
-        self._handled = 0
+        self._deliver_policy = deliver_policy
+        self._batch = batch
+        self._heartbeat = heartbeat
+        self._target = 0
+        self._delivered = 0
+        self._requested = 0
+        self._consumer = ""
+        self._inbox = ""
+        self._subscription: Subscription | None = None
+        self._arrived: deque[Msg] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
 
-    async def _on_msg(self, msg: Msg) -> None:
-        await self._handle(msg)
-        # parsing the metadata costs more than most handlers: only until caught up
-        if not self.caught_up.is_set() and msg.metadata.num_pending == 0:
-            self.caught_up.set()
-        self._handled += 1
-        if self._handled % YIELD_EVERY == 0:
-            await asyncio.sleep(0)
+    async def start(self) -> None:
+        """Create the first consumer (errors reach the caller) and start pulling."""
+        await self._open()
+        self._task = asyncio.create_task(self._run(), name=f"follow {self._stream}")
 
     async def stop(self) -> None:
-        """Stop following."""
+        """Stop following and remove the consumer."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._close()
+
+    async def _open(self) -> None:
+        """A new consumer starting after the last handled message, and its inbox."""
+        policy, start = self._deliver_policy, None
+        if self.last_seq:
+            policy, start = DeliverPolicy.BY_START_SEQUENCE, self.last_seq + 1
+        inbox = self._nc.new_inbox()
+        self._arrived.clear()
+        # the client holds what one pull asked for and a few statuses, never more
+        self._subscription = await self._nc.subscribe(
+            inbox, cb=self._arrive, pending_msgs_limit=self._batch + 64, pending_bytes_limit=0
+        )
+        config = ConsumerConfig(
+            name=self._nc._nuid.next().decode(),
+            deliver_policy=policy,
+            opt_start_seq=start,
+            ack_policy=AckPolicy.NONE,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=max(60.0, PULL_EXPIRES_S * 2),
+            filter_subjects=self._subjects if len(self._subjects) > 1 else None,
+            filter_subject=self._subjects[0] if len(self._subjects) == 1 else None,
+        )
+        info = await self._js.add_consumer(self._stream, config)
+        self._consumer = info.name or ""
+        self._inbox = inbox
+        self._delivered = 0
+        self._requested = 0
+        self._target = info.num_pending or 0
+        if not self._target:
+            self.caught_up.set()
+
+    async def _close(self) -> None:
         if self._subscription is not None:
-            await self._subscription.unsubscribe()
+            with contextlib.suppress(NatsError, TimeoutError):
+                await self._subscription.unsubscribe()
             self._subscription = None
+        if self._consumer:
+            with contextlib.suppress(NatsError, TimeoutError):
+                await self._js.delete_consumer(self._stream, self._consumer)
+            self._consumer = ""
+
+    async def _arrive(self, msg: Msg) -> None:
+        self._arrived.append(msg)
+        self._wake.set()
+
+    async def _pull(self) -> None:
+        """Ask for the next batch; the server ends the pull after `batch` messages, or
+        with a status when it expires."""
+        request = {
+            "batch": self._batch,
+            "expires": int(PULL_EXPIRES_S * 1e9),
+            "idle_heartbeat": int(self._heartbeat * 1e9),
+        }
+        self._requested = self._batch
+        await self._nc.publish(
+            f"$JS.API.CONSUMER.MSG.NEXT.{self._stream}.{self._consumer}",
+            json.dumps(request).encode(),
+            reply=self._inbox,
+        )
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self._subscription is None:
+                    await self._open()
+                await self._consume()
+            except _RestartError as why:
+                log.warning(
+                    "following %s: %s; resuming after seq %d", self._stream, why, self.last_seq
+                )
+            except (NatsError, TimeoutError) as exc:
+                log.warning("following %s: %s; retrying", self._stream, exc or type(exc).__name__)
+                await asyncio.sleep(self._heartbeat / 2)
+            self.restarts += 1
+            await self._close()
+
+    async def _consume(self) -> None:
+        await self._pull()
+        while True:
+            if not self._arrived:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self._heartbeat * STALL_HEARTBEATS)
+                except TimeoutError:
+                    raise _RestartError("no heartbeat from the server") from None
+                continue
+            msg = self._arrived.popleft()
+            status = msg.headers.get(_STATUS) if msg.headers else None
+            if status is None:
+                await self._take(msg)
+                self._requested -= 1
+                if not self._requested:
+                    await self._pull()
+            elif status in (_EXPIRED, _NO_MESSAGES):
+                await self._pull()
+            elif status != _HEARTBEAT:
+                description = msg.headers.get("Description", "") if msg.headers else ""
+                raise _RestartError(f"pull answered {status} {description}".strip())
+
+    async def _take(self, msg: Msg) -> None:
+        """Handle one delivery, or restart on a gap in the consumer's sequence."""
+        stream_seq, consumer_seq, pending = _positions(msg.reply)
+        if consumer_seq != self._delivered + 1:
+            raise _RestartError(f"delivery {consumer_seq} after {self._delivered}")
+        self._delivered = consumer_seq
+        if stream_seq <= self.last_seq:
+            return  # a new consumer's first delivery repeats nothing, but be sure
+        try:
+            await self._handle(msg)
+        except Exception:
+            log.exception("handling %s seq %d failed; skipped", msg.subject, stream_seq)
+        self.last_seq = stream_seq
+        self.handled += 1
+        if not self.caught_up.is_set() and (consumer_seq >= self._target or pending == 0):
+            self.caught_up.set()
+        if self.handled % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
 
 
 async def follow(
@@ -55,24 +255,25 @@ async def follow(
     *,
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
     also: Sequence[str] = (),
+    batch: int = BATCH,
+    heartbeat: float = HEARTBEAT_S,
 ) -> Follower:
-    """Start an ordered consumer on `subject` (and the subjects `also`, of the same
-    stream, interleaved in stream order) calling `handle` for each message in order.
+    """Follow `subject` (and the subjects `also`, of the same stream, interleaved in stream
+    order), calling `handle` for each message in order.
 
     `handle` must not raise for bad payloads: it is the place to count and skip them.
     Await `follower.caught_up` before trusting state built from the backlog.
     """
-    follower = Follower(handle)
-    follower._subscription = await js.subscribe(
-        subject,
-        cb=follower._on_msg,
-        ordered_consumer=True,
+    follower = Follower(
+        js=js,
+        stream=await js.find_stream_name_by_subject(subject),
+        subjects=[subject, *also],
+        handle=handle,
         deliver_policy=deliver_policy,
-        config=ConsumerConfig(filter_subjects=[subject, *also]) if also else None,
+        batch=batch,
+        heartbeat=heartbeat,
     )
-    info = await follower._subscription.consumer_info()
-    if info.num_pending == 0 and not (info.delivered and info.delivered.stream_seq):
-        follower.caught_up.set()
+    await follower.start()
     return follower
 
 

@@ -1,17 +1,26 @@
 """Following streams and buckets: the backlog is handled before `caught_up`, in order, and
-live changes keep coming after it."""
+live changes keep coming after it; no backlog, lost consumer or NATS restart loses or
+repeats a message."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import SlowConsumerError
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from shared.connection import connect
 from shared.jetstream import Layout, ensure
+from shared.nats_server import EmbeddedNats
 from shared.replay import follow, follow_bucket
+from shared.settings import Settings
+from shared.subjects import Subjects
+from tests.gateway.conftest import free_port
 
 pytestmark = pytest.mark.nats
 
@@ -85,3 +94,107 @@ async def test_several_subjects_interleave_in_stream_order(nc: Client, layout: L
     await asyncio.wait_for(follower.caught_up.wait(), WAIT)
     assert seen == [b"0", b"1", b"3", b"4"]  # not the other instance's task
     await follower.stop()
+
+
+async def _publish(js: JetStreamContext, subject: str, first: int, count: int) -> None:
+    for start in range(first, first + count, 1000):
+        acks = [
+            await js.publish_async(subject, str(n).encode())
+            for n in range(start, min(start + 1000, first + count))
+        ]
+        await asyncio.gather(*acks)
+
+
+class _Slow:
+    """A handler that keeps what it sees and pauses now and then, as a busy view does."""
+
+    def __init__(self, every: int = 500) -> None:
+        self.seen: list[int] = []
+        self.every = every
+        self.arrived = asyncio.Condition()
+
+    async def __call__(self, msg: Msg) -> None:
+        self.seen.append(int(msg.data))
+        if len(self.seen) % self.every == 0:
+            await asyncio.sleep(0.01)
+        async with self.arrived:
+            self.arrived.notify_all()
+
+    async def until(self, count: int) -> None:
+        async with self.arrived:
+            await asyncio.wait_for(self.arrived.wait_for(lambda: len(self.seen) >= count), WAIT)
+
+
+async def test_a_backlog_far_bigger_than_the_client_buffer_is_handled_whole(
+    settings: Settings, layout: Layout
+) -> None:
+    errors: list[Exception] = []
+
+    async def keep_error(error: Exception) -> None:
+        errors.append(error)
+
+    nc = await connect(settings, "replay-test", error_cb=keep_error)
+    js = nc.jetstream()
+    await ensure(js, layout)
+    subject = layout.subjects.tasks("i")
+    await _publish(js, subject, 0, 20_000)
+    slow = _Slow()
+    follower = await follow(js, subject, slow, batch=64)
+    await asyncio.wait_for(follower.caught_up.wait(), WAIT)
+    assert slow.seen == list(range(20_000))  # caught up means every stored message handled
+    await _publish(js, subject, 20_000, 20_000)  # and a live burst of the same size
+    await slow.until(40_000)
+    assert slow.seen == list(range(40_000))
+    assert not [e for e in errors if isinstance(e, SlowConsumerError)]
+    assert follower.restarts == 0
+    await follower.stop()
+    await nc.close()
+
+
+async def test_a_consumer_lost_mid_replay_resumes_after_the_last_handled_message(
+    nc: Client, layout: Layout
+) -> None:
+    js = nc.jetstream()
+    await ensure(js, layout)
+    subject = layout.subjects.tasks("i")
+    await _publish(js, subject, 0, 5_000)
+    slow = _Slow(every=100)
+    follower = await follow(js, subject, slow, batch=50, heartbeat=0.2)
+    await slow.until(1_000)
+    stream = layout.tasks_stream.name
+    for consumer in await js.consumers_info(stream):
+        await js.delete_consumer(stream, consumer.name)
+    await asyncio.wait_for(follower.caught_up.wait(), WAIT)
+    await _publish(js, subject, 5_000, 1_000)
+    await slow.until(6_000)
+    assert slow.seen == list(range(6_000))  # nothing lost, nothing twice
+    assert follower.restarts >= 1
+    await follower.stop()
+
+
+async def test_a_nats_restart_mid_follow_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    server = EmbeddedNats(store_dir=tmp_path / "nats", port=free_port()).start()
+    settings = Settings(nats_url=server.url, subject_prefix="restart", data_dir=tmp_path)
+    layout = Layout(subjects=Subjects("restart"))
+    reconnected = asyncio.Event()
+
+    async def on_reconnect() -> None:
+        reconnected.set()
+
+    nc = await connect(settings, "replay-test", reconnected_cb=on_reconnect)
+    js = nc.jetstream()
+    await ensure(js, layout)
+    subject = layout.subjects.tasks("i")
+    await _publish(js, subject, 0, 2_000)
+    slow = _Slow()
+    follower = await follow(js, subject, slow, heartbeat=0.2)
+    await asyncio.wait_for(follower.caught_up.wait(), WAIT)
+    server.stop()
+    server.start()
+    await asyncio.wait_for(reconnected.wait(), WAIT)  # else publishes go to the old socket
+    await _publish(js, subject, 2_000, 2_000)
+    await slow.until(4_000)
+    assert slow.seen == list(range(4_000))
+    await follower.stop()
+    await nc.close()
+    server.stop()
