@@ -21,9 +21,10 @@ from nats.js.kv import KeyValue
 from services.aggregator.diagnosis import Thresholds, diagnose
 from services.aggregator.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
 from services.aggregator.views import ClusterState
+from shared.connection import slow_consumer_drops
 from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
-from shared.replay import follow, follow_bucket
+from shared.replay import Follower, follow, follow_bucket
 from shared.subjects import untoken
 from shared.timestamps import now
 from shared.wire import (
@@ -51,6 +52,16 @@ ANSWER_REUSE_S = 0.5
 HEAP_FREEZE_S = 30.0
 """How often what the views hold is moved out of the cycle collector's reach (`gc.freeze`):
 with a million stored entries a full collection otherwise stalls queries for 50-70 ms."""
+
+ANSWER_CACHE_BYTES = 128 << 20
+"""Bytes of timeline answers kept for reuse; the oldest go first."""
+
+HEAVY_ENTRIES = 5_000
+"""Timelines of more entries than this are built in a lane of their own, a slice at a
+time, so a small query never waits behind them for more than one slice."""
+
+SLICE_ENTRIES = 2_000
+"""Entries built between two turns of the other queries."""
 
 ERROR_HEADER = "Rankscope-Error"
 """Set (to the HTTP-like status) on a query reply that carries a `QueryError`."""
@@ -102,7 +113,11 @@ class AggregatorService:
         self._silent_probes: dict[str, float] = {}
         self._open: dict[tuple[str, FindingKind], Finding] = {}
         self._since: dict[tuple[str, FindingKind], str] = {}
-        self._answers: dict[tuple[str, bytes], tuple[int, float, bytes]] = {}
+        self._answers: dict[bytes, tuple[int, float, bytes]] = {}
+        self._answer_bytes = 0
+        self._heavy_lane = asyncio.Semaphore(1)
+        self._heavy: set[asyncio.Task[None]] = set()
+        self._followers: list[Follower] = []
 
     def _reject(self, msg: Msg, error: BadInputError) -> None:
         self.dead_letters.reject(msg.subject, msg.data, error.kind, error)
@@ -132,7 +147,7 @@ class AggregatorService:
         """Rebuild from the streams, then follow them until `stop` is set."""
         subjects = self._layout.subjects
         queries = await self._nc.subscribe(f"{subjects.prefix}.query.*", cb=self._answer)
-        followers = [
+        self._followers = followers = [
             await follow(self._js, subjects.placement_all(), self._on_placement),
             await follow(self._js, subjects.tasks_all(), self._on_task),
             await follow(self._js, subjects.runner_all(), self._on_telemetry),
@@ -152,9 +167,9 @@ class AggregatorService:
             asyncio.create_task(self._freeze_heap_forever(stop)),
         ]
         await stop.wait()
-        for task in loops:
+        for task in [*loops, *self._heavy]:
             task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
+        await asyncio.gather(*loops, *self._heavy, return_exceptions=True)
         await queries.unsubscribe()
         for follower in followers:
             await follower.stop()
@@ -281,9 +296,48 @@ class AggregatorService:
     # Queries
 
     async def _answer(self, msg: Msg) -> None:
-        view = msg.subject.rsplit(".", 1)[-1]
+        view, data = msg.subject.rsplit(".", 1)[-1], msg.data or b"{}"
+        query = self._heavy_timeline_query(view, data)
+        if query is None:
+            await self._respond(msg, lambda: self._query(view, data))
+            return
+        task = asyncio.create_task(self._respond_heavy(msg, data, query))
+        self._heavy.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._heavy.discard)
+
+    def _heavy_timeline_query(self, view: str, data: bytes) -> TimelineQuery | None:
+        if view != "timeline" or not self.ready.is_set():
+            return None
         try:
-            body = self._query(view, msg.data or b"{}")
+            query = decode(data, TimelineQuery)
+        except WireError:
+            return None  # answered as a bad query
+        return query if query.limit > HEAVY_ENTRIES else None
+
+    async def _respond_heavy(self, msg: Msg, data: bytes, query: TimelineQuery) -> None:
+        async with self._heavy_lane:
+            cached = self._cached(data)
+            if cached is None:
+                version = self.state.version
+                cached = await self._timeline_in_slices(query)
+                self._remember(data, version, cached)
+        await self._respond(msg, lambda: cached)
+
+    async def _timeline_in_slices(self, query: TimelineQuery) -> bytes:
+        """The timeline's JSON, its entries encoded a slice at a time between turns of the
+        other queries and of ingest (the plan holds what it needs of evicted entries)."""
+        plan = self.state.timeline_plan(query, local_node_id=self._node_id)
+        parts = []
+        for start in range(0, len(plan.selected), SLICE_ENTRIES):
+            parts.append(encode(plan.entries(start, start + SLICE_ENTRIES))[1:-1])
+            await asyncio.sleep(0)
+        return encode(plan.head).replace(
+            b'"timeline":[]', b'"timeline":[' + b",".join(parts) + b"]", 1
+        )
+
+    async def _respond(self, msg: Msg, build: Callable[[], bytes]) -> None:
+        try:
+            body = build()
             if len(body) > self._nc.max_payload:
                 raise _QueryFailedError(
                     413,
@@ -321,25 +375,45 @@ class AggregatorService:
                 return encode(Diagnosis(generatedAt=now(), findings=list(self._open.values())))
             if view == "instances":
                 return encode(self.state.instance_states())
+            if view == "history":
+                return encode(self.state.history())
         except WireError as exc:
             raise _QueryFailedError(422, f"bad {view} query: {exc}") from None
         raise _QueryFailedError(
-            404, f"no view {view!r}; try timeline, placement, diagnosis, instances or health"
+            404,
+            f"no view {view!r}; try timeline, placement, diagnosis, instances, history or health",
         )
 
     def _timeline(self, data: bytes) -> bytes:
         """Identical timeline queries within `ANSWER_REUSE_S` of each other, with nothing
         applied in between, share one answer: a roomful of browsers costs one build."""
-        key, moment = ("timeline", data), self._clock()
-        cached = self._answers.get(key)
-        if cached and cached[0] == self.state.version and moment - cached[1] < ANSWER_REUSE_S:
-            return cached[2]
-        query = decode(data, TimelineQuery)
-        answer = encode(self.state.timeline(query, local_node_id=self._node_id))
-        if len(self._answers) > 256:
-            self._answers.clear()
-        self._answers[key] = (self.state.version, moment, answer)
+        answer = self._cached(data)
+        if answer is None:
+            query = decode(data, TimelineQuery)
+            answer = encode(self.state.timeline(query, local_node_id=self._node_id))
+            self._remember(data, self.state.version, answer)
         return answer
+
+    def _cached(self, query: bytes) -> bytes | None:
+        cached = self._answers.get(query)
+        if (
+            cached
+            and cached[0] == self.state.version
+            and self._clock() - cached[1] < ANSWER_REUSE_S
+        ):
+            return cached[2]
+        return None
+
+    def _remember(self, query: bytes, version: int, answer: bytes) -> None:
+        """Keep `answer` for reuse within `ANSWER_CACHE_BYTES`, dropping the oldest."""
+        if len(answer) > ANSWER_CACHE_BYTES // 2:
+            return
+        if (old := self._answers.pop(query, None)) is not None:
+            self._answer_bytes -= len(old[2])
+        while self._answers and self._answer_bytes + len(answer) > ANSWER_CACHE_BYTES:
+            self._answer_bytes -= len(self._answers.pop(next(iter(self._answers)))[2])
+        self._answers[query] = (version, self._clock(), answer)
+        self._answer_bytes += len(answer)
 
     def health(self) -> dict[str, Any]:
         """Readiness and counters, for /readyz and /metrics."""
@@ -354,6 +428,8 @@ class AggregatorService:
                 r: v.seqs.missing for r, v in self.state.runners.items() if v.seqs.missing
             },
             "openFindings": len(self._open),
+            "slowConsumerDrops": slow_consumer_drops(),
+            "followerRestarts": sum(f.restarts for f in self._followers),
         }
 
 

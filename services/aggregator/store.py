@@ -11,14 +11,16 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
 
 from shared.wire import FlightEntry, PhaseEntries, decode
 
-__all__ = ["EntryStore", "SeqTracker", "micros"]
+__all__ = ["EntryStore", "Selected", "SeqTracker", "from_micros", "micros", "read"]
 
 _seconds: dict[str, int] = {}
 
@@ -37,45 +39,68 @@ def micros(at: str) -> int:
     return int(moment.timestamp()) * 1_000_000 + moment.microsecond
 
 
+def from_micros(value: int) -> str:
+    """The wire timestamp of microseconds since the epoch."""
+    seconds, fraction = divmod(value, 1_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{fraction:06d}Z"
+
+
 @dataclass(slots=True)
 class SeqTracker:
-    """Which `seq`s of one runner were seen: all below `floor`, plus `above`."""
+    """Which `seq`s of one runner were seen, as sorted, disjoint, non-touching runs
+    `[start, end)`: memory grows with the gaps, not with the seqs, wherever history begins."""
 
-    floor: int = 0
-    above: set[int] = field(default_factory=set)
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    seen: int = 0
+    """Distinct seqs seen."""
 
     def add(self, seq: int) -> bool:
         """Note `seq`; False when it was seen before (a redelivery)."""
-        if seq == self.floor and not self.above:
-            self.floor += 1
-            return True
-        if seq < self.floor or seq in self.above:
+        starts, ends = self.starts, self.ends
+        index = bisect.bisect_right(starts, seq) - 1
+        if index >= 0 and seq < ends[index]:
             return False
-        self.above.add(seq)
-        while self.floor in self.above:
-            self.above.discard(self.floor)
-            self.floor += 1
+        joins_left = index >= 0 and ends[index] == seq
+        joins_right = index + 1 < len(starts) and starts[index + 1] == seq + 1
+        if joins_left and joins_right:
+            ends[index] = ends[index + 1]
+            del starts[index + 1], ends[index + 1]
+        elif joins_left:
+            ends[index] = seq + 1
+        elif joins_right:
+            starts[index + 1] = seq
+        else:
+            starts.insert(index + 1, seq)
+            ends.insert(index + 1, seq + 1)
+        self.seen += 1
         return True
 
     def fresh(self, entries: Sequence[FlightEntry]) -> list[tuple[int, FlightEntry]]:
         """Note every entry's seq; the (position, entry) pairs not seen before."""
-        first = self.floor
-        if (
-            not self.above
-            and entries
-            and entries[0].seq == first
-            and all(e.seq == first + i for i, e in enumerate(entries))
-        ):
-            self.floor += len(entries)  # the usual case: the next consecutive batch
-            return list(enumerate(entries))
+        ends = self.ends
+        if ends and entries and entries[0].seq == ends[-1]:
+            first = ends[-1]
+            if all(e.seq == first + i for i, e in enumerate(entries)):
+                ends[-1] += len(entries)  # the usual case: the next consecutive batch
+                self.seen += len(entries)
+                return list(enumerate(entries))
         return [(i, e) for i, e in enumerate(entries) if self.add(e.seq)]
 
     @property
+    def first(self) -> int | None:
+        """The oldest seq seen: where the history this aggregator holds begins."""
+        return self.starts[0] if self.starts else None
+
+    @property
+    def last(self) -> int | None:
+        """The newest seq seen."""
+        return self.ends[-1] - 1 if self.ends else None
+
+    @property
     def missing(self) -> int:
-        """Seqs below the highest one seen that never arrived."""
-        if not self.above:
-            return 0
-        return max(self.above) + 1 - self.floor - len(self.above)
+        """Seqs between the oldest and the newest seen that never arrived."""
+        return self.ends[-1] - self.starts[0] - self.seen if self.starts else 0
 
 
 @dataclass(slots=True)
@@ -83,6 +108,7 @@ class _RunnerLog:
     times: array[int] = field(default_factory=lambda: array("q"))
     batches: array[int] = field(default_factory=lambda: array("q"))
     positions: array[int] = field(default_factory=lambda: array("H"))
+    evicted: int = 0
 
     def insert(self, at: int, batch: int, position: int) -> None:
         """Put a late entry (a retry after an outage) where its time belongs."""
@@ -159,6 +185,7 @@ class EntryStore:
             if not self._live[batch]:
                 del self._live[batch], self._payloads[batch]
         del log.times[:count], log.batches[:count], log.positions[:count]
+        log.evicted += count
         self.size -= count
         self.evicted += count
 
@@ -167,16 +194,24 @@ class EntryStore:
         log = self._logs.get(runner_id)
         return len(log.times) if log else 0
 
-    def newest(
+    def retention(self, runner_id: str) -> tuple[int | None, int]:
+        """(time of the oldest entry kept in µs, entries evicted) of one runner."""
+        log = self._logs.get(runner_id)
+        if log is None:
+            return None, 0
+        return (log.times[0] if log.times else None), log.evicted
+
+    def select(
         self,
         runner_ids: Iterable[str],
         *,
         since: int | None = None,
         until: int | None = None,
         limit: int,
-    ) -> list[tuple[int, str, FlightEntry]]:
-        """The newest `limit` entries of these runners within `[since, until]` (µs),
-        oldest first, as (time, runner id, entry)."""
+    ) -> list[Selected]:
+        """The newest `limit` entries of these runners within `[since, until]` (µs), oldest
+        first, not decoded yet: each holds its batch's JSON, so it stays readable after
+        the store evicts it."""
         streams = []
         for runner_id in runner_ids:
             log = self._logs.get(runner_id)
@@ -189,11 +224,46 @@ class EntryStore:
             itertools.islice(heapq.merge(*streams, key=lambda c: c[0], reverse=True), limit)
         )
         chosen.reverse()
-        batches: dict[int, PhaseEntries] = {}
-        found = []
-        for at, runner_id, batch, position in chosen:
-            decoded = batches.get(batch)
-            if decoded is None:
-                decoded = batches[batch] = decode(self._payloads[batch], PhaseEntries)
-            found.append((at, runner_id, decoded.entries[position]))
-        return found
+        payloads = self._payloads
+        return [
+            Selected(at, runner_id, batch, payloads[batch], position)
+            for at, runner_id, batch, position in chosen
+        ]
+
+    def newest(
+        self,
+        runner_ids: Iterable[str],
+        *,
+        since: int | None = None,
+        until: int | None = None,
+        limit: int,
+    ) -> list[tuple[int, str, FlightEntry]]:
+        """`select`'s entries decoded, as (time, runner id, entry)."""
+        selected = self.select(runner_ids, since=since, until=until, limit=limit)
+        return [
+            (s.at, s.runner_id, entry) for s, entry in zip(selected, read(selected), strict=True)
+        ]
+
+
+class Selected(NamedTuple):
+    """One stored entry picked for an answer: where it is in which batch's JSON."""
+
+    at: int
+    runner_id: str
+    batch: int
+    payload: bytes
+    position: int
+
+
+def read(
+    selected: Iterable[Selected], decoded: dict[int, PhaseEntries] | None = None
+) -> list[FlightEntry]:
+    """The entries `selected` points at; `decoded` caches batches across calls."""
+    batches: dict[int, PhaseEntries] = {} if decoded is None else decoded
+    found = []
+    for item in selected:
+        batch = batches.get(item.batch)
+        if batch is None:
+            batch = batches[item.batch] = decode(item.payload, PhaseEntries)
+        found.append(batch.entries[item.position])
+    return found

@@ -11,7 +11,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from services.aggregator.store import EntryStore, SeqTracker, micros
+import msgspec
+
+from services.aggregator.store import EntryStore, Selected, SeqTracker, from_micros, micros, read
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     ClusterTimeline,
@@ -29,6 +31,7 @@ from shared.wire import (
     PlacementTaskDiagnostics,
     RankState,
     RunnerAssignment,
+    RunnerHistory,
     RunnerRef,
     RunnerStatusChanged,
     RunnerStatusKind,
@@ -43,7 +46,7 @@ from shared.wire import (
     encode,
 )
 
-__all__ = ["ClusterState", "RunnerView", "TaskView"]
+__all__ = ["ClusterState", "RunnerView", "TaskView", "TimelinePlan"]
 
 TASKS_PER_INSTANCE = 128
 _READY = frozenset({RunnerStatusKind.READY, RunnerStatusKind.RUNNING})
@@ -76,6 +79,44 @@ class RunnerView:
     def ready(self) -> bool:
         """Whether the runner last reported itself ready or serving."""
         return self.status is not None and self.alive and self.status.statusKind in _READY
+
+
+class TimelinePlan:
+    """A timeline answer in the making: its head (every field but the entries) and the
+    entries it will hold, built by slices in order."""
+
+    def __init__(
+        self, head: ClusterTimeline, selected: list[Selected], refs: dict[str, RunnerRef]
+    ) -> None:
+        self.head = head
+        self.selected = selected
+        self._refs = refs
+        self._decoded: dict[int, PhaseEntries] = {}
+
+    def entries(self, start: int, stop: int) -> list[TimelineEntry]:
+        """Entries `[start, stop)` of the answer, oldest first."""
+        part = self.selected[start:stop]
+        return [
+            _entry(self._refs[chosen.runner_id], stored)
+            for chosen, stored in zip(part, read(part, self._decoded), strict=True)
+        ]
+
+
+def _entry(ref: RunnerRef, stored: FlightEntry) -> TimelineEntry:
+    return TimelineEntry(
+        at=stored.at,
+        nodeId=ref.nodeId,
+        runnerId=ref.runnerId,
+        deviceRank=ref.deviceRank,
+        worldSize=ref.worldSize,
+        phase=stored.phase,
+        event=stored.event,
+        detail=stored.detail,
+        attrs=stored.attrs,
+        taskId=stored.taskId,
+        commandId=stored.commandId,
+        mlxMemory=stored.mlxMemory,
+    )
 
 
 @dataclass(slots=True)
@@ -239,8 +280,9 @@ class ClusterState:
             lastMlxMemory=view.memory,
         )
 
-    def timeline(self, query: TimelineQuery, *, local_node_id: str) -> ClusterTimeline:
-        """The seed-001 `ClusterTimeline` under `query`'s filters."""
+    def timeline_plan(self, query: TimelineQuery, *, local_node_id: str) -> TimelinePlan:
+        """What the seed-001 `ClusterTimeline` under `query`'s filters holds: its head now,
+        its entries chosen but built on demand (a big answer is built a slice at a time)."""
         views = self._selected(query)
         moment = time.time()
         runners = sorted(
@@ -248,44 +290,57 @@ class ClusterState:
             key=lambda r: (r.modelId, r.deviceRank, r.runnerId),
         )
         by_id = {v.ref.runnerId: v.ref for v in views}
-        found = self.store.newest(
+        selected = self.store.select(
             by_id,
             limit=query.limit,
             since=micros(query.since) if query.since else None,
             until=micros(query.until) if query.until else None,
         )
-        found.sort(key=lambda f: (f[0], by_id[f[1]].nodeId, by_id[f[1]].deviceRank))
-        entries = [self._entry(by_id[runner_id], stored) for _, runner_id, stored in found]
+        selected.sort(
+            key=lambda s: (s.at, by_id[s.runner_id].nodeId, by_id[s.runner_id].deviceRank)
+        )
         nodes = {v.ref.nodeId for v in views}
         unreachable = [
             u
             for node, u in sorted(self.unreachable.items())
             if (query.nodeId is None and query.instanceId is None) or node in nodes
         ]
-        return ClusterTimeline(
+        head = ClusterTimeline(
             generatedAt=now(),
             localNodeId=local_node_id,
             runners=runners,
-            timeline=entries,
+            timeline=[],
             unreachableNodes=unreachable,
         )
+        return TimelinePlan(head, selected, by_id)
 
-    @staticmethod
-    def _entry(ref: RunnerRef, stored: FlightEntry) -> TimelineEntry:
-        return TimelineEntry(
-            at=stored.at,
-            nodeId=ref.nodeId,
-            runnerId=ref.runnerId,
-            deviceRank=ref.deviceRank,
-            worldSize=ref.worldSize,
-            phase=stored.phase,
-            event=stored.event,
-            detail=stored.detail,
-            attrs=stored.attrs,
-            taskId=stored.taskId,
-            commandId=stored.commandId,
-            mlxMemory=stored.mlxMemory,
-        )
+    def timeline(self, query: TimelineQuery, *, local_node_id: str) -> ClusterTimeline:
+        """The seed-001 `ClusterTimeline` under `query`'s filters."""
+        plan = self.timeline_plan(query, local_node_id=local_node_id)
+        return msgspec.structs.replace(plan.head, timeline=plan.entries(0, len(plan.selected)))
+
+    def history(self) -> list[RunnerHistory]:
+        """How much of each runner's history is held, by instance and rank."""
+        found = []
+        for view in sorted(
+            self.runners.values(), key=lambda v: (v.ref.instanceId, v.ref.deviceRank)
+        ):
+            oldest, evicted = self.store.retention(view.ref.runnerId)
+            found.append(
+                RunnerHistory(
+                    runnerId=view.ref.runnerId,
+                    nodeId=view.ref.nodeId,
+                    instanceId=view.ref.instanceId,
+                    deviceRank=view.ref.deviceRank,
+                    firstSeq=view.seqs.first,
+                    lastSeq=view.seqs.last,
+                    missingSeqs=view.seqs.missing,
+                    heldEntries=self.store.count(view.ref.runnerId),
+                    evictedEntries=evicted,
+                    oldestAt=None if oldest is None else from_micros(oldest),
+                )
+            )
+        return found
 
     def placement(self, *, local_node_id: str) -> list[PlacementRunnerDiagnostics]:
         """Seed-000 placement of every rank of every live instance, by instance and rank."""

@@ -6,7 +6,7 @@ import bisect
 from collections import defaultdict
 from typing import Any
 
-from shared.wire import ClusterTimeline, Diagnosis
+from shared.wire import ClusterTimeline, Diagnosis, RunnerHistory
 
 __all__ = ["RequestMetrics", "cluster_lines"]
 
@@ -63,10 +63,13 @@ class RequestMetrics:
 
 
 def cluster_lines(
-    health: dict[str, Any], timeline: ClusterTimeline, diagnosis: Diagnosis
+    health: dict[str, Any],
+    timeline: ClusterTimeline,
+    diagnosis: Diagnosis,
+    history: list[RunnerHistory],
 ) -> list[str]:
     """Gauges of the cluster: runners by phase, findings by kind, MLX memory per runner,
-    and the aggregator's own counters."""
+    how much history each runner has, and the aggregator's own counters."""
     out = ["# TYPE rankscope_runners gauge"]
     phases: dict[tuple[str, str], int] = defaultdict(int)
     for runner in timeline.runners:
@@ -97,11 +100,44 @@ def cluster_lines(
         f"rankscope_aggregator_entries {health.get('entries', 0)}",
         "# TYPE rankscope_aggregator_duplicates_total counter",
         f"rankscope_aggregator_duplicates_total {health.get('duplicates', 0)}",
+        "# HELP rankscope_aggregator_slow_consumer_drops_total Messages the aggregator's "
+        "NATS client dropped (always 0 unless something is wrong).",
+        "# TYPE rankscope_aggregator_slow_consumer_drops_total counter",
+        f"rankscope_aggregator_slow_consumer_drops_total {health.get('slowConsumerDrops', 0)}",
+        "# HELP rankscope_aggregator_follower_restarts_total Stream consumers replaced after "
+        "a gap, a stall or a lost consumer (nothing is lost: each resumes after its last "
+        "handled message).",
+        "# TYPE rankscope_aggregator_follower_restarts_total counter",
+        f"rankscope_aggregator_follower_restarts_total {health.get('followerRestarts', 0)}",
         "# TYPE rankscope_aggregator_bad_messages_total counter",
     ]
     for kind, count in sorted(health.get("badMessages", {}).items()):
         out.append(f'rankscope_aggregator_bad_messages_total{{kind="{kind}"}} {count}')
-    out.append("# TYPE rankscope_telemetry_missing_seqs gauge")
-    for runner_id, missing in sorted(health.get("missingSeqs", {}).items()):
-        out.append(f'rankscope_telemetry_missing_seqs{{runner="{_label(runner_id)}"}} {missing}')
+    for name, field, help_text in (
+        (
+            "missing_seqs",
+            "missingSeqs",
+            "Seqs between a runner's oldest and newest received that never arrived.",
+        ),
+        (
+            "first_seq",
+            "firstSeq",
+            "The oldest seq received of a runner when above 0: history before it was "
+            "evicted by the stream's limits or never stored.",
+        ),
+        (
+            "evicted_entries",
+            "evictedEntries",
+            "Entries of a runner dropped by the aggregator's retention.",
+        ),
+    ):
+        out += [
+            f"# HELP rankscope_telemetry_{name} {help_text}",
+            f"# TYPE rankscope_telemetry_{name} gauge",
+        ]
+        for held in history:
+            if amount := getattr(held, field):  # a series appears when something is lacking
+                out.append(
+                    f'rankscope_telemetry_{name}{{runner="{_label(held.runnerId)}"}} {amount}'
+                )
     return out

@@ -10,6 +10,7 @@ from shared.wire.diagnosis import (
     QueryError,
     RankEvidence,
     RankState,
+    RunnerHistory,
     TimelineQuery,
 )
 from shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
@@ -106,6 +107,7 @@ __all__ = [
     "ReleaseCause",
     "Runner",
     "RunnerAssignment",
+    "RunnerHistory",
     "RunnerMetrics",
     "RunnerRef",
     "RunnerSpecStatus",

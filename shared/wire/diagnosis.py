@@ -19,6 +19,7 @@ __all__ = [
     "QueryError",
     "RankEvidence",
     "RankState",
+    "RunnerHistory",
     "TimelineQuery",
 ]
 
@@ -91,6 +92,33 @@ class InstanceState(CamelStruct, kw_only=True, frozen=True):
     def ready(self) -> bool:
         """Whether it has ranks and every one is ready."""
         return bool(self.ranks) and all(rank.ready for rank in self.ranks)
+
+
+class RunnerHistory(CamelStruct, kw_only=True, frozen=True):
+    """How much of one runner's history the aggregator holds, and what it lacks.
+
+    Seqs count every telemetry message of a runner from 0 without gaps, so what is not
+    here was either evicted (by the stream's limits before it was read, or by the
+    aggregator's retention) or lost on the way.
+    """
+
+    runnerId: str
+    nodeId: str
+    instanceId: str
+    deviceRank: int
+    firstSeq: int | None = None
+    """The oldest seq received; history before it is not held (stream limits evicted it,
+    or it was never stored)."""
+    lastSeq: int | None = None
+    """The newest seq received."""
+    missingSeqs: int = 0
+    """Seqs between `firstSeq` and `lastSeq` that never arrived."""
+    heldEntries: int = 0
+    """Flight-recorder entries held for timelines."""
+    evictedEntries: int = 0
+    """Entries received but dropped by the aggregator's own retention (oldest first)."""
+    oldestAt: str | None = None
+    """Time of the oldest entry held: timelines of this runner start here."""
 
 
 class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -23,12 +23,14 @@ from shared.jetstream import Layout, ensure
 from shared.subjects import token
 from shared.wire import (
     ClusterTimeline,
+    Diagnosis,
     Finding,
     FindingKind,
     InstanceCreated,
     Phase,
     PhaseEntries,
     PlacementRunnerDiagnostics,
+    RunnerHistory,
     RunnerSynopsis,
     TimelineQuery,
     decode,
@@ -54,12 +56,14 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def _aggregator(nc: Client, layout: Layout, **options: Any) -> AsyncIterator[Running]:
+async def _aggregator(
+    nc: Client, layout: Layout, store: EntryStore | None = None, **options: Any
+) -> AsyncIterator[Running]:
     service = AggregatorService(
         nc=nc,
         js=nc.jetstream(),
         layout=layout,
-        state=ClusterState(store=EntryStore()),
+        state=ClusterState(store=store or EntryStore()),
         node_id="agg",
         **options,
     )
@@ -318,3 +322,62 @@ async def test_an_answer_too_big_for_nats_is_a_clear_error(nc: Client, js_ready:
         assert "narrow the query" in json.loads(reply.data)["error"]
         small = await _query(nc, js_ready, "timeline", {"limit": 2})
         assert len(decode(small.data, ClusterTimeline).timeline) == 2
+
+
+async def _publish_many(nc: Client, layout: Layout, count: int) -> None:
+    js, ref = nc.jetstream(), rank(0)
+    subject = layout.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, "phase")
+    for first in range(0, count, 500):
+        batch = entries(
+            ref, *[(s, s / 1000, Phase.DECODE_STREAM, s) for s in range(first, first + 500)]
+        )
+        await js.publish(subject, encode(batch))
+
+
+async def test_a_big_timeline_is_the_same_answer_and_small_queries_overtake_it(
+    nc: Client, js_ready: Layout
+) -> None:
+    await _publish(nc, js_ready, placed())
+    await _publish_many(nc, js_ready, 60_000)
+    async with _aggregator(nc, js_ready) as running:
+        await _until(lambda: running.service.state.store.size == 60_000)
+        arrived: list[str] = []
+
+        async def ask(view: str, body: object) -> Msg:
+            reply = await _query(nc, js_ready, view, body)
+            arrived.append(view)
+            return reply
+
+        big, small = await asyncio.gather(ask("timeline", {"limit": 60_000}), ask("diagnosis", {}))
+        assert arrived == ["diagnosis", "timeline"]  # not queued behind the big build
+        decode(small.data, Diagnosis)
+        built = decode(big.data, ClusterTimeline)
+        whole = running.service.state.timeline(TimelineQuery(limit=60_000), local_node_id="agg")
+        assert [e.attrs["step"] for e in built.timeline] == list(range(60_000))
+        assert built.timeline == whole.timeline
+        assert [r.runnerId for r in built.runners] == [r.runnerId for r in whole.runners]
+
+
+async def test_history_says_where_each_runner_s_history_starts_and_what_is_lacking(
+    nc: Client, js_ready: Layout
+) -> None:
+    await _publish(nc, js_ready, placed())
+    # seqs 0-99 were evicted before anyone read them; 150 never arrived
+    await _publish(
+        nc,
+        js_ready,
+        entries(rank(0), *[(s, s, Phase.DECODE_STREAM, s) for s in range(100, 200) if s != 150]),
+    )
+    async with _aggregator(nc, js_ready, EntryStore(per_runner=50)) as running:
+        await _until(lambda: running.service.state.store.evicted == 49)
+        history = decode((await _query(nc, js_ready, "history")).data, list[RunnerHistory])
+    first, second = history
+    assert (first.runnerId, first.firstSeq, first.lastSeq, first.missingSeqs) == (
+        "i-r0",
+        100,
+        199,
+        1,
+    )
+    # the aggregator's own retention kept the newest 50 of 99
+    assert (first.heldEntries, first.evictedEntries, first.oldestAt) == (50, 49, at(149))
+    assert (second.runnerId, second.firstSeq, second.heldEntries) == ("i-r1", None, 0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from services.aggregator.store import EntryStore, SeqTracker, micros
 from shared.wire import Phase, encode
 from tests.aggregator.builders import at, entries, rank
@@ -14,7 +17,34 @@ def test_seq_tracker_dedupes_and_counts_gaps() -> None:
     assert seqs.add(2)
     assert seqs.add(4)
     assert seqs.missing == 0
-    assert seqs.floor == 6
+    assert (seqs.first, seqs.last, seqs.seen) == (0, 5, 6)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=300), max_size=400))
+def test_seq_tracker_agrees_with_a_set_in_any_order(arrivals: list[int]) -> None:
+    seqs, model = SeqTracker(), set[int]()
+    for seq in arrivals:
+        assert seqs.add(seq) == (seq not in model)
+        model.add(seq)
+    assert seqs.seen == len(model)
+    if model:
+        assert (seqs.first, seqs.last) == (min(model), max(model))
+        assert seqs.missing == max(model) + 1 - min(model) - len(model)
+    covered = {
+        s for start, end in zip(seqs.starts, seqs.ends, strict=True) for s in range(start, end)
+    }
+    assert covered == model
+    assert all(end < start for end, start in zip(seqs.ends, seqs.starts[1:], strict=False))
+
+
+def test_a_history_trimmed_at_its_start_costs_one_run_not_a_set_of_seqs() -> None:
+    seqs = SeqTracker()
+    batch = entries(rank(0), *[(s, 0, Phase.DECODE_STREAM, s) for s in range(5_000, 6_000)])
+    assert len(seqs.fresh(batch.entries)) == 1_000
+    for seq in range(6_000, 1_000_000):
+        seqs.add(seq)
+    assert (seqs.starts, seqs.ends) == ([5_000], [1_000_000])
+    assert (seqs.first, seqs.missing) == (5_000, 0)  # the trimmed start is not "missing"
 
 
 def _fill(store: EntryStore, runner: int, times: list[float]) -> None:

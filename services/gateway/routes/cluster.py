@@ -11,7 +11,13 @@ from services.gateway.deps import bus, reader
 from services.gateway.responses import Json, fail, schema_ref
 from services.gateway.trace import to_trace
 from shared.timestamps import parse_ts
-from shared.wire import ClusterTimeline, Diagnosis, PlacementRunnerDiagnostics, decode
+from shared.wire import (
+    ClusterTimeline,
+    Diagnosis,
+    PlacementRunnerDiagnostics,
+    RunnerHistory,
+    decode,
+)
 
 __all__ = ["router"]
 
@@ -73,6 +79,17 @@ async def timeline_trace(filters: Filters, nats: Nats) -> Json:
 async def diagnosis(nats: Nats) -> Json:
     """Open findings, each naming the rank at fault and the ranks waiting on it."""
     return Json(await nats.query("diagnosis"))
+
+
+@router.get(
+    "/v1/cluster/history",
+    response_class=Json,
+    responses={200: schema_ref(list[RunnerHistory])},
+)
+async def history(nats: Nats) -> Json:
+    """How much of each runner's history is held: the oldest seq and entry kept, seqs
+    that never arrived, and entries evicted by retention."""
+    return Json(await nats.query("history"))
 
 
 @router.get(

@@ -12,7 +12,8 @@ from services.gateway.bus import Bus, BusError
 from services.gateway.deps import bus
 from services.gateway.metrics import cluster_lines
 from services.gateway.responses import Json
-from shared.wire import ClusterTimeline, Diagnosis, decode
+from shared.connection import slow_consumer_drops
+from shared.wire import ClusterTimeline, Diagnosis, RunnerHistory, decode
 
 __all__ = ["router"]
 
@@ -50,16 +51,19 @@ async def metrics(request: Request, nats: Nats) -> PlainTextResponse:
     lines += [
         "# TYPE rankscope_nats_connected gauge",
         f"rankscope_nats_connected {int(nats.connected)}",
+        "# TYPE rankscope_gateway_slow_consumer_drops_total counter",
+        f"rankscope_gateway_slow_consumer_drops_total {slow_consumer_drops()}",
     ]
     try:
         health = json.loads(await nats.query("health"))
         timeline = decode(await nats.query("timeline", {"limit": 1}), ClusterTimeline)
         diagnosis = decode(await nats.query("diagnosis"), Diagnosis)
+        history = decode(await nats.query("history"), list[RunnerHistory])
     except BusError:
         lines += ["# TYPE rankscope_aggregator_up gauge", "rankscope_aggregator_up 0"]
     else:
         lines += ["# TYPE rankscope_aggregator_up gauge", "rankscope_aggregator_up 1"]
-        lines += cluster_lines(health, timeline, diagnosis)
+        lines += cluster_lines(health, timeline, diagnosis, history)
     return PlainTextResponse(
         "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"
     )
