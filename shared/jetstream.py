@@ -116,6 +116,7 @@ class Layout:
     subjects: Subjects = field(default_factory=Subjects)
     telemetry_max_age_s: float = 7 * 86400.0
     telemetry_max_bytes: int = 1 << 30
+    telemetry_max_msgs_per_subject: int = 100_000
     node_ttl_s: float = 10.0
 
     @classmethod
@@ -125,6 +126,7 @@ class Layout:
             subjects=Subjects(settings.subject_prefix),
             telemetry_max_age_s=settings.telemetry_max_age,
             telemetry_max_bytes=settings.telemetry_max_bytes,
+            telemetry_max_msgs_per_subject=settings.telemetry_max_msgs_per_subject,
             node_ttl_s=settings.heartbeat_ttl,
         )
 
@@ -136,12 +138,18 @@ class Layout:
 
     @property
     def runner_stream(self) -> StreamSpec:
-        """Runner telemetry: flight-recorder entries, memory snapshots, status changes."""
+        """Runner telemetry: flight-recorder entries, memory snapshots, status changes.
+
+        Each subject is one runner's kind of telemetry; capping messages per subject makes a
+        chatty runner give up its own oldest messages instead of everyone's, as long as
+        runners x cap x message size stays under the byte limit.
+        """
         return StreamSpec(
             self._name("RUNNER"),
             (self.subjects.runner_all(),),
             max_age_s=self.telemetry_max_age_s,
             max_bytes=self.telemetry_max_bytes,
+            max_msgs_per_subject=self.telemetry_max_msgs_per_subject,
         )
 
     @property

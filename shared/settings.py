@@ -148,6 +148,11 @@ class Settings:
     heartbeat_ttl: float = _setting(10.0, _duration, "Node entry lifetime without heartbeat.")
     telemetry_max_age: float = _setting(7 * 86400.0, _duration, "Telemetry retention (age).")
     telemetry_max_bytes: int = _setting(1 << 30, _size, "Telemetry retention (bytes).")
+    telemetry_max_msgs_per_subject: int = _setting(
+        100_000,
+        _positive_int,
+        "Telemetry messages kept per runner and kind: a chatty runner evicts its own oldest.",
+    )
     collective_timeout: float = _setting(
         60.0, _duration, "Longest a runner waits in one collective before it gives up."
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -381,3 +382,21 @@ async def test_history_says_where_each_runner_s_history_starts_and_what_is_lacki
     # the aggregator's own retention kept the newest 50 of 99
     assert (first.heldEntries, first.evictedEntries, first.oldestAt) == (50, 49, at(149))
     assert (second.runnerId, second.firstSeq, second.heldEntries) == ("i-r1", None, 0)
+
+
+async def test_a_chatty_runner_evicts_only_its_own_history(nc: Client, layout: Layout) -> None:
+    capped = dataclasses.replace(layout, telemetry_max_msgs_per_subject=100)
+    await ensure(nc.jetstream(), capped)
+    await _publish(nc, capped, placed())
+    chatty, quiet = rank(0), rank(1)
+    for seq in range(500):
+        await _publish(nc, capped, entries(chatty, (seq, seq, Phase.DECODE_STREAM, seq)))
+    for seq in range(50):
+        await _publish(nc, capped, entries(quiet, (seq, seq, Phase.DECODE_STREAM, seq)))
+    async with _aggregator(nc, capped) as running:
+        await _until(lambda: running.service.state.store.size == 150)
+        history = decode((await _query(nc, capped, "history")).data, list[RunnerHistory])
+    assert [(h.runnerId, h.firstSeq, h.heldEntries) for h in history] == [
+        ("i-r0", 400, 100),
+        ("i-r1", 0, 50),
+    ]
