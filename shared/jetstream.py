@@ -116,7 +116,8 @@ class Layout:
     subjects: Subjects = field(default_factory=Subjects)
     telemetry_max_age_s: float = 7 * 86400.0
     telemetry_max_bytes: int = 1 << 30
-    telemetry_max_msgs_per_subject: int = 100_000
+    telemetry_max_msgs_per_subject: int = 700_000
+    """A week of one memory sample a second, per runner."""
     node_ttl_s: float = 10.0
 
     @classmethod

@@ -255,11 +255,13 @@ async def follow(
     *,
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
     also: Sequence[str] = (),
+    after: int = 0,
     batch: int = BATCH,
     heartbeat: float = HEARTBEAT_S,
 ) -> Follower:
     """Follow `subject` (and the subjects `also`, of the same stream, interleaved in stream
-    order), calling `handle` for each message in order.
+    order), calling `handle` for each message in order; from stream sequence `after` + 1
+    when given (what a snapshot already holds is not read again).
 
     `handle` must not raise for bad payloads: it is the place to count and skip them.
     Await `follower.caught_up` before trusting state built from the backlog.
@@ -273,6 +275,7 @@ async def follow(
         batch=batch,
         heartbeat=heartbeat,
     )
+    follower.last_seq = after
     await follower.start()
     return follower
 

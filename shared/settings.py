@@ -149,7 +149,7 @@ class Settings:
     telemetry_max_age: float = _setting(7 * 86400.0, _duration, "Telemetry retention (age).")
     telemetry_max_bytes: int = _setting(1 << 30, _size, "Telemetry retention (bytes).")
     telemetry_max_msgs_per_subject: int = _setting(
-        100_000,
+        700_000,
         _positive_int,
         "Telemetry messages kept per runner and kind: a chatty runner evicts its own oldest.",
     )
@@ -167,6 +167,12 @@ class Settings:
     )
     retention_total: int = _setting(
         2_000_000, _positive_int, "Flight-recorder entries the aggregator keeps in all."
+    )
+    snapshots: bool = _setting(
+        True, _flag_value, "Keep the aggregator's folded state in the data dir between restarts."
+    )
+    snapshot_interval: float = _setting(
+        30.0, _duration, "Seconds between aggregator snapshots (taken when something changed)."
     )
     api_token: str | None = _setting(
         None, _text, "Bearer token the gateway requires for changes.", secret=True

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 from services.aggregator.diagnosis import Thresholds
 from services.aggregator.service import AggregatorService
+from services.aggregator.snapshot import SnapshotFile
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
 from services.lifecycle import run_until_signalled
@@ -39,6 +41,12 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             # its last heartbeat, releases what ran on it
             probe_interval=min(2.0, settings.heartbeat_ttl / 4),
             probe_timeout=min(1.0, settings.heartbeat_ttl / 4),
+            snapshots=SnapshotFile(
+                Path(settings.data_dir) / f"aggregator-{layout.subjects.prefix}.snapshot"
+            )
+            if settings.snapshots
+            else None,
+            snapshot_interval=settings.snapshot_interval,
         )
         await service.run(stop)
 

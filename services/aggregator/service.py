@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 
 from services.aggregator.diagnosis import Thresholds, diagnose
 from services.aggregator.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
+from services.aggregator.snapshot import Position, SnapshotFile, capture, restore
 from services.aggregator.views import ClusterState
 from shared.connection import slow_consumer_drops
 from shared.deadletter import DeadLetters
@@ -63,6 +64,9 @@ time, so a small query never waits behind them for more than one slice."""
 SLICE_ENTRIES = 2_000
 """Entries built between two turns of the other queries."""
 
+SNAPSHOT_PAUSE_SHARE = 50
+"""Snapshots are taken at most once per this many times the last one took to encode."""
+
 ERROR_HEADER = "Rankscope-Error"
 """Set (to the HTTP-like status) on a query reply that carries a `QueryError`."""
 
@@ -79,6 +83,8 @@ class AggregatorService:
         thresholds: when a rank counts as stuck.
         probe_interval: seconds between live diagnostics requests to every node.
         probe_timeout: overall deadline of one round of those requests.
+        snapshots: where the folded state is kept between restarts (None: replay in full).
+        snapshot_interval: seconds between snapshots, taken when something changed.
         clock: monotonic seconds.
     """
 
@@ -93,6 +99,8 @@ class AggregatorService:
         thresholds: Thresholds | None = None,
         probe_interval: float = 2.0,
         probe_timeout: float = 1.0,
+        snapshots: SnapshotFile | None = None,
+        snapshot_interval: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nc = nc
@@ -104,6 +112,11 @@ class AggregatorService:
         self._probe_interval = probe_interval
         self._probe_timeout = probe_timeout
         self._clock = clock
+        self._snapshots = snapshots
+        self._snapshot_interval = snapshot_interval
+        self._snapshot_version = -1
+        self._encode_s = 0.0
+        self._streams: dict[str, str] = {}
         self.ready = asyncio.Event()
         self.dead_letters = DeadLetters(
             js=js, subject=layout.subjects.deadletter(), service="aggregator"
@@ -118,6 +131,8 @@ class AggregatorService:
         self._heavy_lane = asyncio.Semaphore(1)
         self._heavy: set[asyncio.Task[None]] = set()
         self._followers: list[Follower] = []
+        self._folding: dict[str, Follower] = {}
+        """The followers a snapshot covers, by stream name."""
 
     def _reject(self, msg: Msg, error: BadInputError) -> None:
         self.dead_letters.reject(msg.subject, msg.data, error.kind, error)
@@ -147,10 +162,18 @@ class AggregatorService:
         """Rebuild from the streams, then follow them until `stop` is set."""
         subjects = self._layout.subjects
         queries = await self._nc.subscribe(f"{subjects.prefix}.query.*", cb=self._answer)
+        after = await self._restore()
+        folded = {
+            self._layout.placement_stream.name: (subjects.placement_all(), self._on_placement),
+            self._layout.tasks_stream.name: (subjects.tasks_all(), self._on_task),
+            self._layout.runner_stream.name: (subjects.runner_all(), self._on_telemetry),
+        }
+        self._folding = {
+            name: await follow(self._js, subject, handle, after=after.get(name, 0))
+            for name, (subject, handle) in folded.items()
+        }
         self._followers = followers = [
-            await follow(self._js, subjects.placement_all(), self._on_placement),
-            await follow(self._js, subjects.tasks_all(), self._on_task),
-            await follow(self._js, subjects.runner_all(), self._on_telemetry),
+            *self._folding.values(),
             await follow_bucket(self._js, self._layout.nodes_bucket.bucket, self._on_node),
         ]
         for follower in followers:
@@ -165,14 +188,97 @@ class AggregatorService:
             asyncio.create_task(self._diagnose_forever(stop)),
             asyncio.create_task(self._probe_forever(stop)),
             asyncio.create_task(self._freeze_heap_forever(stop)),
+            asyncio.create_task(self._snapshot_forever(stop)),
         ]
         await stop.wait()
         for task in [*loops, *self._heavy]:
             task.cancel()
         await asyncio.gather(*loops, *self._heavy, return_exceptions=True)
+        await self.snapshot()  # a restart right after this replays nothing
         await queries.unsubscribe()
         for follower in followers:
             await follower.stop()
+
+    # Snapshots
+
+    async def _stream_ids(self) -> dict[str, tuple[str, int]]:
+        """(creation time, last sequence) of each stream a snapshot covers."""
+        found = {}
+        for stream in (
+            self._layout.placement_stream,
+            self._layout.tasks_stream,
+            self._layout.runner_stream,
+        ):
+            info = await self._js.stream_info(stream.name)
+            created = info.created.isoformat() if info.created else ""
+            found[stream.name] = (created, info.state.last_seq)
+        return found
+
+    async def _restore(self) -> dict[str, int]:
+        """Fold in the snapshot kept, when it can be trusted; where each stream's replay
+        starts after (nothing: from the start)."""
+        current = await self._stream_ids()
+        self._streams = {name: created for name, (created, _) in current.items()}
+        if self._snapshots is None:
+            return {}
+        snapshot = await asyncio.to_thread(self._snapshots.read)
+        if snapshot is None:
+            return {}
+        for name, (created, last) in current.items():
+            position = snapshot.positions.get(name)
+            if position is None or position.created != created or position.seq > last:
+                log.warning(
+                    "snapshot %s is of another incarnation of stream %s; replaying in full",
+                    self._snapshots.path,
+                    name,
+                )
+                return {}
+        try:
+            restore(self.state, snapshot, moment=self._clock())
+        except ValueError as exc:
+            log.warning("snapshot %s does not hold together (%s); replaying in full",
+                        self._snapshots.path, exc)  # fmt: skip
+            return {}
+        for instance_id in self.state.instances:
+            self._placed_at[instance_id] = self._clock()
+        log.info(
+            "restored a snapshot of %d entries from %d runners; replaying what came after",
+            self.state.store.size,
+            len(self.state.runners),
+        )
+        return {name: position.seq for name, position in snapshot.positions.items()}
+
+    async def _snapshot_forever(self, stop: asyncio.Event) -> None:
+        """Snapshot every `snapshot_interval`, or less often when encoding takes long: the
+        loop pauses while a snapshot is encoded, and those pauses stay under 2% of the time."""
+        while not stop.is_set():
+            wait = max(self._snapshot_interval, SNAPSHOT_PAUSE_SHARE * self._encode_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+            if not stop.is_set():
+                await self.snapshot()
+
+    async def snapshot(self) -> None:
+        """Keep the folded state and how far into each stream it goes, when it changed."""
+        if self._snapshots is None or not self.ready.is_set():
+            return
+        if self.state.version == self._snapshot_version:
+            return
+        positions = {
+            name: Position(created=self._streams[name], seq=follower.last_seq)
+            for name, follower in self._folding.items()
+        }
+        started = time.perf_counter()
+        version, body = self.state.version, SnapshotFile.encode(capture(self.state, positions))
+        self._encode_s = encoded = time.perf_counter() - started
+        try:
+            await asyncio.to_thread(self._snapshots.write, body)
+        except OSError as exc:
+            log.warning("snapshot not written to %s: %s", self._snapshots.path, exc)
+            return
+        self._snapshot_version = version
+        log.info("snapshot of %d entries: %.1f MB, encoded in %.2f s",
+                 self.state.store.size, len(body) / 1e6, encoded)  # fmt: skip
 
     async def _on_node(self, entry: KeyValue.Entry) -> None:
         node_id = untoken(entry.key)

@@ -13,10 +13,13 @@ import heapq
 import itertools
 import time
 from array import array
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import NamedTuple
+
+import msgspec
 
 from shared.wire import FlightEntry, PhaseEntries, decode
 
@@ -103,6 +106,24 @@ class SeqTracker:
         return self.ends[-1] - self.starts[0] - self.seen if self.starts else 0
 
 
+class LogImage(msgspec.Struct, array_like=True):
+    """One runner's index in a snapshot."""
+
+    times: bytes
+    batches: bytes
+    positions: bytes
+    evicted: int
+
+
+class StoreImage(msgspec.Struct, array_like=True):
+    """The whole store in a snapshot."""
+
+    logs: dict[str, LogImage]
+    payloads: dict[int, bytes]
+    batches: int
+    evicted: int
+
+
 @dataclass(slots=True)
 class _RunnerLog:
     times: array[int] = field(default_factory=lambda: array("q"))
@@ -140,9 +161,71 @@ class EntryStore:
         self._logs: dict[str, _RunnerLog] = {}
         self._payloads: dict[int, bytes] = {}
         self._live: dict[int, int] = {}
-        self._next_batch = itertools.count()
+        self._batches = 0
         self.size = 0
         self.evicted = 0
+
+    @property
+    def per_runner(self) -> int:
+        """Entries kept per runner at most."""
+        return self._per_runner
+
+    @property
+    def total(self) -> int:
+        """Entries kept in all at most."""
+        return self._total
+
+    def image(self) -> StoreImage:
+        """Everything stored, for a snapshot (arrays as their raw bytes)."""
+        return StoreImage(
+            logs={
+                runner_id: LogImage(
+                    times=log.times.tobytes(),
+                    batches=log.batches.tobytes(),
+                    positions=log.positions.tobytes(),
+                    evicted=log.evicted,
+                )
+                for runner_id, log in self._logs.items()
+            },
+            payloads=self._payloads,
+            batches=self._batches,
+            evicted=self.evicted,
+        )
+
+    @classmethod
+    def from_image(cls, image: StoreImage, *, per_runner: int, total: int) -> EntryStore:
+        """A store holding what `image` held, trimmed to these limits.
+
+        Raises:
+            ValueError: the image does not hold together (arrays of different lengths, a
+                batch that is not there).
+        """
+        store = cls(per_runner=per_runner, total=total)
+        live: Counter[int] = Counter()
+        for runner_id, held in image.logs.items():
+            log = _RunnerLog(evicted=held.evicted)
+            log.times.frombytes(held.times)
+            log.batches.frombytes(held.batches)
+            log.positions.frombytes(held.positions)
+            if not len(log.times) == len(log.batches) == len(log.positions):
+                raise ValueError(f"runner {runner_id!r}: index arrays of different lengths")
+            live.update(log.batches)
+            store._logs[runner_id] = log
+            store.size += len(log.times)
+        if not live.keys() <= image.payloads.keys():
+            raise ValueError("an entry points at a batch that is not stored")
+        store._live = dict(live)
+        store._payloads = (
+            image.payloads
+            if len(live) == len(image.payloads)
+            else {batch: image.payloads[batch] for batch in live}
+        )
+        store._batches, store.evicted = image.batches, image.evicted
+        for log in store._logs.values():
+            if len(log.times) > per_runner:
+                store._evict(log, len(log.times) - per_runner)
+        store._trim()
+        return store
 
     def add(self, runner_id: str, payload: bytes, fresh: Iterable[tuple[int, FlightEntry]]) -> None:
         """Store the new entries of one batch: `payload` is the batch's `PhaseEntries` JSON,
@@ -150,7 +233,8 @@ class EntryStore:
         log = self._logs.get(runner_id)
         if log is None:
             log = self._logs[runner_id] = _RunnerLog()
-        batch, count = next(self._next_batch), 0
+        batch, count = self._batches, 0
+        self._batches += 1
         times = log.times
         newest = times[-1] if times else -1
         second, base = "", 0
@@ -175,9 +259,13 @@ class EntryStore:
         self.size += count
         if len(log.times) > self._per_runner:
             self._evict(log, len(log.times) - self._per_runner)
-        if self.size > self._total:
+        self._trim()
+
+    def _trim(self) -> None:
+        """Past the total, the runner with the most entries gives up its oldest."""
+        while self.size > self._total:
             largest = max(self._logs.values(), key=lambda candidate: len(candidate.times))
-            self._evict(largest, self.size - self._total)
+            self._evict(largest, min(self.size - self._total, len(largest.times)))
 
     def _evict(self, log: _RunnerLog, count: int) -> None:
         for batch in log.batches[:count]:

@@ -4,11 +4,8 @@ restarts, bad input and query errors."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -19,7 +16,6 @@ from nats.aio.msg import Msg
 from services.aggregator.diagnosis import Thresholds
 from services.aggregator.service import ERROR_HEADER, AggregatorService
 from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
 from shared.jetstream import Layout, ensure
 from shared.subjects import token
 from shared.wire import (
@@ -27,9 +23,7 @@ from shared.wire import (
     Diagnosis,
     Finding,
     FindingKind,
-    InstanceCreated,
     Phase,
-    PhaseEntries,
     PlacementRunnerDiagnostics,
     RunnerHistory,
     RunnerSynopsis,
@@ -38,88 +32,24 @@ from shared.wire import (
     encode,
 )
 from tests.aggregator.builders import at, entries, placed, rank
+from tests.aggregator.running import WAIT, aggregator, publish, query, until
 from tests.ranktable.builders import node_info
 
 pytestmark = pytest.mark.nats
-
-WAIT = 10.0
-
-
-@dataclass
-class Running:
-    service: AggregatorService
-    stop: asyncio.Event
-    task: asyncio.Task[None]
-
-    async def halt(self) -> None:
-        self.stop.set()
-        await self.task
-
-
-@contextlib.asynccontextmanager
-async def _aggregator(
-    nc: Client, layout: Layout, store: EntryStore | None = None, **options: Any
-) -> AsyncIterator[Running]:
-    service = AggregatorService(
-        nc=nc,
-        js=nc.jetstream(),
-        layout=layout,
-        state=ClusterState(store=store or EntryStore()),
-        node_id="agg",
-        **options,
-    )
-    stop = asyncio.Event()
-    running = Running(service, stop, asyncio.create_task(service.run(stop)))
-    await asyncio.wait_for(service.ready.wait(), WAIT)
-    try:
-        yield running
-    finally:
-        if not running.task.done():
-            await running.halt()
-
-
-@pytest.fixture
-async def js_ready(nc: Client, layout: Layout) -> Layout:
-    await ensure(nc.jetstream(), layout)
-    return layout
-
-
-async def _publish(nc: Client, layout: Layout, event: PhaseEntries | InstanceCreated) -> None:
-    js = nc.jetstream()
-    if isinstance(event, PhaseEntries):
-        ref = event.runner
-        subject = layout.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, "phase")
-    else:
-        subject = layout.subjects.placement(event.instanceId)
-    await js.publish(subject, encode(event))
-
-
-async def _query(nc: Client, layout: Layout, view: str, body: object = None) -> Msg:
-    return await nc.request(
-        layout.subjects.query(view), json.dumps(body or {}).encode(), timeout=WAIT
-    )
-
-
-async def _until(check: object) -> None:
-    for _ in range(int(WAIT / 0.02)):
-        if check():  # type: ignore[operator]
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 async def test_ranks_published_out_of_order_come_back_in_time_order(
     nc: Client, js_ready: Layout
 ) -> None:
-    await _publish(nc, js_ready, placed())
-    await _publish(
+    await publish(nc, js_ready, placed())
+    await publish(
         nc, js_ready, entries(rank(1), (0, 2, Phase.CREATED, None), (1, 4, Phase.IDLE, None))
     )
-    await _publish(
+    await publish(
         nc, js_ready, entries(rank(0), (0, 1, Phase.CREATED, None), (1, 3, Phase.IDLE, None))
     )
-    async with _aggregator(nc, js_ready):
-        reply = await _query(nc, js_ready, "timeline", {"limit": 10})
+    async with aggregator(nc, js_ready):
+        reply = await query(nc, js_ready, "timeline", {"limit": 10})
         timeline = decode(reply.data, ClusterTimeline)
     assert [(e.at, e.deviceRank) for e in timeline.timeline] == [
         (at(1), 0),
@@ -139,17 +69,17 @@ async def test_disagreement_appears_within_threshold_and_clears(
         await findings.put(decode(msg.data, Finding))
 
     await nc.subscribe(js_ready.subjects.diagnosis("i"), cb=keep)
-    async with _aggregator(nc, js_ready, thresholds=Thresholds(working=1.0)):
-        await _publish(nc, js_ready, placed())
-        await _publish(nc, js_ready, entries(rank(0), (0, 1, Phase.PREFILL_PIPELINE, 7)))
-        await _publish(nc, js_ready, entries(rank(1), (0, 1, Phase.DECODE_BARRIER, 8)))
+    async with aggregator(nc, js_ready, thresholds=Thresholds(working=1.0)):
+        await publish(nc, js_ready, placed())
+        await publish(nc, js_ready, entries(rank(0), (0, 1, Phase.PREFILL_PIPELINE, 7)))
+        await publish(nc, js_ready, entries(rank(1), (0, 1, Phase.DECODE_BARRIER, 8)))
         opened = await asyncio.wait_for(findings.get(), 1.0 + 1.0 + 0.5)
         assert opened.kind is FindingKind.RANK_DISAGREEMENT
         assert opened.culpritRunnerIds == ["i-r0"]
         assert opened.open
-        served = json.loads((await _query(nc, js_ready, "diagnosis")).data)
+        served = json.loads((await query(nc, js_ready, "diagnosis")).data)
         assert served["findings"][0]["culpritRanks"] == [0]
-        await _publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
+        await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
         cleared = await asyncio.wait_for(findings.get(), WAIT)
         assert cleared.kind is FindingKind.RANK_DISAGREEMENT
         assert not cleared.open
@@ -171,7 +101,7 @@ async def test_a_restart_mid_stream_rebuilds_the_same_views(nc: Client, js_ready
     async def stream(first: int, last: int) -> None:
         for start in range(first, last, 50):
             for r in (0, 1):
-                await _publish(
+                await publish(
                     nc,
                     js_ready,
                     entries(
@@ -183,14 +113,14 @@ async def test_a_restart_mid_stream_rebuilds_the_same_views(nc: Client, js_ready
                     ),
                 )
 
-    await _publish(nc, js_ready, placed())
-    async with _aggregator(nc, js_ready) as reference:
-        async with _aggregator(nc, js_ready) as crashed:
+    await publish(nc, js_ready, placed())
+    async with aggregator(nc, js_ready) as reference:
+        async with aggregator(nc, js_ready) as crashed:
             await stream(0, total // 2)
             await crashed.halt()  # stopped mid-stream
         await stream(total // 2, total)
-        async with _aggregator(nc, js_ready) as restarted:
-            await _until(lambda: reference.service.state.store.size == 2 * total)
+        async with aggregator(nc, js_ready) as restarted:
+            await until(lambda: reference.service.state.store.size == 2 * total)
             assert restarted.service.state.store.size == 2 * total
             assert _views(restarted.service) == _views(reference.service)
 
@@ -230,7 +160,7 @@ async def test_malformed_messages_are_counted_dead_lettered_and_skipped(
         valid += 1
     await js.publish(js_ready.subjects.placement("x"), b'{"type": "InstanceCreated"}')
     await js.publish(js_ready.subjects.tasks("x"), b"not json")
-    async with _aggregator(nc, js_ready) as running:
+    async with aggregator(nc, js_ready) as running:
         state = running.service.state
         assert state.store.size == valid
         assert running.service.dead_letters.total == 1002
@@ -241,31 +171,31 @@ async def test_malformed_messages_are_counted_dead_lettered_and_skipped(
 
 
 async def test_query_errors_say_what_is_wrong(nc: Client, js_ready: Layout) -> None:
-    async with _aggregator(nc, js_ready):
-        unknown = await _query(nc, js_ready, "nonsense")
+    async with aggregator(nc, js_ready):
+        unknown = await query(nc, js_ready, "nonsense")
         assert unknown.headers is not None
         assert unknown.headers[ERROR_HEADER] == "404"
         assert "no view 'nonsense'" in json.loads(unknown.data)["error"]
-        bad = await _query(nc, js_ready, "timeline", {"limit": 0})
+        bad = await query(nc, js_ready, "timeline", {"limit": 0})
         assert bad.headers is not None
         assert bad.headers[ERROR_HEADER] == "422"
         assert "$.limit" in json.loads(bad.data)["error"]
-        extra = await _query(nc, js_ready, "timeline", {"limitt": 5})
+        extra = await query(nc, js_ready, "timeline", {"limitt": 5})
         assert "unknown field `limitt`" in json.loads(extra.data)["error"]
-        missing = await _query(nc, js_ready, "placement", {"runnerId": "nope"})
+        missing = await query(nc, js_ready, "placement", {"runnerId": "nope"})
         assert missing.headers is not None
         assert missing.headers[ERROR_HEADER] == "404"
-        health = json.loads((await _query(nc, js_ready, "health")).data)
+        health = json.loads((await query(nc, js_ready, "health")).data)
         assert health["ready"] is True
 
 
 async def test_placement_query_serves_one_runner(nc: Client, js_ready: Layout) -> None:
-    await _publish(nc, js_ready, placed())
-    async with _aggregator(nc, js_ready):
-        reply = await _query(nc, js_ready, "placement", {"runnerId": "i-r1"})
+    await publish(nc, js_ready, placed())
+    async with aggregator(nc, js_ready):
+        reply = await query(nc, js_ready, "placement", {"runnerId": "i-r1"})
         one = decode(reply.data, PlacementRunnerDiagnostics)
         assert (one.deviceRank, one.startLayer, one.endLayer) == (1, 4, 8)
-        every = json.loads((await _query(nc, js_ready, "placement")).data)
+        every = json.loads((await query(nc, js_ready, "placement")).data)
         assert [p["runnerId"] for p in every] == ["i-r0", "i-r1"]
 
 
@@ -274,29 +204,29 @@ async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
 ) -> None:
     kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
     await kv.put(token("node-0"), encode(node_info("node-0", 8, address="10.1.1.1")))
-    await _publish(nc, js_ready, placed())
-    async with _aggregator(nc, js_ready, probe_interval=0.1, probe_timeout=0.2) as running:
+    await publish(nc, js_ready, placed())
+    async with aggregator(nc, js_ready, probe_interval=0.1, probe_timeout=0.2) as running:
         await running.service.probe()
         unreachable = running.service.state.unreachable
         assert set(unreachable) == {"node-0", "node-1"}
         assert unreachable["node-0"].url == "10.1.1.1"
         assert unreachable["node-0"].error.startswith("no answer to live diagnostics within 0.2s")
         assert unreachable["node-1"].error.startswith("no heartbeat")
-        timeline = decode((await _query(nc, js_ready, "timeline")).data, ClusterTimeline)
+        timeline = decode((await query(nc, js_ready, "timeline")).data, ClusterTimeline)
         assert {u.nodeId for u in timeline.unreachableNodes} == {"node-0", "node-1"}
 
 
 async def test_identical_timeline_queries_share_an_answer_until_something_changes(
     nc: Client, js_ready: Layout
 ) -> None:
-    await _publish(nc, js_ready, placed())
-    async with _aggregator(nc, js_ready):
-        first = (await _query(nc, js_ready, "timeline", {"limit": 5})).data
-        again = (await _query(nc, js_ready, "timeline", {"limit": 5})).data
+    await publish(nc, js_ready, placed())
+    async with aggregator(nc, js_ready):
+        first = (await query(nc, js_ready, "timeline", {"limit": 5})).data
+        again = (await query(nc, js_ready, "timeline", {"limit": 5})).data
         assert again == first  # same generatedAt: built once
-        await _publish(nc, js_ready, entries(rank(0), (0, 1, Phase.CREATED, None)))
+        await publish(nc, js_ready, entries(rank(0), (0, 1, Phase.CREATED, None)))
         changed = await _until_async(
-            lambda: _query(nc, js_ready, "timeline", {"limit": 5}), lambda m: m.data != first
+            lambda: query(nc, js_ready, "timeline", {"limit": 5}), lambda m: m.data != first
         )
         assert len(decode(changed.data, ClusterTimeline).timeline) == 1
 
@@ -311,17 +241,17 @@ async def _until_async(make: Any, check: Any) -> Any:
 
 
 async def test_an_answer_too_big_for_nats_is_a_clear_error(nc: Client, js_ready: Layout) -> None:
-    await _publish(nc, js_ready, placed())
-    await _publish(
+    await publish(nc, js_ready, placed())
+    await publish(
         nc, js_ready, entries(rank(0), *[(s, s, Phase.DECODE_STREAM, s) for s in range(50)])
     )
-    async with _aggregator(nc, js_ready):
+    async with aggregator(nc, js_ready):
         nc._max_payload = 4000  # as if the server allowed only 4 kB
-        reply = await _query(nc, js_ready, "timeline", {"limit": 50})
+        reply = await query(nc, js_ready, "timeline", {"limit": 50})
         assert reply.headers is not None
         assert reply.headers[ERROR_HEADER] == "413"
         assert "narrow the query" in json.loads(reply.data)["error"]
-        small = await _query(nc, js_ready, "timeline", {"limit": 2})
+        small = await query(nc, js_ready, "timeline", {"limit": 2})
         assert len(decode(small.data, ClusterTimeline).timeline) == 2
 
 
@@ -338,14 +268,14 @@ async def _publish_many(nc: Client, layout: Layout, count: int) -> None:
 async def test_a_big_timeline_is_the_same_answer_and_small_queries_overtake_it(
     nc: Client, js_ready: Layout
 ) -> None:
-    await _publish(nc, js_ready, placed())
+    await publish(nc, js_ready, placed())
     await _publish_many(nc, js_ready, 60_000)
-    async with _aggregator(nc, js_ready) as running:
-        await _until(lambda: running.service.state.store.size == 60_000)
+    async with aggregator(nc, js_ready) as running:
+        await until(lambda: running.service.state.store.size == 60_000)
         arrived: list[str] = []
 
         async def ask(view: str, body: object) -> Msg:
-            reply = await _query(nc, js_ready, view, body)
+            reply = await query(nc, js_ready, view, body)
             arrived.append(view)
             return reply
 
@@ -362,16 +292,16 @@ async def test_a_big_timeline_is_the_same_answer_and_small_queries_overtake_it(
 async def test_history_says_where_each_runner_s_history_starts_and_what_is_lacking(
     nc: Client, js_ready: Layout
 ) -> None:
-    await _publish(nc, js_ready, placed())
+    await publish(nc, js_ready, placed())
     # seqs 0-99 were evicted before anyone read them; 150 never arrived
-    await _publish(
+    await publish(
         nc,
         js_ready,
         entries(rank(0), *[(s, s, Phase.DECODE_STREAM, s) for s in range(100, 200) if s != 150]),
     )
-    async with _aggregator(nc, js_ready, EntryStore(per_runner=50)) as running:
-        await _until(lambda: running.service.state.store.evicted == 49)
-        history = decode((await _query(nc, js_ready, "history")).data, list[RunnerHistory])
+    async with aggregator(nc, js_ready, EntryStore(per_runner=50)) as running:
+        await until(lambda: running.service.state.store.evicted == 49)
+        history = decode((await query(nc, js_ready, "history")).data, list[RunnerHistory])
     first, second = history
     assert (first.runnerId, first.firstSeq, first.lastSeq, first.missingSeqs) == (
         "i-r0",
@@ -387,15 +317,15 @@ async def test_history_says_where_each_runner_s_history_starts_and_what_is_lacki
 async def test_a_chatty_runner_evicts_only_its_own_history(nc: Client, layout: Layout) -> None:
     capped = dataclasses.replace(layout, telemetry_max_msgs_per_subject=100)
     await ensure(nc.jetstream(), capped)
-    await _publish(nc, capped, placed())
+    await publish(nc, capped, placed())
     chatty, quiet = rank(0), rank(1)
     for seq in range(500):
-        await _publish(nc, capped, entries(chatty, (seq, seq, Phase.DECODE_STREAM, seq)))
+        await publish(nc, capped, entries(chatty, (seq, seq, Phase.DECODE_STREAM, seq)))
     for seq in range(50):
-        await _publish(nc, capped, entries(quiet, (seq, seq, Phase.DECODE_STREAM, seq)))
-    async with _aggregator(nc, capped) as running:
-        await _until(lambda: running.service.state.store.size == 150)
-        history = decode((await _query(nc, capped, "history")).data, list[RunnerHistory])
+        await publish(nc, capped, entries(quiet, (seq, seq, Phase.DECODE_STREAM, seq)))
+    async with aggregator(nc, capped) as running:
+        await until(lambda: running.service.state.store.size == 150)
+        history = decode((await query(nc, capped, "history")).data, list[RunnerHistory])
     assert [(h.runnerId, h.firstSeq, h.heldEntries) for h in history] == [
         ("i-r0", 400, 100),
         ("i-r1", 0, 50),

@@ -1,4 +1,5 @@
-"""SIGKILL the aggregator while 100k entries stream in, start it again: its views equal,
+"""Stop the aggregator while 100k entries stream in — SIGKILL and start it again, SIGTERM
+and start it again from its snapshot, or SIGSTOP and SIGCONT it — and its views equal,
 entry for entry, those of an aggregator that never stopped."""
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ def _start(url: str, data: Path, node_id: str) -> subprocess.Popen[bytes]:
     )
 
 
-async def test_sigkill_mid_stream_then_restart_gives_identical_views(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["sigkill", "sigterm-then-snapshot", "sigstop"])
+async def test_an_aggregator_stopped_mid_stream_serves_identical_views(
+    tmp_path: Path, fault: str
+) -> None:
     server = EmbeddedNats(store_dir=tmp_path / "nats").start()
     nc = await connect(Settings(nats_url=server.url), "crash-test")
     js = nc.jetstream()
@@ -75,9 +79,21 @@ async def test_sigkill_mid_stream_then_restart_gives_identical_views(tmp_path: P
                 acks.append(await js.publish_async(subject, encode(batch)))
             await asyncio.gather(*acks)
             if first == PER_RUNNER // 2 // BATCH * BATCH:
-                victim.send_signal(signal.SIGKILL)  # mid-stream, no chance to clean up
-                assert victim.wait() == -signal.SIGKILL
-        restarted = _start(server.url, tmp_path / "b", "restarted")
+                if fault == "sigkill":
+                    victim.send_signal(signal.SIGKILL)  # mid-stream, no chance to clean up
+                    assert victim.wait() == -signal.SIGKILL
+                elif fault == "sigstop":
+                    victim.send_signal(signal.SIGSTOP)  # the rest piles up behind it
+                else:
+                    victim.terminate()
+                    assert victim.wait() == 0
+                    assert list((tmp_path / "a").glob("aggregator-*.snapshot"))
+        if fault == "sigstop":
+            victim.send_signal(signal.SIGCONT)
+            restarted, served_by = victim, "victim"
+        else:  # from the snapshot it left, or from nothing
+            data = tmp_path / ("a" if fault == "sigterm-then-snapshot" else "b")
+            restarted, served_by = _start(server.url, data, "restarted"), "restarted"
         total = RUNNERS * PER_RUNNER
         for _ in range(600):
             if reference.state.store.size == total:
@@ -103,7 +119,7 @@ async def test_sigkill_mid_stream_then_restart_gives_identical_views(tmp_path: P
                 break
             await asyncio.sleep(0.1)
         assert served is not None, "the restarted aggregator never served every entry"
-        assert served.localNodeId == "restarted"
+        assert served.localNodeId == served_by
         mine = reference.state.timeline(TimelineQuery(limit=100_000), local_node_id="reference")
         assert served.timeline == mine.timeline  # entry for entry
         assert [r.runnerId for r in served.runners] == [r.runnerId for r in mine.runners]

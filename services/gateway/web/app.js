@@ -30,7 +30,20 @@ function legend() {
     `<span><span class="swatch" style="background:${COLORS[p]}"></span>${p}</span>`).join("");
 }
 
-function build(timeline, findings) {
+// what a runner's lane lacks: history evicted before it was read, seqs that never came
+function gaps(held) {
+  if (!held) return "";
+  const notes = [];
+  if (held.firstSeq > 0) {
+    const from = held.oldestAt ? new Date(held.oldestAt).toLocaleTimeString() : "?";
+    notes.push(`history from ${from} (seq ${held.firstSeq})`);
+  }
+  if (held.missingSeqs) notes.push(`${held.missingSeqs} seqs lost`);
+  if (held.evictedEntries) notes.push(`${held.evictedEntries} entries evicted`);
+  return notes.length ? ` · ${notes.join(", ")}` : "";
+}
+
+function build(timeline, findings, history) {
   const windowSeconds = Number(document.getElementById("window").value);
   const now = seconds(timeline.generatedAt);
   const start = now - windowSeconds;
@@ -39,6 +52,7 @@ function build(timeline, findings) {
     if (!byRunner.has(entry.runnerId)) byRunner.set(entry.runnerId, []);
     byRunner.get(entry.runnerId).push(entry);
   }
+  const held = new Map(history.map((h) => [h.runnerId, h]));
   const culprits = new Map();
   for (const f of findings) for (const id of f.culpritRunnerIds) culprits.set(id, f);
   const runners = [...timeline.runners].sort((a, b) =>
@@ -51,7 +65,10 @@ function build(timeline, findings) {
     }));
     const memory = entries.filter((e) => e.mlxMemory && e.mlxMemory.active)
       .map((e) => [seconds(e.at), e.mlxMemory.active.inBytes]);
-    return { runner, segments, memory, finding: culprits.get(runner.runnerId) };
+    return {
+      runner, segments, memory, finding: culprits.get(runner.runnerId),
+      gaps: gaps(held.get(runner.runnerId)),
+    };
   });
   return { lanes, start, end: now, findings };
 }
@@ -75,7 +92,7 @@ function draw() {
     }
     if (lane.finding) { ctx.fillStyle = "rgba(255,60,60,.18)"; ctx.fillRect(0, y, width, LANE - 6); }
     ctx.fillStyle = lane.finding ? "#ff5c5c" : "#d8dee9";
-    ctx.fillText(`rank ${lane.runner.deviceRank} · ${lane.runner.nodeId} · ${lane.runner.phase}`, 4, y + 10);
+    ctx.fillText(`rank ${lane.runner.deviceRank} · ${lane.runner.nodeId} · ${lane.runner.phase}${lane.gaps}`, 4, y + 10);
     for (const s of lane.segments) {
       if (s.to < view.start) continue;
       const from = Math.max(x(s.from), LABEL), to = Math.max(x(s.to), from + 1);
@@ -133,11 +150,11 @@ async function refresh() {
   try {
     const windowSeconds = Number(document.getElementById("window").value);
     const since = new Date(Date.now() - windowSeconds * 1000).toISOString();
-    const [timeline, diagnosis, placement] = await Promise.all([
+    const [timeline, diagnosis, placement, history] = await Promise.all([
       json(`/v1/cluster/timeline?limit=50000&since=${encodeURIComponent(since)}`),
-      json("/v1/cluster/diagnosis"), json("/v1/placement/runners")]);
+      json("/v1/cluster/diagnosis"), json("/v1/placement/runners"), json("/v1/cluster/history")]);
     const fetched = performance.now();
-    view = build(timeline, diagnosis.findings);
+    view = build(timeline, diagnosis.findings, history);
     showFindings(diagnosis.findings);
     showPlacement(placement);
     draw();

@@ -1,0 +1,219 @@
+"""Snapshots of the aggregator's folded state, so that a restart replays only what came
+after them.
+
+A snapshot holds the state and, per stream, the stream's identity (its creation time) and
+the last sequence folded in. It is a cache, never the truth: it is written atomically
+(temporary file, fsync, rename) with a CRC, and one that does not decode, fails its CRC,
+comes from another incarnation of a stream (deleted and made again) or runs past a
+stream's end is ignored with a log line, and the views are rebuilt by a full replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from services.aggregator.store import EntryStore, SeqTracker, StoreImage
+from services.aggregator.views import ClusterState, RunnerView, TaskView
+from shared.wire import (
+    InstanceCreated,
+    MlxMemorySnapshot,
+    Phase,
+    RunnerRef,
+    RunnerStatusChanged,
+    TaskCreated,
+    TaskStatus,
+)
+
+__all__ = ["Position", "Snapshot", "SnapshotFile", "capture", "restore"]
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"RSSNAP1\n"
+
+
+class Position(msgspec.Struct, array_like=True, frozen=True):
+    """How far into one stream a snapshot goes."""
+
+    created: str
+    """The stream's creation time: a stream made again under the same name differs."""
+    seq: int
+    """The last stream sequence folded into the snapshot."""
+
+
+class _Runner(msgspec.Struct, array_like=True):
+    ref: RunnerRef
+    starts: list[int]
+    ends: list[int]
+    seen: int
+    status: RunnerStatusChanged | None
+    phase: Phase | None
+    phase_detail: str | None
+    phase_since: str | None
+    last_at: str | None
+    step: int | None
+    task_id: str | None
+    command_id: str | None
+    memory: MlxMemorySnapshot | None
+    heard: bool
+    progressed: bool
+
+
+class _Task(msgspec.Struct, array_like=True):
+    created: TaskCreated
+    statuses: dict[str, TaskStatus]
+
+
+class Snapshot(msgspec.Struct):
+    """The folded state and the stream positions it covers."""
+
+    positions: dict[str, Position]
+    runners: list[_Runner]
+    instances: list[InstanceCreated]
+    tasks: dict[str, list[_Task]]
+    store: StoreImage
+    duplicates: int
+
+
+def capture(state: ClusterState, positions: dict[str, Position]) -> Snapshot:
+    """What `state` holds now, covering `positions` (take both without awaiting between)."""
+    return Snapshot(
+        positions=positions,
+        runners=[
+            _Runner(
+                ref=view.ref,
+                starts=list(view.seqs.starts),
+                ends=list(view.seqs.ends),
+                seen=view.seqs.seen,
+                status=view.status,
+                phase=view.phase,
+                phase_detail=view.phase_detail,
+                phase_since=view.phase_since,
+                last_at=view.last_at,
+                step=view.step,
+                task_id=view.task_id,
+                command_id=view.command_id,
+                memory=view.memory,
+                heard=view.heard is not None,
+                progressed=view.progressed is not None,
+            )
+            for view in state.runners.values()
+        ],
+        instances=list(state.instances.values()),
+        tasks={
+            instance: [_Task(created=t.created, statuses=dict(t.statuses)) for t in tasks.values()]
+            for instance, tasks in state.tasks.items()
+        },
+        store=state.store.image(),
+        duplicates=state.duplicates,
+    )
+
+
+def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
+    """Make `state` hold what `snapshot` held, within its store's limits; runners heard of
+    before count as heard at `moment`, as after a full replay.
+
+    Raises:
+        ValueError: the snapshot does not hold together; `state` is left unchanged.
+    """
+    store = EntryStore.from_image(
+        snapshot.store, per_runner=state.store.per_runner, total=state.store.total
+    )
+    runners = {}
+    for held in snapshot.runners:
+        if len(held.starts) != len(held.ends):
+            raise ValueError(f"runner {held.ref.runnerId!r}: seq runs do not pair up")
+        runners[held.ref.runnerId] = RunnerView(
+            ref=held.ref,
+            seqs=SeqTracker(starts=held.starts, ends=held.ends, seen=held.seen),
+            status=held.status,
+            phase=held.phase,
+            phase_detail=held.phase_detail,
+            phase_since=held.phase_since,
+            last_at=held.last_at,
+            progressed=moment if held.progressed else None,
+            heard=moment if held.heard else None,
+            step=held.step,
+            task_id=held.task_id,
+            command_id=held.command_id,
+            memory=held.memory,
+        )
+    state.store = store
+    state.runners = runners
+    state.instances = {i.instanceId: i for i in snapshot.instances}
+    state.tasks = {
+        instance: OrderedDict(
+            (t.created.taskId, TaskView(created=t.created, statuses=dict(t.statuses)))
+            for t in tasks
+        )
+        for instance, tasks in snapshot.tasks.items()
+    }
+    state.duplicates = snapshot.duplicates
+    state.version += 1
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Millions of new objects would set off full collections that find nothing to free."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class SnapshotFile:
+    """Where snapshots are kept: one file, replaced whole."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @staticmethod
+    def encode(snapshot: Snapshot) -> bytes:
+        """The snapshot's bytes (encode right after `capture`, without awaiting between:
+        the image shares the store's batches)."""
+        return msgspec.msgpack.encode(snapshot)
+
+    def write(self, body: bytes) -> None:
+        """Replace the file with an encoded snapshot (blocking: run it in a thread)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        with temporary.open("wb") as out:
+            out.write(_MAGIC + zlib.crc32(body).to_bytes(4, "big") + body)
+            out.flush()
+            os.fsync(out.fileno())
+        temporary.replace(self.path)
+
+    def read(self) -> Snapshot | None:
+        """The snapshot kept, or None when there is none or it cannot be trusted
+        (blocking: run it in a thread)."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("snapshot %s unreadable (%s); replaying in full", self.path, exc)
+            return None
+        head = len(_MAGIC) + 4
+        body = memoryview(data)[head:]  # a copy of hundreds of MB would cost seconds
+        if data[: len(_MAGIC)] != _MAGIC or zlib.crc32(body) != int.from_bytes(
+            data[len(_MAGIC) : head], "big"
+        ):
+            log.warning("snapshot %s is damaged; replaying in full", self.path)
+            return None
+        try:
+            with _collector_paused():
+                return msgspec.msgpack.decode(body, type=Snapshot)
+        except msgspec.DecodeError as exc:
+            log.warning("snapshot %s does not decode (%s); replaying in full", self.path, exc)
+            return None

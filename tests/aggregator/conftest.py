@@ -1,0 +1,14 @@
+"""Fixtures of the aggregator tests."""
+
+from __future__ import annotations
+
+import pytest
+from nats.aio.client import Client
+
+from shared.jetstream import Layout, ensure
+
+
+@pytest.fixture
+async def js_ready(nc: Client, layout: Layout) -> Layout:
+    await ensure(nc.jetstream(), layout)
+    return layout

@@ -1,0 +1,142 @@
+"""Snapshots: a restart from one serves the same views as a full replay and reads only
+what came after it; a damaged snapshot, or one of another incarnation of the streams, is
+ignored, never trusted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from services.aggregator.service import AggregatorService
+from services.aggregator.snapshot import SnapshotFile
+from services.aggregator.store import EntryStore
+from shared.jetstream import Layout, ensure
+from shared.wire import (
+    Phase,
+    TaskCreated,
+    TaskKind,
+    TaskStatus,
+    TaskStatusChanged,
+    TimelineQuery,
+    encode,
+)
+from tests.aggregator.builders import at, entries, placed, rank
+from tests.aggregator.running import aggregator, publish, until
+
+pytestmark = pytest.mark.nats
+
+
+async def _history(nc: Client, layout: Layout, first: int, count: int) -> None:
+    """Entries `first`.. of both ranks, with a seq skipped now and then, and a task."""
+    js = nc.jetstream()
+    for index in (0, 1):
+        await publish(
+            nc,
+            layout,
+            entries(
+                rank(index),
+                *[(s, s, Phase.DECODE_STREAM, s) for s in range(first, first + count) if s % 7],
+            ),
+        )
+    task = TaskCreated(
+        at=at(first),
+        instanceId="i",
+        taskId=f"t{first}",
+        commandId=f"c{first}",
+        taskKind=TaskKind.TEXT_GENERATION,
+    )
+    await js.publish(layout.subjects.tasks("i"), encode(task))
+    done = TaskStatusChanged(
+        at=at(first + 1),
+        instanceId="i",
+        taskId=f"t{first}",
+        runnerId="i-r0",
+        taskStatus=TaskStatus.COMPLETE,
+    )
+    await js.publish(layout.subjects.task_status("i", "node-0"), encode(done))
+
+
+def _views(service: AggregatorService) -> tuple[object, ...]:
+    state = service.state
+    timeline = state.timeline(TimelineQuery(limit=100_000), local_node_id="agg")
+    return (
+        timeline.timeline,
+        [(r.runnerId, r.phase, r.lastProgressAt, r.activeTaskId) for r in timeline.runners],
+        state.history(),
+        state.placement(local_node_id="agg"),
+        state.instance_states(),
+        state.duplicates,
+    )
+
+
+async def _rebuilt(
+    nc: Client, layout: Layout, snapshots: SnapshotFile | None
+) -> tuple[object, ...]:
+    async with aggregator(nc, layout, snapshots=snapshots) as running:
+        await until(lambda: running.service.state.store.size == 2 * 171)
+        views = _views(running.service)
+        read = running.service._folding[layout.runner_stream.name].handled
+    return (*views, read)
+
+
+async def test_a_restart_from_a_snapshot_serves_what_a_full_replay_serves(
+    nc: Client, js_ready: Layout, tmp_path: Path
+) -> None:
+    snapshots = SnapshotFile(tmp_path / "aggregator.snapshot")
+    await publish(nc, js_ready, placed())
+    await _history(nc, js_ready, 0, 100)
+    async with aggregator(nc, js_ready, snapshots=snapshots) as running:
+        await until(lambda: running.service.state.store.size == 2 * 85)
+    assert snapshots.path.exists()  # written on the way out
+    await _history(nc, js_ready, 100, 100)  # arrives while no aggregator runs
+    *restored, read_after_snapshot = await _rebuilt(nc, js_ready, snapshots)
+    *replayed, read_in_full = await _rebuilt(nc, js_ready, None)
+    assert restored == replayed
+    assert (read_after_snapshot, read_in_full) == (2, 4)  # one batch per rank per round
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],
+        lambda data: data[:-1] + bytes([data[-1] ^ 1]),
+        lambda data: b"not a snapshot at all",
+    ],
+    ids=["truncated", "bit-flip", "garbage"],
+)
+async def test_a_damaged_snapshot_is_ignored_and_the_views_rebuilt_in_full(
+    nc: Client, js_ready: Layout, tmp_path: Path, damage: object
+) -> None:
+    snapshots = SnapshotFile(tmp_path / "aggregator.snapshot")
+    await publish(nc, js_ready, placed())
+    await _history(nc, js_ready, 0, 100)
+    async with aggregator(nc, js_ready, snapshots=snapshots) as running:
+        await until(lambda: running.service.state.store.size == 2 * 85)
+    snapshots.path.write_bytes(damage(snapshots.path.read_bytes()))  # type: ignore[operator]
+    await _history(nc, js_ready, 100, 100)
+    *rebuilt, read = await _rebuilt(nc, js_ready, snapshots)
+    *replayed, _ = await _rebuilt(nc, js_ready, None)
+    assert rebuilt == replayed
+    assert read == 4
+
+
+async def test_a_snapshot_of_streams_since_made_again_is_ignored(
+    nc: Client, js_ready: Layout, tmp_path: Path
+) -> None:
+    snapshots = SnapshotFile(tmp_path / "aggregator.snapshot")
+    await publish(nc, js_ready, placed())
+    await _history(nc, js_ready, 0, 100)
+    async with aggregator(nc, js_ready, snapshots=snapshots) as running:
+        await until(lambda: running.service.state.store.size == 2 * 85)
+    js = nc.jetstream()
+    for stream in js_ready.streams:
+        await js.delete_stream(stream.name)
+    await ensure(js, js_ready)
+    await publish(nc, js_ready, placed())
+    await _history(nc, js_ready, 200, 2)
+    async with aggregator(nc, js_ready, EntryStore(), snapshots=snapshots) as running:
+        await until(lambda: running.service.state.store.size == 2 * 2)
+        history = running.service.state.history()
+    assert [(h.firstSeq, h.lastSeq) for h in history] == [(200, 201), (200, 201)]
