@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from shared.connection import connect
+from shared.connection import connect, slow_consumer_drops
 from shared.jetstream import Layout
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings
@@ -87,3 +87,12 @@ async def nc(settings: Settings) -> AsyncIterator[Client]:
     yield client
     with contextlib.suppress(Exception):
         await client.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_message_dropped() -> Iterator[None]:
+    """A NATS client of this process dropping a message for a slow subscription is a bug in
+    whatever test it happens: followers pull only what they can hold."""
+    before = slow_consumer_drops()
+    yield
+    assert slow_consumer_drops() == before, "a NATS client dropped messages (slow consumer)"

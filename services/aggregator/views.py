@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.aggregator.store import EntryStore, Selected, SeqTracker, from_micros, micros, read
+from services.aggregator.store import EntryStore, Selection, SeqTracker, from_micros, micros
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     ClusterTimeline,
@@ -86,19 +86,23 @@ class TimelinePlan:
     entries it will hold, built by slices in order."""
 
     def __init__(
-        self, head: ClusterTimeline, selected: list[Selected], refs: dict[str, RunnerRef]
+        self, head: ClusterTimeline, selection: Selection, refs: dict[str, RunnerRef]
     ) -> None:
         self.head = head
-        self.selected = selected
+        self.selection = selection
         self._refs = refs
-        self._decoded: dict[int, PhaseEntries] = {}
+
+    @property
+    def size(self) -> int:
+        """Entries the answer will hold."""
+        return len(self.selection.rows)
 
     def entries(self, start: int, stop: int) -> list[TimelineEntry]:
         """Entries `[start, stop)` of the answer, oldest first."""
-        part = self.selected[start:stop]
+        rows = self.selection.rows[start:stop]
         return [
-            _entry(self._refs[chosen.runner_id], stored)
-            for chosen, stored in zip(part, read(part, self._decoded), strict=True)
+            _entry(self._refs[row[3]], stored)
+            for row, stored in zip(rows, self.selection.read(start, stop), strict=True)
         ]
 
 
@@ -290,14 +294,11 @@ class ClusterState:
             key=lambda r: (r.modelId, r.deviceRank, r.runnerId),
         )
         by_id = {v.ref.runnerId: v.ref for v in views}
-        selected = self.store.select(
-            by_id,
+        selection = self.store.select(
+            {runner_id: (ref.nodeId, ref.deviceRank) for runner_id, ref in by_id.items()},
             limit=query.limit,
             since=micros(query.since) if query.since else None,
             until=micros(query.until) if query.until else None,
-        )
-        selected.sort(
-            key=lambda s: (s.at, by_id[s.runner_id].nodeId, by_id[s.runner_id].deviceRank)
         )
         nodes = {v.ref.nodeId for v in views}
         unreachable = [
@@ -312,12 +313,12 @@ class ClusterState:
             timeline=[],
             unreachableNodes=unreachable,
         )
-        return TimelinePlan(head, selected, by_id)
+        return TimelinePlan(head, selection, by_id)
 
     def timeline(self, query: TimelineQuery, *, local_node_id: str) -> ClusterTimeline:
         """The seed-001 `ClusterTimeline` under `query`'s filters."""
         plan = self.timeline_plan(query, local_node_id=local_node_id)
-        return msgspec.structs.replace(plan.head, timeline=plan.entries(0, len(plan.selected)))
+        return msgspec.structs.replace(plan.head, timeline=plan.entries(0, plan.size))
 
     def history(self) -> list[RunnerHistory]:
         """How much of each runner's history is held, by instance and rank."""
