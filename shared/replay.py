@@ -114,6 +114,7 @@ class Follower:
         self._arrived: deque[Msg] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def start(self) -> None:
         """Create the first consumer (errors reach the caller) and start pulling."""
@@ -122,11 +123,11 @@ class Follower:
 
     async def stop(self) -> None:
         """Stop following and remove the consumer."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self._stopping = True
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()  # again, should a library have swallowed the first cancellation
+            await asyncio.wait({task}, timeout=1.0)
         await self._close()
 
     async def _open(self) -> None:
@@ -190,7 +191,7 @@ class Follower:
         )
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 if self._subscription is None:
                     await self._open()
@@ -211,7 +212,10 @@ class Follower:
             if not self._arrived:
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), self._heartbeat * STALL_HEARTBEATS)
+                    # not `wait_for`: on Python 3.11 it can swallow a cancellation that
+                    # arrives as the wait ends, and `stop` would wait forever
+                    async with asyncio.timeout(self._heartbeat * STALL_HEARTBEATS):
+                        await self._wake.wait()
                 except TimeoutError:
                     raise _RestartError("no heartbeat from the server") from None
                 continue
