@@ -79,6 +79,8 @@ class TelemetryPublisher:
         self.published_entries = 0
         self.dropped_entries = 0
         self.retries = 0
+        self.acknowledged: dict[str, int] = {}
+        """The newest seq JetStream acknowledged, by runner id."""
 
     def entry(self, runner: RunnerRef, subject: str, entry: FlightEntry) -> None:
         """Add one entry to its runner's open batch."""
@@ -144,6 +146,10 @@ class TelemetryPublisher:
         else:
             self._buffered -= outgoing.entries
             self.published_entries += outgoing.entries
+            runner_id, _, seqs = outgoing.msg_id.rpartition(":")  # `<runner>:<seq>[-<seq>]`
+            last = int(seqs.rpartition("-")[2])
+            if last > self.acknowledged.get(runner_id, -1):
+                self.acknowledged[runner_id] = last
             if not self._buffered:
                 self._settled.set()
         finally:

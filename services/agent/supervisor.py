@@ -370,5 +370,6 @@ class RunnerSupervisor:
             lastMlxMemory=self.last_memory,
             restarts=self.restarts,
             droppedEntries=self.dropped_entries,
+            acknowledgedSeq=self._publisher.acknowledged.get(ref.runnerId),
             entries=list(self.entries),
         )

@@ -353,9 +353,12 @@ class AggregatorService:
             reply = await self._nc.request(
                 self._layout.subjects.node_diagnostics(node_id), b"", timeout=self._probe_timeout
             )
-            decode(reply.data, NodeDiagnostics)
+            answer = decode(reply.data, NodeDiagnostics)
         except (NatsError, TimeoutError, WireError):
             return False
+        for runner in answer.runners:
+            if runner.nodeId == node_id:  # a node speaks only for its own runners
+                self.state.note_acknowledged(runner.runnerId, runner.acknowledgedSeq)
         return True
 
     async def _probe_forever(self, stop: asyncio.Event) -> None:

@@ -69,6 +69,8 @@ class RunnerView:
     task_id: str | None = None
     command_id: str | None = None
     memory: MlxMemorySnapshot | None = None
+    acknowledged: int | None = None
+    """The newest seq its agent had acknowledged by JetStream, as of the last probe."""
 
     @property
     def alive(self) -> bool:
@@ -104,6 +106,14 @@ class TimelinePlan:
             _entry(self._refs[row[3]], stored)
             for row, stored in zip(rows, self.selection.read(start, stop), strict=True)
         ]
+
+
+def _unseen(view: RunnerView) -> int:
+    """Acknowledged seqs newer than the newest received."""
+    if view.acknowledged is None:
+        return 0
+    last = view.seqs.last
+    return max(view.acknowledged - (-1 if last is None else last), 0)
 
 
 def _entry(ref: RunnerRef, stored: FlightEntry) -> TimelineEntry:
@@ -239,6 +249,12 @@ class ClusterState:
         if view is not None and event.runnerId is not None:
             view.statuses[event.runnerId] = event.taskStatus
 
+    def note_acknowledged(self, runner_id: str, seq: int | None) -> None:
+        """Record what a runner's agent says JetStream acknowledged of its telemetry."""
+        view = self.runners.get(runner_id)
+        if view is not None and seq is not None:
+            view.acknowledged = seq
+
     def set_node(self, node_id: str, info: NodeInfo | None) -> None:
         """Record a node's inventory entry (None: it left or expired)."""
         if info is None:
@@ -339,6 +355,8 @@ class ClusterState:
                     heldEntries=self.store.count(view.ref.runnerId),
                     evictedEntries=evicted,
                     oldestAt=None if oldest is None else from_micros(oldest),
+                    acknowledgedSeq=view.acknowledged,
+                    unseenSeqs=_unseen(view),
                 )
             )
         return found

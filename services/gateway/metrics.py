@@ -130,6 +130,12 @@ def cluster_lines(
             "evictedEntries",
             "Entries of a runner dropped by the aggregator's retention.",
         ),
+        (
+            "unseen_seqs",
+            "unseenSeqs",
+            "Seqs JetStream acknowledged to a runner's agent newer than the newest the "
+            "aggregator received, as of the last probe.",
+        ),
     ):
         out += [
             f"# HELP rankscope_telemetry_{name} {help_text}",

@@ -119,6 +119,11 @@ class RunnerHistory(CamelStruct, kw_only=True, frozen=True):
     """Entries received but dropped by the aggregator's own retention (oldest first)."""
     oldestAt: str | None = None
     """Time of the oldest entry held: timelines of this runner start here."""
+    acknowledgedSeq: int | None = None
+    """The newest seq JetStream acknowledged to the runner's agent, as of its last probe."""
+    unseenSeqs: int = 0
+    """Seqs up to `acknowledgedSeq` newer than `lastSeq`: stored, yet not read here (a
+    loss at the end of the range, which no gap between seqs can show)."""
 
 
 class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

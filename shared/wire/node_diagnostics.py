@@ -35,6 +35,8 @@ class RunnerSupervisorDiagnostics(CamelStruct, kw_only=True, frozen=True):
     lastMlxMemory: MlxMemorySnapshot | None = None
     restarts: int = 0
     droppedEntries: int = 0
+    acknowledgedSeq: int | None = None
+    """The newest telemetry seq of this runner that JetStream acknowledged."""
     entries: list[TimelineEntry] = []
 
 

@@ -79,6 +79,7 @@ async def test_entries_are_batched_with_deterministic_ids(nc: Client, ready: Lay
     assert [msg_id for msg_id, _ in stored] == ["i-a0-r0:0-63", "i-a0-r0:64-127", "i-a0-r0:128-130"]
     assert [seq for _, seqs in stored for seq in seqs] == list(range(131))
     assert publisher.published_entries == 131
+    assert publisher.acknowledged == {"i-a0-r0": 130}  # what a probe of the agent reports
 
 
 async def test_a_quiet_runner_is_flushed_within_the_window(nc: Client, ready: Layout) -> None:

@@ -23,9 +23,11 @@ from shared.wire import (
     Diagnosis,
     Finding,
     FindingKind,
+    NodeDiagnostics,
     Phase,
     PlacementRunnerDiagnostics,
     RunnerHistory,
+    RunnerSupervisorDiagnostics,
     RunnerSynopsis,
     TimelineQuery,
     decode,
@@ -330,3 +332,44 @@ async def test_a_chatty_runner_evicts_only_its_own_history(nc: Client, layout: L
         ("i-r0", 400, 100),
         ("i-r1", 0, 50),
     ]
+
+
+async def test_seqs_acknowledged_but_never_received_show_as_unseen(
+    nc: Client, js_ready: Layout
+) -> None:
+    await publish(nc, js_ready, placed())
+    await publish(
+        nc, js_ready, entries(rank(0), *[(s, s, Phase.DECODE_STREAM, s) for s in range(120)])
+    )
+
+    async def node_0_answers(msg: Msg) -> None:  # node-0's agent: JetStream acked up to 149
+        ranks = [
+            RunnerSupervisorDiagnostics(
+                runnerId=f"i-r{r}",
+                nodeId=f"node-{r}",
+                instanceId="i",
+                modelId="tiny",
+                deviceRank=r,
+                worldSize=2,
+                startLayer=0,
+                endLayer=4,
+                nLayers=8,
+                processAlive=True,
+                statusKind="RunnerRunning",
+                acknowledgedSeq=149,
+            )
+            for r in (0, 1)  # it also speaks for node-1's runner, which must be ignored
+        ]
+        answer = NodeDiagnostics(
+            nodeId="node-0", friendlyName="a", address="127.0.0.1", generatedAt=at(0), runners=ranks
+        )
+        await msg.respond(encode(answer))
+
+    responder = await nc.subscribe(js_ready.subjects.node_diagnostics("node-0"), cb=node_0_answers)
+    async with aggregator(nc, js_ready) as running:
+        await until(lambda: running.service.state.store.size == 120)
+        await running.service.probe()
+        first, second = decode((await query(nc, js_ready, "history")).data, list[RunnerHistory])
+    await responder.unsubscribe()
+    assert (first.lastSeq, first.acknowledgedSeq, first.unseenSeqs) == (119, 149, 30)
+    assert (second.acknowledgedSeq, second.unseenSeqs) == (None, 0)
