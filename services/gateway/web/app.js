@@ -39,6 +39,7 @@ function gaps(held) {
     notes.push(`history from ${from} (seq ${held.firstSeq})`);
   }
   if (held.missingSeqs) notes.push(`${held.missingSeqs} seqs lost`);
+  if (held.unseenSeqs) notes.push(`${held.unseenSeqs} acknowledged seqs not received`);
   if (held.evictedEntries) notes.push(`${held.evictedEntries} entries evicted`);
   return notes.length ? ` · ${notes.join(", ")}` : "";
 }
