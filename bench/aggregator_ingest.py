@@ -21,7 +21,7 @@ import tracemalloc
 from pathlib import Path
 
 import nats
-from common import runner_ref
+from common import runner_ref, token_entry
 from nats.js.api import DeliverPolicy
 
 from services.aggregator.service import AggregatorService
@@ -30,8 +30,6 @@ from services.aggregator.views import ClusterState
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.wire import (
-    FlightEntry,
-    Phase,
     PhaseEntries,
     RunnerTelemetry,
     TimelineQuery,
@@ -53,16 +51,7 @@ def _batches(total: int, per_batch: int) -> list[tuple[str, bytes, str]]:
             batch = PhaseEntries(
                 runner=ref,
                 entries=[
-                    FlightEntry(
-                        seq=s,
-                        at=f"2026-11-21T12:{(s // 60_000) % 60:02d}:"
-                        f"{(s // 1000) % 60:02d}.{s % 1000:03d}000Z",
-                        phase=Phase.DECODE_STREAM,
-                        event="token",
-                        taskId="task-1",
-                        commandId="cmpl-1",
-                        attrs={"step": s, "rank": r % 8, "src": 0, "dst": 1, "world_size": 8},
-                    )
+                    token_entry(s, rank=r % 8, src=0, dst=1, world_size=8)
                     for s in range(first, min(first + per_batch, per_runner))
                 ],
             )

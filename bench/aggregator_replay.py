@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import nats
-from common import runner_ref
+from common import runner_ref, token_entry
 from nats.aio.msg import Msg
 
 from services.aggregator.service import AggregatorService
@@ -36,7 +36,7 @@ from services.aggregator.views import ClusterState
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.replay import follow
-from shared.wire import FlightEntry, Phase, PhaseEntries, encode
+from shared.wire import PhaseEntries, encode
 
 RUNNERS = 16
 LAYOUT = Layout(telemetry_max_bytes=8 << 30, telemetry_max_msgs_per_subject=10_000_000)
@@ -46,17 +46,8 @@ def _message(index: int) -> tuple[str, bytes, str]:
     """Entry `index` of the synthetic cluster: runner `index % RUNNERS`, its own seq."""
     ref, seq = runner_ref(index % RUNNERS), index // RUNNERS
     subject = LAYOUT.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, "phase")
-    entry = FlightEntry(
-        seq=seq,
-        at=f"2026-11-21T{(seq // 3_600_000) % 24:02d}:{(seq // 60_000) % 60:02d}:"
-        f"{(seq // 1000) % 60:02d}.{seq % 1000:03d}000Z",
-        phase=Phase.DECODE_STREAM,
-        event="token",
-        taskId="task-1",
-        commandId="cmpl-1",
-        attrs={"step": seq},
-    )
-    return subject, encode(PhaseEntries(runner=ref, entries=[entry])), f"{ref.runnerId}:{seq}"
+    batch = PhaseEntries(runner=ref, entries=[token_entry(seq)])
+    return subject, encode(batch), f"{ref.runnerId}:{seq}"
 
 
 async def _fill(url: str, first: int, last: int) -> None:

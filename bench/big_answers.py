@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import nats
-from common import runner_ref
+from common import runner_ref, token_entry
 
 import services.aggregator.service as aggregator_service
 from services.aggregator.service import AggregatorService
@@ -29,7 +29,7 @@ from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
-from shared.wire import FlightEntry, Phase, PhaseEntries, decode, encode
+from shared.wire import PhaseEntries, decode, encode
 
 RUNNERS, BIG_CLIENTS, BIG_LIMIT = 16, 12, 75_000
 LAYOUT = Layout()
@@ -43,17 +43,7 @@ def _state(stored: int) -> ClusterState:
         for first in range(0, per_runner, 64):
             batch = PhaseEntries(
                 runner=ref,
-                entries=[
-                    FlightEntry(
-                        seq=s,
-                        at=f"2026-11-21T{(s // 3_600_000) % 24:02d}:{(s // 60_000) % 60:02d}:"
-                        f"{(s // 1000) % 60:02d}.{s % 1000:03d}000Z",
-                        phase=Phase.DECODE_STREAM,
-                        event="token",
-                        attrs={"step": s},
-                    )
-                    for s in range(first, min(first + 64, per_runner))
-                ],
+                entries=[token_entry(s) for s in range(first, min(first + 64, per_runner))],
             )
             payload = encode(batch)
             state.apply_telemetry(decode(payload, PhaseEntries), payload)

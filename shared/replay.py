@@ -137,9 +137,10 @@ class Follower:
             policy, start = DeliverPolicy.BY_START_SEQUENCE, self.last_seq + 1
         inbox = self._nc.new_inbox()
         self._arrived.clear()
-        # the client holds what one pull asked for and a few statuses, never more
+        # the client holds what the pulls asked for (at most 2.5 batches when an expired
+        # pull did not say what it owed) and a few statuses, never more
         self._subscription = await self._nc.subscribe(
-            inbox, cb=self._arrive, pending_msgs_limit=self._batch + 64, pending_bytes_limit=0
+            inbox, cb=self._arrive, pending_msgs_limit=3 * self._batch + 64, pending_bytes_limit=0
         )
         config = ConsumerConfig(
             name=self._nc._nuid.next().decode(),
@@ -176,14 +177,14 @@ class Follower:
         self._wake.set()
 
     async def _pull(self) -> None:
-        """Ask for the next batch; the server ends the pull after `batch` messages, or
-        with a status when it expires."""
+        """Ask for another batch; the server ends a pull after `batch` messages, or with a
+        status saying how many it still owed when it expires."""
         request = {
             "batch": self._batch,
             "expires": int(PULL_EXPIRES_S * 1e9),
             "idle_heartbeat": int(self._heartbeat * 1e9),
         }
-        self._requested = self._batch
+        self._requested += self._batch
         await self._nc.publish(
             f"$JS.API.CONSUMER.MSG.NEXT.{self._stream}.{self._consumer}",
             json.dumps(request).encode(),
@@ -207,6 +208,9 @@ class Follower:
             await self._close()
 
     async def _consume(self) -> None:
+        """Keep between half a batch and a batch and a half asked for, so the next batch is
+        on its way while this one is handled."""
+        self._requested = 0
         await self._pull()
         while True:
             if not self._arrived:
@@ -224,13 +228,14 @@ class Follower:
             if status is None:
                 await self._take(msg)
                 self._requested -= 1
-                if not self._requested:
-                    await self._pull()
             elif status in (_EXPIRED, _NO_MESSAGES):
-                await self._pull()
+                owed = (msg.headers or {}).get("Nats-Pending-Messages")
+                self._requested = max(self._requested - int(owed), 0) if owed else 0
             elif status != _HEARTBEAT:
                 description = msg.headers.get("Description", "") if msg.headers else ""
                 raise _RestartError(f"pull answered {status} {description}".strip())
+            if self._requested <= self._batch // 2:
+                await self._pull()
 
     async def _take(self, msg: Msg) -> None:
         """Handle one delivery, or restart on a gap in the consumer's sequence."""

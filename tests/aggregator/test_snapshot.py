@@ -81,14 +81,20 @@ async def _rebuilt(
     return (*views, read)
 
 
+async def _snapshotted(nc: Client, layout: Layout, tmp_path: Path) -> SnapshotFile:
+    """An instance and 100 rounds of history, folded by an aggregator that then stopped."""
+    snapshots = SnapshotFile(tmp_path / "aggregator.snapshot")
+    await publish(nc, layout, placed())
+    await _history(nc, layout, 0, 100)
+    async with aggregator(nc, layout, snapshots=snapshots) as running:
+        await until(lambda: running.service.state.store.size == 2 * 85)
+    return snapshots
+
+
 async def test_a_restart_from_a_snapshot_serves_what_a_full_replay_serves(
     nc: Client, js_ready: Layout, tmp_path: Path
 ) -> None:
-    snapshots = SnapshotFile(tmp_path / "aggregator.snapshot")
-    await publish(nc, js_ready, placed())
-    await _history(nc, js_ready, 0, 100)
-    async with aggregator(nc, js_ready, snapshots=snapshots) as running:
-        await until(lambda: running.service.state.store.size == 2 * 85)
+    snapshots = await _snapshotted(nc, js_ready, tmp_path)
     assert snapshots.path.exists()  # written on the way out
     await _history(nc, js_ready, 100, 100)  # arrives while no aggregator runs
     *restored, read_after_snapshot = await _rebuilt(nc, js_ready, snapshots)
@@ -109,11 +115,7 @@ async def test_a_restart_from_a_snapshot_serves_what_a_full_replay_serves(
 async def test_a_damaged_snapshot_is_ignored_and_the_views_rebuilt_in_full(
     nc: Client, js_ready: Layout, tmp_path: Path, damage: object
 ) -> None:
-    snapshots = SnapshotFile(tmp_path / "aggregator.snapshot")
-    await publish(nc, js_ready, placed())
-    await _history(nc, js_ready, 0, 100)
-    async with aggregator(nc, js_ready, snapshots=snapshots) as running:
-        await until(lambda: running.service.state.store.size == 2 * 85)
+    snapshots = await _snapshotted(nc, js_ready, tmp_path)
     snapshots.path.write_bytes(damage(snapshots.path.read_bytes()))  # type: ignore[operator]
     await _history(nc, js_ready, 100, 100)
     *rebuilt, read = await _rebuilt(nc, js_ready, snapshots)
@@ -125,11 +127,7 @@ async def test_a_damaged_snapshot_is_ignored_and_the_views_rebuilt_in_full(
 async def test_a_snapshot_of_streams_since_made_again_is_ignored(
     nc: Client, js_ready: Layout, tmp_path: Path
 ) -> None:
-    snapshots = SnapshotFile(tmp_path / "aggregator.snapshot")
-    await publish(nc, js_ready, placed())
-    await _history(nc, js_ready, 0, 100)
-    async with aggregator(nc, js_ready, snapshots=snapshots) as running:
-        await until(lambda: running.service.state.store.size == 2 * 85)
+    snapshots = await _snapshotted(nc, js_ready, tmp_path)
     js = nc.jetstream()
     for stream in js_ready.streams:
         await js.delete_stream(stream.name)
