@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Subjects", "TelemetryKind", "token", "untoken"]
+__all__ = ["MAX_TOKEN", "IdTooLongError", "Subjects", "TelemetryKind", "token", "untoken"]
 
 TelemetryKind = Literal["phase", "memory", "status"]
 
@@ -19,16 +19,36 @@ _SAFE = re.compile(r"[A-Za-z0-9_\-]")
 _PREFIX = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 
 
+MAX_TOKEN = 512
+"""Longest escaped id: a subject of a few ids stays far below NATS's 4 KiB control line,
+past which the server drops the connection of whoever sent it."""
+
+
+class IdTooLongError(ValueError):
+    """An id too long to name a subject or a KV key."""
+
+
 def token(raw: str | int) -> str:
     """Make an id safe as one subject token and KV key (`=XX` escapes for the rest).
 
     Raises:
         ValueError: the id is empty.
+        IdTooLongError: escaped, it is longer than `MAX_TOKEN`.
     """
     text = str(raw)
     if not text:
         raise ValueError("an empty id cannot name a subject")
-    return "".join(c if _SAFE.match(c) else "".join(f"={b:02X}" for b in c.encode()) for c in text)
+    if len(text) > MAX_TOKEN:
+        raise IdTooLongError(f"an id of {len(text):,} characters is over the limit of {MAX_TOKEN}")
+    escaped = "".join(
+        c if _SAFE.match(c) else "".join(f"={b:02X}" for b in c.encode()) for c in text
+    )
+    if len(escaped) > MAX_TOKEN:
+        raise IdTooLongError(
+            f"an id of {len(text):,} characters escapes to {len(escaped):,} (`.`, `*`, `>`, "
+            f"white space and non-ASCII take 3 per byte), over the limit of {MAX_TOKEN}"
+        )
+    return escaped
 
 
 def untoken(escaped: str) -> str:

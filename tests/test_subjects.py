@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from shared.subjects import Subjects, token, untoken
+from shared.subjects import MAX_TOKEN, IdTooLongError, Subjects, token, untoken
 
 S = Subjects()
 
@@ -50,3 +50,12 @@ def test_prefix_is_validated() -> None:
     with pytest.raises(ValueError, match="prefix"):
         Subjects("bad prefix")
     assert Subjects("acme.prod").tasks("x") == "acme.prod.tasks.x"
+
+
+def test_an_id_is_refused_when_it_or_its_escaped_form_is_over_the_limit() -> None:
+    assert len(token("a" * MAX_TOKEN)) == MAX_TOKEN
+    assert untoken(token("é" * (MAX_TOKEN // 6))) == "é" * (MAX_TOKEN // 6)
+    with pytest.raises(IdTooLongError, match="4,100 characters"):
+        token("a" * 4100)
+    with pytest.raises(IdTooLongError, match="escapes to 1,200"):
+        token("*" * 400)

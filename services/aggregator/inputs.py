@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shared.subjects import IdTooLongError, token
 from shared.wire import (
     InstanceCreated,
     PlacementEvent,
@@ -22,6 +23,17 @@ class BadInputError(ValueError):
         self.kind = kind
 
 
+def _named(*ids: str) -> None:
+    """Refuse ids that cannot name a subject (the aggregator publishes and probes by them)."""
+    try:
+        for value in ids:
+            token(value)
+    except IdTooLongError as exc:
+        raise BadInputError("id_too_long", str(exc)) from None
+    except ValueError as exc:
+        raise BadInputError("id_empty", str(exc)) from None
+
+
 def parse_telemetry(data: bytes) -> RunnerTelemetry:
     """A runner telemetry message.
 
@@ -37,6 +49,7 @@ def parse_telemetry(data: bytes) -> RunnerTelemetry:
             "telemetry_rank_outside_world",
             f"deviceRank {event.runner.deviceRank} >= worldSize {event.runner.worldSize}",
         )
+    _named(event.runner.nodeId, event.runner.instanceId, event.runner.runnerId)
     return event
 
 
@@ -50,7 +63,9 @@ def parse_placement(data: bytes) -> PlacementEvent:
         event: PlacementEvent = decode(data, PlacementEvent)
     except WireError as exc:
         raise BadInputError("placement_undecodable", str(exc)) from None
+    _named(event.instanceId)
     if isinstance(event, InstanceCreated):
+        _named(*(rank.nodeId for rank in event.assignments))
         if not event.assignments:
             raise BadInputError("placement_nonsense", "an instance with no ranks")
         for rank in event.assignments:
@@ -78,4 +93,5 @@ def parse_task(data: bytes) -> TaskEvent:
         event: TaskEvent = decode(data, TaskEvent)
     except WireError as exc:
         raise BadInputError("task_undecodable", str(exc)) from None
+    _named(event.instanceId)
     return event

@@ -24,6 +24,7 @@ from services.gateway.routes import chat, cluster, jobs, ops, runners
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
+from shared.subjects import IdTooLongError
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
@@ -95,6 +96,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(BusError)
     async def bus_error(request: Request, exc: BusError) -> Json:
         return Json({"detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(IdTooLongError)
+    async def id_too_long(request: Request, exc: IdTooLongError) -> Json:
+        return Json({"detail": str(exc)}, status_code=422)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Json:

@@ -162,14 +162,18 @@ async def test_malformed_messages_are_counted_dead_lettered_and_skipped(
         valid += 1
     await js.publish(js_ready.subjects.placement("x"), b'{"type": "InstanceCreated"}')
     await js.publish(js_ready.subjects.tasks("x"), b"not json")
+    # an id no subject can carry: findings and probes are published by these ids
+    await js.publish(js_ready.subjects.placement("y"), encode(placed(instance="y" * 600)))
     async with aggregator(nc, js_ready) as running:
         state = running.service.state
         assert state.store.size == valid
-        assert running.service.dead_letters.total == 1002
+        assert running.service.dead_letters.total == 1003
         assert running.service.dead_letters.counts["telemetry_rank_outside_world"] == 142
+        assert running.service.dead_letters.counts["id_too_long"] == 1
+        assert not state.instances
         await running.service.dead_letters.settled()
     info = await js.stream_info(js_ready.deadletter_stream.name)
-    assert info.state.messages == 1002
+    assert info.state.messages == 1003
 
 
 async def test_query_errors_say_what_is_wrong(nc: Client, js_ready: Layout) -> None:

@@ -444,3 +444,25 @@ async def test_a_last_chunk_missing_after_its_rank_completed_is_a_502(stack_for:
     assert reply.json()["detail"].startswith("output chunks from 1 on of chatcmpl-")
     reply = await _chat(stack, speaker, [("", _chunk(0, "Hel")), ("", _chunk(1, "lo", "stop"))])
     assert reply.json()["choices"][0]["message"]["content"] == "Hello"  # the next one is fine
+
+
+@pytest.mark.parametrize("long_id", ["a" * 4100, "*" * 1400, "é" * 200])
+async def test_an_id_too_long_for_a_subject_is_a_422_and_nats_stays_connected(
+    stack_for: Any, long_id: str
+) -> None:
+    stack: Stack = await stack_for()
+    http = stack.http
+    for method, path, body in (
+        ("GET", f"/v1/runners/{long_id}", None),
+        ("DELETE", f"/v1/runners/{long_id}", None),
+        ("PATCH", f"/v1/runners/{long_id}", {"runner": {"priority": 1}, "action": "merge"}),
+        ("GET", f"/v1/jobs/{long_id}/ranktable", None),
+        ("POST", "/v1/runners", {"runners": [{**SPEC, "id": long_id}]}),
+    ):
+        reply = await http.request(method, path, json=body)
+        assert reply.status_code == 422, (method, path, reply.text)
+        assert "over the limit of 512" in reply.json()["detail"]
+    # before, the server dropped the gateway's connection for good on such a subject
+    assert (await http.get("/readyz")).status_code == 200
+    assert (await http.get("/v1/runners")).status_code == 200
+    assert (await http.post("/v1/runners", json={"runners": [SPEC]})).status_code == 200
