@@ -87,9 +87,11 @@ async def _bare(url: str, count: int) -> float:
     return elapsed
 
 
-async def _aggregator(url: str, snapshots: SnapshotFile | None) -> tuple[float, int, float]:
-    """Seconds until a new aggregator is ready, the entries it then holds, and the seconds
-    its snapshot on the way out took."""
+async def _aggregator(
+    url: str, snapshots: SnapshotFile | None, expected: int
+) -> tuple[float, float]:
+    """Seconds until a new aggregator is ready holding all `expected` entries, and the
+    seconds its snapshot on the way out took."""
     nc = await nats.connect(url)
     state = ClusterState(store=EntryStore(total=10_000_000, per_runner=10_000_000))
     service = AggregatorService(
@@ -105,7 +107,8 @@ async def _aggregator(url: str, snapshots: SnapshotFile | None) -> tuple[float, 
     await running
     snapshot_s = time.perf_counter() - stopping
     await nc.close()
-    return elapsed, state.store.size, snapshot_s
+    assert state.store.size == expected, f"aggregator held {state.store.size:,} of {expected:,}"
+    return elapsed, snapshot_s
 
 
 def main() -> None:
@@ -118,24 +121,20 @@ def main() -> None:
     with EmbeddedNats(store_dir=root / "nats") as server:
         asyncio.run(_fill(server.url, 0, args.replay))
         bare = asyncio.run(_bare(server.url, args.replay))
-        took, stored, _ = asyncio.run(_aggregator(server.url, snapshots))
-        assert stored == args.replay, f"aggregator held {stored:,} of {args.replay:,}"
+        took, _ = asyncio.run(_aggregator(server.url, snapshots, args.replay))
         print(
             f"cold replay of {args.replay:,} single-entry messages: bare follower "
             f"{args.replay / bare:,.0f} msgs/s | aggregator {args.replay / took:,.0f} msgs/s "
             f"| ratio {bare / took:.2f} | ready in {took:.1f} s | peak RSS {_rss_mib():,.0f} MiB"
         )
         asyncio.run(_fill(server.url, args.replay, args.restart))
-        took, stored, _ = asyncio.run(_aggregator(server.url, snapshots))
-        assert stored == args.restart, f"aggregator held {stored:,} of {args.restart:,}"
+        took, _ = asyncio.run(_aggregator(server.url, snapshots, args.restart))
         print(
             f"catch-up from a snapshot of {args.replay:,} with {args.restart - args.replay:,} "
             f"messages after it: ready in {took:.1f} s"
         )
-        full, stored, _ = asyncio.run(_aggregator(server.url, None))
-        assert stored == args.restart, f"aggregator held {stored:,} of {args.restart:,}"
-        took, stored, snapshot_s = asyncio.run(_aggregator(server.url, snapshots))
-        assert stored == args.restart, f"aggregator held {stored:,} of {args.restart:,}"
+        full, _ = asyncio.run(_aggregator(server.url, None, args.restart))
+        took, snapshot_s = asyncio.run(_aggregator(server.url, snapshots, args.restart))
         print(
             f"restart at {args.restart:,} stored messages: from the snapshot ready in "
             f"{took:.1f} s | full replay {full:.1f} s | ratio {full / took:.1f}x | snapshot "
