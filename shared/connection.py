@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
+import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -12,8 +15,9 @@ from nats.aio.client import Client
 
 from shared.nats_auth import inbox_prefix
 from shared.settings import Settings
+from shared.timestamps import now
 
-__all__ = ["close", "connect", "slow_consumer_drops"]
+__all__ = ["REACH_CHECK_S", "Reachability", "close", "connect", "slow_consumer_drops"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,97 @@ async def connect(settings: Settings, name: str, **options: Any) -> Client:
         allow_reconnect=True,
         **options,
     )
+
+
+def _settled(ping: asyncio.Future[None]) -> None:
+    if not ping.cancelled():
+        ping.exception()  # retrieved: a ping that failed is an answer too
+
+
+_PING_ABANDON_S = 600
+"""A ping still unanswered this long is given up (one forgotten by a reconnect)."""
+
+REACH_CHECK_S = 1.0
+"""Seconds between pings of a service watching NATS, and each ping's deadline."""
+
+
+class Reachability:
+    """Whether the NATS server answers a ping, as of the last `check`.
+
+    A connection nats-py still counts as up may lead to a paused or wedged server; only an
+    answer shows the bus works. Services use this to tell an outage of NATS itself from
+    silence of the nodes behind it.
+
+    Args:
+        nc: the connection.
+        timeout: seconds to wait for the answer.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self, nc: Client, *, timeout: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._nc = nc
+        self._timeout = timeout
+        self._clock = clock
+        self.down_since: float | None = None
+        """Monotonic time of the first failed check of the current outage."""
+        self.down_since_wall: str | None = None
+        self.outages = 0
+        self._ping: asyncio.Future[None] | None = None
+        self._ping_epoch = 0
+        self._ping_started = 0.0
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the last check got an answer."""
+        return self.down_since is None
+
+    async def check(self) -> bool:
+        """Ping the server now; returns whether it answered in time."""
+        if await self._answered():
+            if self.down_since is not None:
+                log.info("NATS reachable again after %.1fs", self._clock() - self.down_since)
+                self.down_since = self.down_since_wall = None
+            return True
+        if self.down_since is None:
+            self.down_since, self.down_since_wall = self._clock(), now()
+            self.outages += 1
+            log.error("NATS unreachable: no answer to a ping within %gs", self._timeout)
+        return False
+
+    async def _answered(self) -> bool:
+        # One ping in flight at a time, never cancelled: nats-py fails its reader when the
+        # answer to a cancelled ping arrives. A reconnect forgets pings in flight, so one
+        # from before it is abandoned (it ends by its own long timeout).
+        if not self._nc.is_connected:
+            return False  # reconnecting: nats-py's flush would return at once, unanswered
+        ping, epoch = self._ping, self._nc.stats["reconnects"]
+        if ping is None or ping.done() or self._ping_epoch != epoch:
+            ping = self._ping = asyncio.ensure_future(self._nc.flush(timeout=_PING_ABANDON_S))
+            ping.add_done_callback(_settled)
+            self._ping_epoch, self._ping_started = epoch, self._clock()
+        left = self._ping_started + self._timeout - self._clock()
+        if left > 0:
+            await asyncio.wait({ping}, timeout=left)
+        return ping.done() and not ping.cancelled() and ping.exception() is None
+
+    def why(self) -> str:
+        """The outage in words (empty when reachable)."""
+        if self.down_since is None:
+            return ""
+        return (
+            f"NATS unreachable since {self.down_since_wall}: the server has not answered a "
+            f"ping within {self._timeout:g}s for {self._clock() - self.down_since:.0f}s"
+        )
+
+    async def watch(self, stop: asyncio.Event, every: float) -> None:
+        """Check every `every` seconds until `stop` is set."""
+        while not stop.is_set():
+            await self.check()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(every):
+                    await stop.wait()
 
 
 async def close(nc: Client) -> None:

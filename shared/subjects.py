@@ -117,8 +117,9 @@ class Subjects:
         return f"{self.prefix}.ranktable.>"
 
     def diagnosis(self, instance_id: str) -> str:
-        """Findings of one instance as they appear and clear."""
-        return f"{self.prefix}.diagnosis.{token(instance_id)}"
+        """Findings of one instance as they appear and clear; `=` (which no id escapes to)
+        for those of the whole installation (`instance_id` empty), such as a NATS outage."""
+        return f"{self.prefix}.diagnosis.{token(instance_id) if instance_id else '='}"
 
     def diagnosis_all(self) -> str:
         """Findings of every instance."""

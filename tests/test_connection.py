@@ -1,5 +1,6 @@
 """A NATS link that dies without a word (no FIN, no RST: a cable pulled, a NAT entry gone)
-is noticed by the services' pings and reconnected once the path is back."""
+is noticed by the services' pings and reconnected once the path is back; a server that
+stops answering for a while (paused) is told from a working one, and the link survives."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from shared.connection import close, connect
+from shared.connection import Reachability, close, connect
 from shared.settings import Settings
 
 pytestmark = pytest.mark.nats
@@ -20,18 +21,22 @@ WAIT = 20.0
 
 class SilentLink:
     """A TCP relay to NATS that can go silent: while silent it swallows every byte both
-    ways and keeps the sockets open, as a dead path looks to both ends."""
+    ways and keeps the sockets open, as a dead path looks to both ends. While `flowing` is
+    clear it holds every byte instead, and delivers them once it is set: a paused server."""
 
     def __init__(self, upstream: str) -> None:
         address = urlsplit(upstream)
         self._host, self._port = address.hostname or "127.0.0.1", address.port or 4222
         self.silent = False
+        self.flowing = asyncio.Event()
+        self.flowing.set()
         self.url = ""
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
 
     async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         while data := await source.read(65536):
+            await self.flowing.wait()
             if not self.silent:
                 sink.write(data)
                 await sink.drain()
@@ -76,6 +81,32 @@ async def test_a_silently_dead_link_is_dropped_and_reconnected(nats_url: str) ->
         await asyncio.wait_for(lost.wait(), WAIT)  # noticed, though no byte said so
         link.silent = False
         await asyncio.wait_for(back.wait(), WAIT)
+        reply = await nc.request("$JS.API.INFO", b"", timeout=2)
+        assert b"memory" in reply.data
+        await close(nc)
+
+
+async def test_a_server_that_stops_answering_is_unreachable_until_it_answers_again(
+    nats_url: str,
+) -> None:
+    async with SilentLink(nats_url).running() as link:
+        settings = Settings(nats_url=link.url, nats_ping_interval=60)  # no reconnect here
+        nc = await connect(settings, "paused")
+        reach = Reachability(nc, timeout=0.3)
+        assert await reach.check()
+        assert reach.why() == ""
+        link.flowing.clear()
+        assert not await reach.check()
+        assert not await reach.check()  # the ping in flight is awaited, not sent again
+        assert reach.why().startswith("NATS unreachable since ")
+        assert nc.is_connected, "nats-py alone sees nothing wrong"
+        link.flowing.set()  # the late answers arrive: the link must survive them
+        for _ in range(50):
+            if await reach.check():
+                break
+            await asyncio.sleep(0.1)
+        assert reach.reachable
+        assert reach.outages == 1
         reply = await nc.request("$JS.API.INFO", b"", timeout=2)
         assert b"memory" in reply.data
         await close(nc)

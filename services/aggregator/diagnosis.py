@@ -1,18 +1,34 @@
-"""Name the rank an instance is waiting on.
+"""Name the rank an instance is waiting on, and keep naming it for the whole incident.
 
-Pure: the cluster state and the clock in, findings out. Progress is judged by when the
-aggregator last received an entry from a rank (its own clock), not by the runners' clocks.
+Pure: the cluster state, the clock and the incidents open so far in; incidents out.
+Progress is judged by when the aggregator last received an entry from a rank (its own
+clock), not by the runners' clocks.
+
+A rank whose collective timed out while it waited on a peer is a victim: it is listed as
+waiting, with how it ended, and never named, whether it is down, restarting or waiting
+again. An incident keeps its culprits and its `since` until each culprit makes progress
+(an entry after the incident opened) or, for a stall, is confirmed dead; whatever the
+victims do meanwhile does not change it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from services.aggregator.views import ClusterState, RunnerView
-from shared.wire import Finding, FindingKind, InstanceCreated, Phase, RankEvidence, RunnerStatusKind
+from shared.timestamps import format_ts, parse_ts
+from shared.wire import (
+    Finding,
+    FindingKind,
+    InstanceCreated,
+    Phase,
+    RankEvidence,
+    RankRole,
+    RunnerStatusKind,
+)
 
-__all__ = ["PHASE_ORDER", "Thresholds", "diagnose"]
+__all__ = ["PHASE_ORDER", "Incident", "Thresholds", "diagnose"]
 
 PHASE_ORDER = {phase: index for index, phase in enumerate(Phase)}
 """Phases in the order a request goes through them (the seed's order)."""
@@ -38,37 +54,158 @@ class Thresholds:
         return self.loading if phase in _LONG else self.working
 
 
-def _evidence(view: RunnerView) -> RankEvidence:
-    return RankEvidence(
-        runnerId=view.ref.runnerId,
-        nodeId=view.ref.nodeId,
-        deviceRank=view.ref.deviceRank,
-        phase=view.phase,
-        step=view.step,
-        lastProgressAt=view.last_at,
-        processAlive=view.alive,
-    )
+@dataclass(frozen=True, slots=True)
+class Incident:
+    """An open finding, and the aggregator's monotonic clock when it opened."""
+
+    finding: Finding
+    opened: float
 
 
-def _finding(
-    instance: InstanceCreated,
-    kind: FindingKind,
-    culprits: list[RunnerView],
-    waiting: list[RunnerView],
-    summary: str,
-    views: list[RunnerView],
-    since: str,
-) -> Finding:
-    return Finding(
-        instanceId=instance.instanceId,
-        kind=kind,
-        culpritRanks=[v.ref.deviceRank for v in culprits],
-        culpritRunnerIds=[v.ref.runnerId for v in culprits],
-        waitingRanks=[v.ref.deviceRank for v in waiting],
-        summary=summary,
-        since=since,
-        evidence=[_evidence(v) for v in views],
-    )
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    kind: FindingKind
+    culprits: list[RunnerView]
+    waiting: list[RunnerView]
+
+
+class _Judge:
+    """The rules, over one instance's ranks at one moment."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        views: list[RunnerView],
+        now: float,
+        placed: float,
+        thresholds: Thresholds,
+    ) -> None:
+        self.state, self.views, self.now = state, views, now
+        self.placed, self.limits = placed, thresholds
+
+    def down(self, view: RunnerView) -> bool:
+        """Not running (or unreachable), and not because it was shut down."""
+        gone = view.status is not None and view.status.statusKind in _GONE
+        return not gone and (not view.alive or view.ref.nodeId in self.state.unreachable)
+
+    def frozen(self, view: RunnerView) -> bool:
+        """Running, yet silent: no memory sample for longer than a live runner allows."""
+        return (
+            not self.down(view)
+            and view.heard is not None
+            and self.now - view.heard > self.limits.silent
+        )
+
+    def stale(self, view: RunnerView) -> bool:
+        last = view.progressed if view.progressed is not None else self.placed
+        return self.now - last > self.limits.of(view.phase)
+
+    def verdict(self) -> _Verdict | None:
+        """What the ranks' state says now, with no memory of earlier moments."""
+        views = self.views
+
+        def others(culprits: list[RunnerView]) -> list[RunnerView]:
+            return _without(views, culprits)
+
+        silent = [v for v in views if v.progressed is None]
+        if silent and self.now - self.placed > self.limits.no_data:
+            return _Verdict(FindingKind.MISSING_DATA, silent, [])
+        dead = [v for v in views if self.down(v) and v.timed_out is None]
+        if dead:
+            return _Verdict(FindingKind.DEAD_RANK, dead, others(dead))
+        frozen = [v for v in views if self.frozen(v)]
+        if frozen and len(frozen) < len(views):
+            # A live runner samples its memory every second, busy or idle: silence while
+            # its peers still talk means a frozen process (stopped, wedged in the kernel),
+            # and whatever the instance does next waits on it.
+            return _Verdict(FindingKind.STALLED_RANK, frozen, others(frozen))
+        working = [v for v in views if v.phase not in _RESTING and v.timed_out is None]
+        if not working or not all(self.stale(v) for v in working):
+            return None
+        # Ranks move in lockstep: one at rest while a peer waits in a collective is behind.
+        steps = {v.step for v in views if v.step is not None}
+        phases = {v.phase for v in views if v.phase is not None}
+        if len(steps) > 1 or len(phases) > 1:
+            if len(steps) > 1:
+                behind = [v for v in views if v.step == min(steps)]
+            else:
+                first = min(PHASE_ORDER[p] for p in phases)
+                behind = [v for v in views if v.phase is not None and PHASE_ORDER[v.phase] == first]
+            return _Verdict(FindingKind.RANK_DISAGREEMENT, behind, others(behind))
+        stuck = [v for v in working if v.task_id is not None]
+        return _Verdict(FindingKind.STALLED_RANK, stuck, []) if stuck else None
+
+    def at_fault(self, incident: Incident) -> bool:
+        """Whether every culprit of `incident` is still at fault: a dead one still down, a
+        frozen one still silent, a stuck one still where it was when the incident opened."""
+        kind = incident.finding.kind
+        for runner_id in incident.finding.culpritRunnerIds:
+            view = self.state.runners.get(runner_id)
+            if view is None or view.ref.instanceId != incident.finding.instanceId:
+                return False
+            if kind is FindingKind.MISSING_DATA:
+                if view.progressed is not None:
+                    return False
+            elif self.down(view):
+                if kind is not FindingKind.DEAD_RANK:
+                    return False  # confirmed dead: the stall is over, a death is not
+            elif kind is FindingKind.DEAD_RANK or not (
+                self.frozen(view)
+                or view.phase is Phase.ERROR
+                or (
+                    view.phase not in _RESTING
+                    and (view.progressed is None or view.progressed < incident.opened)
+                )
+            ):
+                return False  # back, heard, and at rest or moving since the incident opened
+        return True
+
+    def kept(self, incident: Incident) -> _Verdict:
+        """The incident's verdict, its culprits as they were named, the others waiting."""
+        culprits = [self.state.runners[r] for r in incident.finding.culpritRunnerIds]
+        return _Verdict(incident.finding.kind, culprits, _without(self.views, culprits))
+
+    # Words
+
+    def summary(self, verdict: _Verdict, task_id: str | None) -> str:
+        culprits, kind = verdict.culprits, verdict.kind
+        if kind is FindingKind.MISSING_DATA:
+            return f"cannot decide: no data from {_ranks(culprits)}"
+        if kind is FindingKind.DEAD_RANK:
+            text = "; ".join(f"{_ranks([v])}: {self.why_down(v)}" for v in culprits)
+        elif kind is FindingKind.RANK_DISAGREEMENT:
+            text = f"{_ranks(culprits)} held in {_where(culprits[0])}"
+        elif any(self.frozen(v) for v in culprits):
+            quiet = self.now - max(v.heard or self.now for v in culprits)
+            text = f"{_ranks(culprits)} went silent in {_where(culprits[0])} {quiet:.0f}s ago"
+        else:
+            text = f"{_ranks(culprits)} made no progress in {_where(culprits[0])}" + (
+                f" with task {task_id} active" if task_id else ""
+            )
+        return text + "".join(f"; {_ranks([v])} {self.doing(v)}" for v in verdict.waiting)
+
+    def why_down(self, view: RunnerView) -> str:
+        if view.ref.nodeId in self.state.unreachable:
+            return "node unreachable"
+        return f"process not alive ({_exit(view) or 'exited'})"
+
+    def doing(self, view: RunnerView) -> str:
+        """What a waiting rank is doing, and how it got there."""
+        words = []
+        if view.timed_out is not None:
+            words.append(f"timed out in {_timeout(view)}")
+        if self.down(view):
+            words.append(self.why_down(view))
+        elif view.waiting_in is not None:
+            words.append(f"waiting in {view.waiting_in}")
+        else:
+            words.append(f"{'now ' if view.timed_out else ''}waiting in {_where(view)}")
+        return ", ".join(words)
+
+
+def _without(views: list[RunnerView], some: list[RunnerView]) -> list[RunnerView]:
+    ids = {v.ref.runnerId for v in some}
+    return [v for v in views if v.ref.runnerId not in ids]
 
 
 def _ranks(views: list[RunnerView]) -> str:
@@ -80,121 +217,109 @@ def _where(view: RunnerView) -> str:
     return f"{view.phase.value if view.phase else 'no phase'}{step}"
 
 
+def _exit(view: RunnerView) -> str | None:
+    failure = view.failure or view.status
+    return failure.detail if failure is not None else None
+
+
+def _timeout(view: RunnerView) -> str | None:
+    entry = view.timed_out
+    if entry is None:
+        return None
+    site = entry.attrs.get("site", entry.phase.value)
+    seconds = entry.attrs.get("timeoutSeconds")
+    after = f" after {seconds:g}s" if isinstance(seconds, int | float) else ""
+    return f"{site}{after} at {format_ts(parse_ts(entry.at))[11:19]}"
+
+
+def _evidence(judge: _Judge, view: RunnerView, culprit: bool) -> RankEvidence:
+    return RankEvidence(
+        runnerId=view.ref.runnerId,
+        nodeId=view.ref.nodeId,
+        deviceRank=view.ref.deviceRank,
+        phase=view.phase,
+        step=view.step,
+        lastProgressAt=view.last_at,
+        processAlive=view.alive,
+        role=RankRole.CULPRIT if culprit else RankRole.WAITING,
+        waitingIn=view.waiting_in,
+        timedOutIn=_timeout(view),
+        exitReason=_exit(view) if judge.down(view) or view.timed_out else None,
+    )
+
+
 def diagnose(
     state: ClusterState,
     *,
     now: float,
-    since: Callable[[str, FindingKind], str],
+    wall: str,
+    incidents: Mapping[str, Incident],
     placed_at: Callable[[str], float],
     thresholds: Thresholds = Thresholds(),
-) -> list[Finding]:
-    """Findings for every live instance.
+    outage: tuple[str, str] | None = None,
+) -> dict[str, Incident]:
+    """The open incident of every live instance that has one, by instance id; during an
+    outage of NATS, that outage (under the empty id) and the incidents open before it.
 
     Args:
         state: the cluster state.
         now: the aggregator's monotonic clock now.
-        since: when a finding of this instance and kind was first seen (for `since`).
+        wall: the wall clock now (the `since` of an incident opening now).
+        incidents: what the last call returned.
         placed_at: monotonic time the aggregator learnt of an instance's placement.
         thresholds: how long is too long.
+        outage: (since, why) when the aggregator cannot reach NATS: what it holds is stale,
+            so no incident opens or clears meanwhile.
     """
-    findings: list[Finding] = []
+    if outage is not None:
+        since, why = outage
+        previous = incidents.get("")
+        bus = Finding(
+            instanceId="",
+            kind=FindingKind.NATS_UNREACHABLE,
+            culpritRanks=[],
+            culpritRunnerIds=[],
+            summary=why,
+            since=since,
+        )
+        return {**incidents, "": Incident(bus, previous.opened if previous else now)}
+    found: dict[str, Incident] = {}
     for instance in state.instances.values():
         views = [state.runners[a.runnerId] for a in instance.assignments]
-        findings.extend(
-            _diagnose_instance(state, instance, views, now, since, placed_at, thresholds)
-        )
-    return findings
-
-
-def _diagnose_instance(
-    state: ClusterState,
-    instance: InstanceCreated,
-    views: list[RunnerView],
-    now: float,
-    since: Callable[[str, FindingKind], str],
-    placed_at: Callable[[str], float],
-    thresholds: Thresholds,
-) -> list[Finding]:
-    def stale(view: RunnerView) -> bool:
-        last = view.progressed if view.progressed is not None else placed_at(instance.instanceId)
-        return now - last > thresholds.of(view.phase)
-
-    def make(
-        kind: FindingKind, culprits: list[RunnerView], waiting: list[RunnerView], summary: str
-    ) -> Finding:
-        return _finding(
-            instance, kind, culprits, waiting, summary, views, since(instance.instanceId, kind)
-        )
-
-    silent = [v for v in views if v.progressed is None]
-    if silent and now - placed_at(instance.instanceId) > thresholds.no_data:
-        summary = f"cannot decide: no data from {_ranks(silent)}"
-        return [make(FindingKind.MISSING_DATA, silent, [], summary)]
-    dead = [
-        v
-        for v in views
-        if (not v.alive or v.ref.nodeId in state.unreachable)
-        and not (v.status and v.status.statusKind in _GONE)
-    ]
-    alive = [v for v in views if v not in dead]
-    if dead:
-        why = {
-            v.ref.runnerId: "node unreachable"
-            if v.ref.nodeId in state.unreachable
-            else f"process not alive ({(v.status.detail if v.status else None) or 'exited'})"
-            for v in dead
-        }
-        return [
-            make(
-                FindingKind.DEAD_RANK,
-                dead,
-                alive,
-                "; ".join(f"{_ranks([v])}: {why[v.ref.runnerId]}" for v in dead)
-                + (f"; waiting: {_ranks(alive)}" if alive else ""),
-            )
-        ]
-    frozen = [v for v in views if v.heard is not None and now - v.heard > thresholds.silent]
-    if frozen and len(frozen) < len(views):
-        # A live runner samples its memory every second, busy or idle: silence while its
-        # peers still talk means a frozen process (stopped, wedged in the kernel), and
-        # whatever the instance does next waits on it.
-        waiting = [v for v in views if v not in frozen]
-        summary = (
-            f"{_ranks(frozen)} went silent in {_where(frozen[0])} "
-            f"{now - max(v.heard or now for v in frozen):.0f}s ago; "
-            f"{_ranks(waiting)} waiting in "
-            f"{', '.join(sorted({_where(v) for v in waiting}))}"
-        )
-        return [make(FindingKind.STALLED_RANK, frozen, waiting, summary)]
-    working = [v for v in views if v.phase not in _RESTING]
-    if not working or not all(stale(v) for v in working):
-        return []
-    # Ranks move in lockstep: one at rest while a peer waits in a collective is behind too.
-    steps = {v.step for v in views if v.step is not None}
-    phases = {v.phase for v in views if v.phase is not None}
-    if len(steps) > 1 or len(phases) > 1:
-        if len(steps) > 1:
-            low = min(steps)
-            behind = [v for v in views if v.step == low]
+        judge = _Judge(state, views, now, placed_at(instance.instanceId), thresholds)
+        previous = incidents.get(instance.instanceId)
+        if previous is not None and judge.at_fault(previous):
+            verdict: _Verdict | None = judge.kept(previous)
         else:
-            first = min(PHASE_ORDER[p] for p in phases)
-            behind = [v for v in views if v.phase is not None and PHASE_ORDER[v.phase] == first]
-        waiting = [v for v in views if v not in behind]
-        summary = (
-            f"{_ranks(behind)} held in {_where(behind[0])}; "
-            f"{_ranks(waiting)} waiting in "
-            f"{', '.join(sorted({_where(v) for v in waiting}))}"
-        )
-        return [make(FindingKind.RANK_DISAGREEMENT, behind, waiting, summary)]
-    stuck = [v for v in working if v.task_id is not None]
-    if not stuck:
-        return []
-    return [
-        make(
-            FindingKind.STALLED_RANK,
-            stuck,
-            [],
-            f"{_ranks(stuck)} made no progress in {_where(stuck[0])} "
-            f"with task {stuck[0].task_id} active",
-        )
-    ]
+            verdict = judge.verdict()
+        if verdict is None:
+            continue
+        found[instance.instanceId] = _incident(judge, instance, verdict, previous, wall)
+    return found
+
+
+def _incident(
+    judge: _Judge,
+    instance: InstanceCreated,
+    verdict: _Verdict,
+    previous: Incident | None,
+    wall: str,
+) -> Incident:
+    culprits = [v.ref.runnerId for v in verdict.culprits]
+    same = (
+        previous is not None
+        and previous.finding.kind is verdict.kind
+        and previous.finding.culpritRunnerIds == culprits
+    )
+    task_id = next((v.task_id for v in verdict.culprits if v.task_id), None)
+    finding = Finding(
+        instanceId=instance.instanceId,
+        kind=verdict.kind,
+        culpritRanks=[v.ref.deviceRank for v in verdict.culprits],
+        culpritRunnerIds=culprits,
+        waitingRanks=[v.ref.deviceRank for v in verdict.waiting],
+        summary=judge.summary(verdict, task_id),
+        since=previous.finding.since if same and previous else wall,
+        evidence=[_evidence(judge, v, v.ref.runnerId in culprits) for v in judge.views],
+    )
+    return Incident(finding=finding, opened=previous.opened if same and previous else judge.now)

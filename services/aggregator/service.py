@@ -8,6 +8,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -18,11 +19,11 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from services.aggregator.diagnosis import Thresholds, diagnose
+from services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from services.aggregator.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
 from services.aggregator.snapshot import Position, SnapshotFile, capture, restore
 from services.aggregator.views import ClusterState
-from shared.connection import slow_consumer_drops
+from shared.connection import Reachability, slow_consumer_drops
 from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
 from shared.replay import Follower, follow, follow_bucket
@@ -31,7 +32,6 @@ from shared.timestamps import now
 from shared.wire import (
     Diagnosis,
     Finding,
-    FindingKind,
     NodeDiagnostics,
     NodeInfo,
     PlacementQuery,
@@ -69,6 +69,10 @@ SNAPSHOT_PAUSE_SHARE = 50
 
 ERROR_HEADER = "Rankscope-Error"
 """Set (to the HTTP-like status) on a query reply that carries a `QueryError`."""
+
+
+UNPUBLISHED_FINDINGS = 10_000
+"""Findings kept for the diagnosis stream while NATS is out; the oldest go first."""
 
 
 class AggregatorService:
@@ -121,11 +125,13 @@ class AggregatorService:
         self.dead_letters = DeadLetters(
             js=js, subject=layout.subjects.deadletter(), service="aggregator"
         )
+        self.reach = Reachability(nc, timeout=probe_timeout, clock=clock)
         self._placed_at: dict[str, float] = {}
         self._heartbeats: dict[str, float] = {}
         self._silent_probes: dict[str, float] = {}
-        self._open: dict[tuple[str, FindingKind], Finding] = {}
-        self._since: dict[tuple[str, FindingKind], str] = {}
+        self._incidents: dict[str, Incident] = {}
+        self._unpublished: deque[Finding] = deque(maxlen=UNPUBLISHED_FINDINGS)
+        """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
         self._answers: dict[bytes, tuple[int, float, bytes]] = {}
         self._answer_bytes = 0
         self._heavy_lane = asyncio.Semaphore(1)
@@ -305,33 +311,32 @@ class AggregatorService:
 
     # Findings
 
-    def _first_seen(self, instance_id: str, kind: FindingKind) -> str:
-        return self._since.setdefault((instance_id, kind), now())
-
     def evaluate(self) -> tuple[list[Finding], list[Finding]]:
-        """Diagnose now; returns (findings that appeared, findings that cleared)."""
+        """Diagnose now; returns (findings opened or changed, findings that cleared)."""
         found = diagnose(
             self.state,
             now=self._clock(),
-            since=self._first_seen,
+            wall=now(),
+            incidents=self._incidents,
             placed_at=lambda i: self._placed_at.get(i, self._clock()),
             thresholds=self._thresholds,
+            outage=(self.reach.down_since_wall or "", self.reach.why())
+            if not self.reach.reachable
+            else None,
         )
-        current = {(f.instanceId, f.kind): f for f in found}
-        appeared = [
-            f
-            for key, f in current.items()
-            if key not in self._open or self._open[key].culpritRunnerIds != f.culpritRunnerIds
+        before = self._incidents
+        changed = [
+            i.finding
+            for key, i in found.items()
+            if key not in before or _told(before[key].finding) != _told(i.finding)
         ]
         cleared = [
-            msgspec.structs.replace(f, open=False)
-            for key, f in self._open.items()
-            if key not in current
+            msgspec.structs.replace(i.finding, open=False)
+            for key, i in before.items()
+            if key not in found or found[key].finding.since != i.finding.since
         ]
-        for key in set(self._since) - set(current):
-            del self._since[key]
-        self._open = current
-        return appeared, cleared
+        self._incidents = found
+        return changed, cleared
 
     async def _diagnose_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -339,10 +344,16 @@ class AggregatorService:
             for finding in [*appeared, *cleared]:
                 verb = "open" if finding.open else "cleared"
                 log.warning("finding %s %s: %s", finding.kind.value, verb, finding.summary)
-                with contextlib.suppress(NatsError, TimeoutError):
+            self._unpublished.extend([*cleared, *appeared])
+            while self._unpublished and self.reach.reachable:
+                finding = self._unpublished[0]
+                try:
                     await self._js.publish(
                         self._layout.subjects.diagnosis(finding.instanceId), encode(finding)
                     )
+                except (NatsError, TimeoutError):
+                    break  # kept, in order, for the next round
+                self._unpublished.popleft()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.25)
 
@@ -368,9 +379,20 @@ class AggregatorService:
                 await asyncio.wait_for(stop.wait(), self._probe_interval)
 
     async def probe(self) -> None:
-        """Ask every node of interest at once, under one deadline, and record who is silent."""
+        """Ask every node of interest at once, under one deadline, and record who is silent.
+
+        Only while NATS answers, before and after the round: when the bus itself is out,
+        silence says nothing of the nodes, and once it is back every rank starts afresh.
+        """
+        was_out = not self.reach.reachable
+        if not await self.reach.check():
+            return
+        if was_out:
+            self._after_outage()
         targets = sorted(self.state.placed_nodes() | set(self._heartbeats))
         answers = await asyncio.gather(*(self._probe(n) for n in targets))
+        if not all(answers) and not await self.reach.check():
+            return
         moment, ttl = self._clock(), self._layout.node_ttl_s
         unreachable: dict[str, UnreachableNode] = {}
         for node_id, answered in zip(targets, answers, strict=True):
@@ -401,6 +423,13 @@ class AggregatorService:
                     f"(silent for {silent:.1f}s)",
                 )
         self.state.unreachable = unreachable
+
+    def _after_outage(self) -> None:
+        self._silent_probes.clear()
+        moment = self._clock()
+        self._heartbeats = dict.fromkeys(self._heartbeats, moment)
+        culprits = {r for i in self._incidents.values() for r in i.finding.culpritRunnerIds}
+        self.state.forgive(moment, keep=culprits)
 
     # Queries
 
@@ -483,7 +512,11 @@ class AggregatorService:
                         return encode(item)
                 raise _QueryFailedError(404, f"no placed runner {wanted!r}")
             if view == "diagnosis":
-                return encode(Diagnosis(generatedAt=now(), findings=list(self._open.values())))
+                return encode(
+                    Diagnosis(
+                        generatedAt=now(), findings=[i.finding for i in self._incidents.values()]
+                    )
+                )
             if view == "instances":
                 return encode(self.state.instance_states())
             if view == "history":
@@ -529,7 +562,9 @@ class AggregatorService:
     def health(self) -> dict[str, Any]:
         """Readiness and counters, for /readyz and /metrics."""
         return {
-            "ready": self.ready.is_set(),
+            "ready": self.ready.is_set() and self.reach.reachable,
+            "natsReachable": self.reach.reachable,
+            "natsOutages": self.reach.outages,
             "entries": self.state.store.size,
             "evictedEntries": self.state.store.evicted,
             "runners": len(self.state.runners),
@@ -538,10 +573,22 @@ class AggregatorService:
             "missingSeqs": {
                 r: v.seqs.missing for r, v in self.state.runners.items() if v.seqs.missing
             },
-            "openFindings": len(self._open),
+            "openFindings": len(self._incidents),
+            "queuedTasks": self.state.queued(),
             "slowConsumerDrops": slow_consumer_drops(),
             "followerRestarts": sum(f.restarts for f in self._followers),
         }
+
+
+def _told(finding: Finding) -> tuple[object, ...]:
+    """What an operator is told by a finding, but for its wording (which ages each second)."""
+    return (
+        finding.since,
+        finding.kind,
+        finding.culpritRunnerIds,
+        finding.waitingRanks,
+        [(e.timedOutIn, e.exitReason, e.processAlive) for e in finding.evidence],
+    )
 
 
 class _QueryFailedError(Exception):

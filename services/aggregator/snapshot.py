@@ -24,6 +24,7 @@ import msgspec
 from services.aggregator.store import EntryStore, SeqTracker, StoreImage
 from services.aggregator.views import ClusterState, RunnerView, TaskView
 from shared.wire import (
+    FlightEntry,
     InstanceCreated,
     MlxMemorySnapshot,
     Phase,
@@ -65,6 +66,9 @@ class _Runner(msgspec.Struct, array_like=True):
     memory: MlxMemorySnapshot | None
     heard: bool
     progressed: bool
+    waiting_in: str | None = None
+    timed_out: FlightEntry | None = None
+    failure: RunnerStatusChanged | None = None
 
 
 class _Task(msgspec.Struct, array_like=True):
@@ -104,6 +108,9 @@ def capture(state: ClusterState, positions: dict[str, Position]) -> Snapshot:
                 memory=view.memory,
                 heard=view.heard is not None,
                 progressed=view.progressed is not None,
+                waiting_in=view.waiting_in,
+                timed_out=view.timed_out,
+                failure=view.failure,
             )
             for view in state.runners.values()
         ],
@@ -145,6 +152,9 @@ def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
             task_id=held.task_id,
             command_id=held.command_id,
             memory=held.memory,
+            waiting_in=held.waiting_in,
+            timed_out=held.timed_out,
+            failure=held.failure,
         )
     state.store = store
     state.runners = runners

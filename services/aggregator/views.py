@@ -16,6 +16,7 @@ import msgspec
 from services.aggregator.store import EntryStore, Selection, SeqTracker, from_micros, micros
 from shared.timestamps import now, to_epoch
 from shared.wire import (
+    Breadcrumb,
     ClusterTimeline,
     FlightEntry,
     InstanceCreated,
@@ -39,6 +40,7 @@ from shared.wire import (
     RunnerTelemetry,
     TaskCreated,
     TaskEvent,
+    TaskKind,
     TaskStatus,
     TimelineEntry,
     TimelineQuery,
@@ -71,6 +73,13 @@ class RunnerView:
     memory: MlxMemorySnapshot | None = None
     acknowledged: int | None = None
     """The newest seq its agent had acknowledged by JetStream, as of the last probe."""
+    waiting_in: str | None = None
+    """The collective its last entry says it is waiting in (its site)."""
+    timed_out: FlightEntry | None = None
+    """Its last watchdog timeout since it was last ready: a victim's breadcrumb, kept
+    across its restarts."""
+    failure: RunnerStatusChanged | None = None
+    """Its last failure since it was last ready (how its process ended)."""
 
     @property
     def alive(self) -> bool:
@@ -106,6 +115,11 @@ class TimelinePlan:
             _entry(self._refs[row[3]], stored)
             for row, stored in zip(rows, self.selection.read(start, stop), strict=True)
         ]
+
+
+def _site(entry: FlightEntry) -> str:
+    site = entry.attrs.get("site")
+    return site if isinstance(site, str) else entry.phase.value
 
 
 def _unseen(view: RunnerView) -> int:
@@ -187,6 +201,8 @@ class ClusterState:
             view.memory = event.snapshot
         elif view.status is None or event.seq > view.status.seq:
             view.status = event
+            if event.statusKind is RunnerStatusKind.FAILED:
+                view.failure = event
         return 1
 
     def _progress(self, view: RunnerView, entries: list[FlightEntry]) -> None:
@@ -200,6 +216,12 @@ class ClusterState:
         if run > 0 or last.phase is not view.phase:
             view.phase, view.phase_since = last.phase, entries[run].at
         view.phase_detail, view.last_at = last.detail, last.at
+        view.waiting_in = _site(last) if last.event == Breadcrumb.COLLECTIVE_WAIT else None
+        for entry in entries:
+            if entry.event == Breadcrumb.COLLECTIVE_TIMEOUT:
+                view.timed_out = entry
+            elif entry.event == Breadcrumb.RUNNER_READY:
+                view.timed_out = view.failure = None
         for entry in reversed(entries):
             if entry.phase is Phase.IDLE:
                 view.task_id = view.command_id = None
@@ -255,12 +277,38 @@ class ClusterState:
         if view is not None and seq is not None:
             view.acknowledged = seq
 
+    def forgive(self, moment: float, *, keep: set[str]) -> None:
+        """Count every runner but those in `keep` as heard from (and, if it ever reported,
+        progressing) at `moment`: after an outage of NATS their silence meant nothing."""
+        self.version += 1
+        for view in self.runners.values():
+            if view.ref.runnerId in keep:
+                continue
+            if view.heard is not None:
+                view.heard = max(view.heard, moment)
+            if view.progressed is not None:
+                view.progressed = max(view.progressed, moment)
+
     def set_node(self, node_id: str, info: NodeInfo | None) -> None:
         """Record a node's inventory entry (None: it left or expired)."""
         if info is None:
             self.nodes.pop(node_id, None)
         else:
             self.nodes[node_id] = info
+
+    def queued(self) -> dict[str, int]:
+        """Generations of each live instance not yet over on every rank (waiting or
+        running), among the tasks kept."""
+        depth = {}
+        for instance_id, instance in self.instances.items():
+            world = len(instance.assignments)
+            depth[instance_id] = sum(
+                1
+                for task in self.tasks.get(instance_id, {}).values()
+                if task.created.taskKind is TaskKind.TEXT_GENERATION
+                and sum(s.is_final for s in task.statuses.values()) < world
+            )
+        return depth
 
     def placed_nodes(self) -> set[str]:
         """Nodes that hold a rank of a live instance."""

@@ -96,7 +96,10 @@ def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
 def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
     found = gateway.call("GET", "/v1/cluster/diagnosis")
     text = (
-        "\n".join(f"{f['kind']:<18} {f['instanceId']}: {f['summary']}" for f in found["findings"])
+        "\n".join(
+            f"{f['kind']:<18} {f['instanceId'] or '(installation)'}: {f['summary']}"
+            for f in found["findings"]
+        )
         or "no findings: every instance is healthy"
     )
     _out(args, found, text)

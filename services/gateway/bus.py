@@ -14,6 +14,7 @@ from nats.js.kv import KeyValue
 
 from services.aggregator.service import ERROR_HEADER
 from services.ranktable.service import VERSION_HEADER
+from shared.connection import REACH_CHECK_S, Reachability
 from shared.jetstream import Layout
 from shared.replay import follow_bucket
 from shared.subjects import token, untoken
@@ -39,6 +40,7 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream(timeout=timeout)
         self.layout = layout
         self.timeout = timeout
+        self.reach = Reachability(nc, timeout=REACH_CHECK_S)
         self._kv: dict[str, KeyValue] = {}
 
     @property
@@ -50,7 +52,8 @@ class Bus:
         """Ask the aggregator for a view; its JSON as bytes.
 
         Raises:
-            BusError: 503 when nobody answers in time, else the aggregator's own status.
+            BusError: 503 when nobody answers in time (saying so when NATS itself does
+                not), else the aggregator's own status.
         """
         subject = self.layout.subjects.query(view)
         try:
@@ -58,6 +61,8 @@ class Bus:
         except NoRespondersError:
             raise BusError(503, "the aggregator is not running") from None
         except (NatsError, TimeoutError):
+            if not await self.reach.check():
+                raise BusError(503, self.reach.why()) from None
             raise BusError(503, f"the aggregator did not answer within {self.timeout:g}s") from None
         if reply.headers and ERROR_HEADER in reply.headers:
             error = decode(reply.data, QueryError)

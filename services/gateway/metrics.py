@@ -109,8 +109,13 @@ def cluster_lines(
         "handled message).",
         "# TYPE rankscope_aggregator_follower_restarts_total counter",
         f"rankscope_aggregator_follower_restarts_total {health.get('followerRestarts', 0)}",
-        "# TYPE rankscope_aggregator_bad_messages_total counter",
+        "# HELP rankscope_instance_queued_tasks Generations of an instance not yet over on "
+        "every rank (waiting or running).",
+        "# TYPE rankscope_instance_queued_tasks gauge",
     ]
+    for instance, depth in sorted(health.get("queuedTasks", {}).items()):
+        out.append(f'rankscope_instance_queued_tasks{{instance="{_label(instance)}"}} {depth}')
+    out.append("# TYPE rankscope_aggregator_bad_messages_total counter")
     for kind, count in sorted(health.get("badMessages", {}).items()):
         out.append(f'rankscope_aggregator_bad_messages_total{{kind="{kind}"}} {count}')
     for name, field, help_text in (

@@ -10,7 +10,7 @@ from services.lifecycle import run_until_signalled
 from services.ranktable.grpc_server import serve
 from services.ranktable.hub import TableHub
 from services.ranktable.service import RankTableService
-from shared.connection import close, connect
+from shared.connection import REACH_CHECK_S, Reachability, close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
 
@@ -30,15 +30,18 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         hub = TableHub()
         server, port = await serve(hub, settings.grpc_host, settings.grpc_port)
         stack.push_async_callback(server.stop, 1.0)
+        reach = Reachability(nc, timeout=REACH_CHECK_S)
         service = RankTableService(
             js=js,
             layout=layout,
             hub=hub,
             port_base=settings.ring_port_base,
-            connected=lambda: nc.is_connected,
+            connected=lambda: reach.reachable,
         )
         log.info("rank-table service up; gRPC config.Config on port %d", port)
-        await service.run(stop)
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(reach.watch(stop, every=REACH_CHECK_S))
+            await service.run(stop)
 
 
 def run(settings: Settings) -> int:

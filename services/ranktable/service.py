@@ -66,8 +66,9 @@ class RankTableService:
         hub: where in-process subscribers (gRPC) follow rank tables.
         port_base: first ring port handed out per node.
         clock: monotonic seconds, for node expiry.
-        connected: whether NATS is reachable; while it is not, silence proves nothing, so no
-            node expires, and every node gets a whole TTL once NATS is back.
+        connected: whether NATS is reachable. While it is not, or while every node (of two
+            or more) is silent at once, silence proves nothing: no node expires, and every
+            node gets a whole TTL once heartbeats are back.
     """
 
     def __init__(
@@ -245,19 +246,33 @@ class RankTableService:
         self._deadlines[node_id] = self._clock() + recheck
         return True
 
+    def _bus_silent(self, overdue: list[str]) -> str | None:
+        """Why silence proves nothing about the nodes now, if it does not: NATS does not
+        answer, or every node (of two or more) went quiet at once, as when the server is
+        paused or the nodes' side of NATS is cut off."""
+        if not self._connected():
+            return "NATS unreachable"
+        if len(self._deadlines) > 1 and len(overdue) == len(self._deadlines):
+            return f"no heartbeat from any of {len(overdue)} nodes"
+        return None
+
     async def _expire_nodes(self, kv: KeyValue, stop: asyncio.Event) -> None:
         period, ttl, outage = self._layout.node_ttl_s / 4, self._layout.node_ttl_s, False
         while not stop.is_set():
             moment = self._clock()
-            if not self._connected():
+            overdue = [n for n, deadline in self._deadlines.items() if deadline <= moment]
+            silent = self._bus_silent(overdue)
+            if silent is not None:
+                if not outage:
+                    log.warning("%s: an outage, not lost nodes; nothing is re-placed", silent)
                 outage = True
             elif outage:
                 outage = False
-                log.info("NATS is back: every node has %gs to be heard again", ttl)
+                log.info("heartbeats are back: every node has %gs to be heard again", ttl)
                 self._deadlines = {node_id: moment + ttl for node_id in self._deadlines}
             else:
-                for node_id, deadline in list(self._deadlines.items()):
-                    if deadline <= moment and not await self._still_there(kv, node_id, period):
+                for node_id in overdue:
+                    if not await self._still_there(kv, node_id, period):
                         self._forget_node(node_id, "lost: no heartbeat within the TTL")
                         self._dirty.set()
             with contextlib.suppress(asyncio.TimeoutError):

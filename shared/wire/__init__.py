@@ -9,11 +9,12 @@ from shared.wire.diagnosis import (
     PlacementQuery,
     QueryError,
     RankEvidence,
+    RankRole,
     RankState,
     RunnerHistory,
     TimelineQuery,
 )
-from shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
+from shared.wire.enums import Breadcrumb, Phase, RunnerStatusKind, TaskKind, TaskStatus
 from shared.wire.events import (
     ChatMessage,
     FlightEntry,
@@ -72,6 +73,7 @@ from shared.wire.timeline import (
 __all__ = [
     "AttrValue",
     "Attrs",
+    "Breadcrumb",
     "ChatMessage",
     "ClientInfo",
     "ClusterTimeline",
@@ -100,6 +102,7 @@ __all__ = [
     "PlacementTaskDiagnostics",
     "QueryError",
     "RankEvidence",
+    "RankRole",
     "RankState",
     "RankTable",
     "RankTableStatus",

@@ -18,6 +18,7 @@ __all__ = [
     "PlacementQuery",
     "QueryError",
     "RankEvidence",
+    "RankRole",
     "RankState",
     "RunnerHistory",
     "TimelineQuery",
@@ -31,6 +32,16 @@ class FindingKind(StrEnum):
     STALLED_RANK = "stalled_rank"
     DEAD_RANK = "dead_rank"
     MISSING_DATA = "missing_data"
+    NATS_UNREACHABLE = "nats_unreachable"
+    """The aggregator cannot reach NATS: nothing can be said of any rank meanwhile (the
+    finding of the whole installation, `instanceId` empty)."""
+
+
+class RankRole(StrEnum):
+    """A rank's part in a finding."""
+
+    CULPRIT = "culprit"
+    WAITING = "waiting"
 
 
 class RankEvidence(CamelStruct, kw_only=True, frozen=True):
@@ -43,6 +54,13 @@ class RankEvidence(CamelStruct, kw_only=True, frozen=True):
     step: int | None = None
     lastProgressAt: str | None = None
     processAlive: bool | None = None
+    role: RankRole | None = None
+    waitingIn: str | None = None
+    """The collective it has been waiting in, by its last entry."""
+    timedOutIn: str | None = None
+    """Where and when its watchdog gave up waiting on a peer (kept across its restarts)."""
+    exitReason: str | None = None
+    """How its process ended, when it is down or timed out."""
 
 
 class Finding(CamelStruct, kw_only=True, frozen=True):

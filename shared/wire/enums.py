@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["Phase", "RunnerStatusKind", "TaskKind", "TaskStatus"]
+__all__ = ["Breadcrumb", "Phase", "RunnerStatusKind", "TaskKind", "TaskStatus"]
 
 
 class Phase(StrEnum):
@@ -32,6 +32,19 @@ class Phase(StrEnum):
     COMPLETION = "completion"
     ERROR = "error"
     SHUTDOWN_CLEANUP = "shutdown_cleanup"
+
+
+class Breadcrumb(StrEnum):
+    """Flight-recorder events the diagnosis reads (an entry's `event`)."""
+
+    RUNNER_READY = "runner_ready"
+    """The rank finished warming up and serves tasks."""
+    COLLECTIVE_WAIT = "collective_wait"
+    """The rank has been waiting in a collective (`attrs.site`) for a while."""
+    COLLECTIVE_RESUMED = "collective_resumed"
+    """The collective it waited in returned."""
+    COLLECTIVE_TIMEOUT = "pipeline_eval_timeout"
+    """Its collective did not finish before the watchdog's deadline; the process exits."""
 
 
 class RunnerStatusKind(StrEnum):

@@ -423,6 +423,12 @@ async def test_a_stopped_peer_trips_the_watchdog_with_a_breadcrumb(cluster: Clus
         )
     finally:
         os.kill(victim.pid, signal.SIGCONT)
+    events = [e.event for e in cluster.entries[RANKS[0]]]
+    waited = [e for e in cluster.entries[RANKS[0]] if e.event == "collective_wait"]
+    # it said it was waiting (and where) long before its deadline, not idle
+    assert events.index("collective_wait") < events.index("pipeline_eval_timeout")
+    assert waited[-1].phase is Phase.TASK_AGREEMENT
+    assert waited[-1].attrs["site"] == "task_agreement"
     (breadcrumb,) = [e for e in cluster.entries[RANKS[0]] if e.event == "pipeline_eval_timeout"]
     assert breadcrumb.attrs["site"] == "task_agreement"
     assert breadcrumb.detail == "task_agreement did not finish within 5s"

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from services.aggregator.diagnosis import Thresholds, diagnose
+from services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
 from shared.wire import (
+    AttrValue,
     Finding,
     FindingKind,
+    FlightEntry,
     MemorySampled,
     MlxMemorySnapshot,
     Phase,
+    PhaseEntries,
+    RankRole,
+    RunnerStatusChanged,
     RunnerStatusKind,
 )
 from tests.aggregator.builders import at, entries, placed, rank, status
@@ -19,8 +24,11 @@ LIMITS = Thresholds(working=10, loading=300, no_data=30, silent=5)
 
 
 class Clock:
+    """The aggregator's clock, and the incidents it has open (as its service keeps them)."""
+
     def __init__(self) -> None:
         self.now = 1000.0
+        self.incidents: dict[str, Incident] = {}
 
     def __call__(self) -> float:
         return self.now
@@ -34,9 +42,15 @@ def _setup(world: int = 2) -> tuple[ClusterState, Clock]:
 
 
 def _run(state: ClusterState, clock: Clock) -> list[Finding]:
-    return diagnose(
-        state, now=clock.now, since=lambda i, k: at(0), placed_at=lambda i: 990.0, thresholds=LIMITS
+    clock.incidents = diagnose(
+        state,
+        now=clock.now,
+        wall=at(clock.now - 1000),
+        incidents=clock.incidents,
+        placed_at=lambda i: 990.0,
+        thresholds=LIMITS,
     )
+    return [i.finding for i in clock.incidents.values()]
 
 
 def test_a_rank_held_a_step_behind_is_named_once_nobody_progresses() -> None:
@@ -177,3 +191,185 @@ def test_ranks_without_any_data_mean_cannot_decide() -> None:
     (finding,) = _run(state, clock)
     assert finding.kind is FindingKind.MISSING_DATA
     assert finding.summary == "cannot decide: no data from rank 1 (node-1), rank 2 (node-2)"
+
+
+def _said(r: int, seq: int, t: float, phase: Phase, event: str, **attrs: AttrValue) -> PhaseEntries:
+    return PhaseEntries(
+        runner=rank(r),
+        entries=[FlightEntry(seq=seq, at=at(t), phase=phase, event=event, attrs=dict(attrs))],
+    )
+
+
+class Hang:
+    """Both ranks idle; then rank 1 freezes (SIGSTOP) and rank 0 waits on it in the task
+    agreement, times out after 60 s, restarts and waits again in the ring connect."""
+
+    def __init__(self) -> None:
+        self.state, self.clock = _setup()
+        self.seqs = [2, 2]
+        for r in (0, 1):
+            self.state.apply_telemetry(entries(rank(r), (0, 0, Phase.IDLE, None)))
+            _sample(self.state, r, 1)
+
+    def tell(self, r: int, event: PhaseEntries | RunnerStatusChanged | None = None) -> None:
+        """Rank `r` samples its memory (it is alive), and says `event`."""
+        if event is not None:
+            self.state.apply_telemetry(event)
+        _sample(self.state, r, self.seqs[r])
+        self.seqs[r] += 1
+
+    def seq(self, r: int) -> int:
+        self.seqs[r] += 1
+        return self.seqs[r] - 1
+
+    def rank0(self, second: int) -> None:
+        """What the waiting rank 0 says in `second` of the hang."""
+        t = float(second)
+        if second == 2:
+            wait = _said(
+                0,
+                self.seq(0),
+                t,
+                Phase.TASK_AGREEMENT,
+                "collective_wait",
+                site="task_agreement",
+                timeoutSeconds=60,
+            )
+            self.tell(0, wait)
+        elif second == 60:  # its watchdog gives up: breadcrumb, exit 75, restart
+            timeout = _said(
+                0,
+                self.seq(0),
+                t,
+                Phase.TASK_AGREEMENT,
+                "pipeline_eval_timeout",
+                site="task_agreement",
+                timeoutSeconds=60,
+            )
+            self.state.apply_telemetry(timeout)
+            failed = status(
+                rank(0),
+                self.seq(0),
+                RunnerStatusKind.FAILED,
+                alive=False,
+                detail="watchdog: a collective did not finish in time; restarting",
+            )
+            self.state.apply_telemetry(failed)
+        elif 60 < second < 68:
+            pass  # the new process imports mlx: not a word
+        elif second == 68:
+            self.tell(0, status(rank(0), self.seq(0), RunnerStatusKind.CONNECTING))
+            self.state.apply_telemetry(_said(0, self.seq(0), t, Phase.CONNECT_GROUP, "init"))
+        elif second == 70:
+            wait = _said(
+                0,
+                self.seq(0),
+                t,
+                Phase.CONNECT_GROUP,
+                "collective_wait",
+                site="connect_group",
+                timeoutSeconds=120,
+            )
+            self.tell(0, wait)
+        else:
+            self.tell(0)
+
+
+def test_a_hang_longer_than_the_collective_timeout_keeps_naming_the_silent_rank() -> None:
+    hang = Hang()
+    named = []
+    for second in range(1, 151):  # sampled every second for 150 s
+        hang.clock.now = 1000.0 + second
+        hang.rank0(second)
+        named.append((second, _run(hang.state, hang.clock)))
+    quiet = [s for s, findings in named if not findings]
+    assert quiet == [1, 2, 3, 4, 5]  # silent for 5 s is not yet frozen
+    findings = [f for _, fs in named for f in fs]
+    assert {(f.kind, tuple(f.culpritRanks)) for f in findings} == {(FindingKind.STALLED_RANK, (1,))}
+    assert {f.since for f in findings} == {at(6)}  # one incident, from its first second
+    assert all(f.waitingRanks == [0] for f in findings)
+    waiter = {s: next(e for e in fs[0].evidence if e.deviceRank == 0) for s, fs in named if fs}
+    assert waiter[30].waitingIn == "task_agreement"
+    assert waiter[30].role is RankRole.WAITING
+    assert waiter[64].processAlive is False
+    assert waiter[64].timedOutIn == "task_agreement after 60s at 12:01:00"
+    assert (waiter[64].exitReason or "").startswith("watchdog")
+    assert waiter[100].timedOutIn == "task_agreement after 60s at 12:01:00"  # restarted, kept
+    assert waiter[100].waitingIn == "connect_group"
+    (last,) = named[-1][1]
+    assert last.summary == (
+        "rank 1 (node-1) went silent in idle 150s ago; rank 0 (node-0) timed out in "
+        "task_agreement after 60s at 12:01:00, waiting in connect_group"
+    )
+
+
+def test_the_incident_ends_when_its_culprit_moves_again() -> None:
+    hang = Hang()
+    for second in range(1, 31):
+        hang.clock.now = 1000.0 + second
+        hang.rank0(second)
+        _run(hang.state, hang.clock)
+    assert _run(hang.state, hang.clock)
+    hang.tell(1, _said(1, hang.seq(1), 31, Phase.TASK_AGREEMENT, "collective_resumed"))
+    hang.clock.now += 1
+    assert _run(hang.state, hang.clock) == []
+
+
+def test_a_stalled_culprit_confirmed_dead_opens_a_death_naming_it() -> None:
+    hang = Hang()
+    for second in range(1, 31):
+        hang.clock.now = 1000.0 + second
+        hang.rank0(second)
+        found = _run(hang.state, hang.clock)
+    (stall,) = found
+    assert stall.kind is FindingKind.STALLED_RANK
+    killed = status(
+        rank(1), hang.seq(1), RunnerStatusKind.FAILED, alive=False, detail="killed by SIGKILL"
+    )
+    hang.state.apply_telemetry(killed)
+    hang.clock.now += 1
+    (death,) = _run(hang.state, hang.clock)
+    assert (death.kind, death.culpritRanks) == (FindingKind.DEAD_RANK, [1])
+    assert death.since != stall.since
+
+
+def test_a_victim_that_timed_out_is_never_named_while_its_peer_is_silent() -> None:
+    state, clock = _setup()
+    for r in (0, 1):
+        state.apply_telemetry(entries(rank(r), (0, 0, Phase.IDLE, None)))
+    timeout = _said(
+        0,
+        1,
+        60,
+        Phase.TASK_AGREEMENT,
+        "pipeline_eval_timeout",
+        site="task_agreement",
+        timeoutSeconds=60,
+    )
+    state.apply_telemetry(timeout)
+    state.apply_telemetry(status(rank(0), 2, RunnerStatusKind.FAILED, alive=False))
+    clock.now += 60  # neither says a word: the victim is down, the culprit frozen
+    (finding,) = _run(state, clock)
+    assert (finding.kind, finding.culpritRanks) == (FindingKind.STALLED_RANK, [1])
+
+
+def test_a_victim_stays_a_victim_until_it_is_ready_again() -> None:
+    state, _ = _setup()
+    state.apply_telemetry(_said(0, 0, 1, Phase.TASK_AGREEMENT, "pipeline_eval_timeout"))
+    assert state.runners["i-r0"].timed_out is not None
+    state.apply_telemetry(_said(0, 1, 2, Phase.CREATED, "process_started"))
+    assert state.runners["i-r0"].timed_out is not None
+    state.apply_telemetry(_said(0, 2, 3, Phase.IDLE, "runner_ready"))
+    assert state.runners["i-r0"].timed_out is None
+
+
+def test_the_incident_outlasts_a_moment_when_every_rank_is_quiet() -> None:
+    hang = Hang()
+    for second in range(1, 31):
+        hang.clock.now = 1000.0 + second
+        hang.rank0(second)
+        found = _run(hang.state, hang.clock)
+    (before,) = found
+    hang.clock.now += 10  # the waiting rank's samples are late too: both look frozen
+    (during,) = _run(hang.state, hang.clock)
+    assert (during.culpritRanks, during.since) == ([1], before.since)

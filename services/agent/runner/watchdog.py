@@ -1,8 +1,11 @@
-"""Every blocking collective runs under a deadline; a wedge leaves a breadcrumb and exits.
+"""Every blocking collective runs under a deadline, and a rank waiting in one says so.
 
-When a guarded call overruns, the watchdog records `pipeline_eval_timeout` with the site
-and memory, flushes the recorder and exits with `WEDGED_EXIT`, so the supervisor can tell a
-wedge from a crash.
+A guarded call still running after `WAIT_NOTE_S` records `collective_wait` (the site and
+since when) and, once it returns, `collective_resumed`: a rank waiting on a peer shows as
+waiting, not as idle or busy. When a guarded call overruns its deadline, the watchdog
+records `pipeline_eval_timeout` with the site and memory, flushes the recorder and exits
+with `WEDGED_EXIT`, so the supervisor can tell a wedge (a victim of a silent peer) from a
+crash.
 """
 
 from __future__ import annotations
@@ -12,13 +15,19 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 from services.agent.runner.recorder import Recorder
+from shared.timestamps import now
+from shared.wire import Breadcrumb, Phase
 
-__all__ = ["WEDGED_EXIT", "Watchdog"]
+__all__ = ["WAIT_NOTE_S", "WEDGED_EXIT", "Watchdog"]
 
 WEDGED_EXIT = 75
 """Exit code of a runner whose collective did not finish in time."""
+
+WAIT_NOTE_S = 2.0
+"""How long a guarded call runs before the rank records that it is waiting in it."""
 
 
 class Watchdog:
@@ -28,21 +37,37 @@ class Watchdog:
         self._recorder = recorder
         self._lock = threading.Condition()
         self._deadline: float | None = None
+        self._note_at = 0.0
+        self._noted = False
         self._site = ""
+        self._phase: Phase | None = None
+        self._entered = ""
         self._seconds = 0.0
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
 
     @contextmanager
-    def guard(self, site: str, seconds: float) -> Iterator[None]:
-        """Run the body under a deadline of `seconds`; `site` names the call in the entry."""
+    def guard(self, site: str, seconds: float, phase: Phase | None = None) -> Iterator[None]:
+        """Run the body under a deadline of `seconds`; `site` names the call in entries,
+        `phase` the phase a wait in it is recorded in (the current one by default)."""
+        before = self._recorder.phase
+        started = time.monotonic()
         with self._lock:
-            self._deadline, self._site, self._seconds = time.monotonic() + seconds, site, seconds
+            self._deadline, self._seconds = started + seconds, seconds
+            self._note_at, self._noted = started + WAIT_NOTE_S, False
+            self._site, self._phase, self._entered = site, phase, now()
             self._lock.notify()
         try:
             yield
         finally:
             with self._lock:
                 self._deadline = None
+                noted = self._noted
+            if noted:
+                self._recorder.record(
+                    before,
+                    Breadcrumb.COLLECTIVE_RESUMED,
+                    attrs={"site": site, "waitedSeconds": round(time.monotonic() - started, 3)},
+                )
 
     def _watch(self) -> None:
         with self._lock:
@@ -50,16 +75,32 @@ class Watchdog:
                 if self._deadline is None:
                     self._lock.wait()
                     continue
-                left = self._deadline - time.monotonic()
-                if left > 0:
-                    self._lock.wait(left)
+                moment = time.monotonic()
+                if moment >= self._deadline:
+                    self._expire()
+                if not self._noted and moment >= self._note_at:
+                    self._noted = True
+                    self._record(
+                        Breadcrumb.COLLECTIVE_WAIT, f"waiting in {self._site} since {self._entered}"
+                    )
                     continue
-                self._recorder.record(
-                    self._recorder.phase,
-                    "pipeline_eval_timeout",
-                    detail=f"{self._site} did not finish within {self._seconds:g}s",
-                    attrs={"site": self._site, "timeoutSeconds": self._seconds},
-                    memory=True,
-                )
-                self._recorder.flush()
-                os._exit(WEDGED_EXIT)
+                wake = self._deadline if self._noted else min(self._deadline, self._note_at)
+                self._lock.wait(wake - moment)
+
+    def _record(self, event: str, detail: str, *, memory: bool = False) -> None:
+        self._recorder.record(
+            self._phase or self._recorder.phase,
+            event,
+            detail=detail,
+            attrs={"site": self._site, "since": self._entered, "timeoutSeconds": self._seconds},
+            memory=memory,
+        )
+
+    def _expire(self) -> NoReturn:
+        self._record(
+            Breadcrumb.COLLECTIVE_TIMEOUT,
+            f"{self._site} did not finish within {self._seconds:g}s",
+            memory=True,
+        )
+        self._recorder.flush()
+        os._exit(WEDGED_EXIT)

@@ -6,14 +6,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 
-from services.gateway.bus import Bus
+from services.gateway.bus import Bus, BusError
 from services.gateway.deps import bus, reader
 from services.gateway.responses import Json, fail, schema_ref
 from services.gateway.trace import to_trace
-from shared.timestamps import parse_ts
+from shared.timestamps import now, parse_ts
 from shared.wire import (
     ClusterTimeline,
     Diagnosis,
+    Finding,
+    FindingKind,
     PlacementRunnerDiagnostics,
     RunnerHistory,
     decode,
@@ -77,8 +79,22 @@ async def timeline_trace(filters: Filters, nats: Nats) -> Json:
 
 @router.get("/v1/cluster/diagnosis", response_class=Json, responses={200: schema_ref(Diagnosis)})
 async def diagnosis(nats: Nats) -> Json:
-    """Open findings, each naming the rank at fault and the ranks waiting on it."""
-    return Json(await nats.query("diagnosis"))
+    """Open findings, each naming the rank at fault and the ranks waiting on it; while
+    NATS does not answer, the one finding that says so."""
+    try:
+        return Json(await nats.query("diagnosis"))
+    except BusError:
+        if nats.reach.reachable:
+            raise
+    outage = Finding(
+        instanceId="",
+        kind=FindingKind.NATS_UNREACHABLE,
+        culpritRanks=[],
+        culpritRunnerIds=[],
+        summary=f"{nats.reach.why()}; nothing is known of the ranks until it answers",
+        since=nats.reach.down_since_wall or now(),
+    )
+    return Json(Diagnosis(generatedAt=now(), findings=[outage]))
 
 
 @router.get(

@@ -32,10 +32,17 @@ async def readyz(nats: Nats) -> Json:
     """NATS connected and the aggregator answering with its views built; 503 says which not."""
     if not nats.connected:
         return Json({"status": "unavailable", "reason": "NATS is not connected"}, status_code=503)
+    if not await nats.reach.check():
+        return Json({"status": "unavailable", "reason": nats.reach.why()}, status_code=503)
     try:
         health = json.loads(await nats.query("health"))
     except BusError as exc:
         return Json({"status": "unavailable", "reason": exc.detail}, status_code=503)
+    if not health.get("natsReachable", True):
+        return Json(
+            {"status": "unavailable", "reason": "the aggregator cannot reach NATS"},
+            status_code=503,
+        )
     if not health.get("ready"):
         return Json(
             {"status": "unavailable", "reason": "the aggregator is rebuilding its views"},
@@ -51,6 +58,8 @@ async def metrics(request: Request, nats: Nats) -> PlainTextResponse:
     lines += [
         "# TYPE rankscope_nats_connected gauge",
         f"rankscope_nats_connected {int(nats.connected)}",
+        "# TYPE rankscope_nats_reachable gauge",
+        f"rankscope_nats_reachable {int(nats.reach.reachable)}",
         "# TYPE rankscope_gateway_slow_consumer_drops_total counter",
         f"rankscope_gateway_slow_consumer_drops_total {slow_consumer_drops()}",
     ]

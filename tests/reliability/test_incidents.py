@@ -1,0 +1,111 @@
+"""Incidents as an operator lives them, on a real deployment (every part its own process,
+two agents serving the tiny model over two ranks) with a short collective timeout.
+
+A rank frozen for four collective timeouts stays the one named, under one `since`, in
+every sample: its peer times out, restarts and waits again, and is only ever listed as
+waiting. NATS paused for four heartbeat TTLs is an outage of NATS: readiness says so, no
+rank is blamed, no node is declared lost and nothing is placed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import pytest_asyncio
+
+from shared.nats_server import EmbeddedNats
+from shared.wire import Finding, FindingKind, RankRole
+from tests.gateway.conftest import free_port
+from tests.reliability.deployment import FAULT_TEST_MARKS, Agent, Deployment, deployed
+
+pytestmark = FAULT_TEST_MARKS
+
+TTL = 3.0
+COLLECTIVE = 6.0
+SILENT = 5.0  # Thresholds.silent: a rank without a word this long is frozen
+NODES = ("node-a", "node-b")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def deployment(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Deployment]:
+    root = tmp_path_factory.mktemp("incidents")
+    server = EmbeddedNats(store_dir=root / "nats", port=free_port()).start()
+    agents = {node: Agent() for node in NODES}
+    async with deployed(
+        root, server, agents, heartbeat_ttl=TTL, collective_timeout=COLLECTIVE
+    ) as built:
+        yield built
+    server.stop()
+
+
+async def test_a_hang_longer_than_the_collective_timeout_names_the_frozen_rank_throughout(
+    deployment: Deployment,
+) -> None:
+    ranks = {r.deviceRank: r for r in (await deployment.timeline()).runners}
+    frozen, waiting = ranks[1], ranks[0]
+    assert frozen.pid is not None
+    os.kill(frozen.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    samples: list[tuple[float, list[Finding]]] = []
+    try:
+        while time.monotonic() - stopped < 4 * COLLECTIVE:  # sampled every second
+            await asyncio.sleep(1)
+            samples.append((time.monotonic() - stopped, await deployment.findings()))
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    findings = [f for _, found in samples for f in found]
+    assert all(found for t, found in samples if t > SILENT + 2), "a sample without a finding"
+    assert {tuple(f.culpritRunnerIds) for f in findings} == {(frozen.runnerId,)}
+    assert {f.kind for f in findings} == {FindingKind.STALLED_RANK}
+    assert len({f.since for f in findings}) == 1, "one incident, not one per flap"
+    peer = [e for f in findings for e in f.evidence if e.runnerId == waiting.runnerId]
+    assert {e.role for e in peer} == {RankRole.WAITING}
+    timed_out = [e for e in peer if e.timedOutIn]
+    assert timed_out, "the peer's collective timeout is in the evidence"
+    assert (timed_out[-1].timedOutIn or "").startswith("task_agreement after 6s")
+    assert "timed out in task_agreement" in findings[-1].summary
+    await deployment.until("both ranks ready again", deployment.ready, 120)
+    await deployment.until("the incident closed", _no_findings(deployment), 30)
+
+
+def _no_findings(deployment: Deployment) -> Callable[[], Awaitable[bool | None]]:
+    async def none() -> bool | None:
+        return True if not await deployment.findings() else None
+
+    return none
+
+
+async def test_nats_paused_is_an_outage_of_nats_not_lost_nodes(deployment: Deployment) -> None:
+    await deployment.until("both ranks ready", deployment.ready, 120)
+    await deployment.until("no open finding", _no_findings(deployment), 30)
+    serving = {r.runnerId for r in (await deployment.timeline()).runners}
+    before = await deployment.ranktable()
+    assert before is not None
+    feed = await deployment.findings_feed()
+    pid = deployment.server.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(2 * TTL)
+        ready = await deployment.http.get("/readyz")
+        diagnosis = await deployment.http.get("/v1/cluster/diagnosis")
+        await asyncio.sleep(2 * TTL)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert ready.status_code == 503
+    assert ready.json()["reason"].startswith("NATS unreachable since ")
+    (outage,) = diagnosis.json()["findings"]
+    assert outage["kind"] == "nats_unreachable"
+    await asyncio.sleep(3 * TTL)  # time for anything false to surface
+    assert {f.kind for f in feed} == {FindingKind.NATS_UNREACHABLE}, [f.summary for f in feed]
+    assert [f.open for f in feed] == [True, False]  # recorded once NATS was back, and closed
+    assert await deployment.ranktable() == before, "nothing was released or placed again"
+    assert {r.runnerId for r in (await deployment.timeline()).runners} == serving
+    assert await deployment.findings() == []
+    assert (await deployment.http.get("/readyz")).status_code == 200
+    assert not deployment.crashed(), f"{deployment.crashed()} exited"
