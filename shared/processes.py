@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import signal
 import sys
 from collections.abc import Callable
@@ -11,18 +12,20 @@ from collections.abc import Callable
 __all__ = ["die_with_parent", "signal_name"]
 
 
-def _set_pdeathsig() -> None:
-    # PR_SET_PDEATHSIG: the kernel sends SIGTERM when the starting thread exits.
+def _set_pdeathsig(signum: int) -> None:
+    # PR_SET_PDEATHSIG: the kernel sends `signum` when the starting thread exits.
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` that ties a child's life to its parent's (Linux), or None elsewhere.
+def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that ties a child's life to its parent's (Linux), or None elsewhere:
+    the kernel sends the child `signum` when the parent dies. SIGKILL for a child that may
+    be blocked where no signal handler runs (a collective).
 
     Start such children from the main thread: the tie is to the starting thread.
     """
-    return _set_pdeathsig if sys.platform == "linux" else None
+    return functools.partial(_set_pdeathsig, signum) if sys.platform == "linux" else None
 
 
 def signal_name(returncode: int) -> str | None:

@@ -234,8 +234,8 @@ class Agent:
 
     async def shutdown(self) -> None:
         """Release every runner and stop following tasks."""
-        for instance_id in {s.config.runner.instanceId for s in self.supervisors.values()}:
-            await self._release_instance(instance_id, keep=set())
+        instances = {s.config.runner.instanceId for s in self.supervisors.values()}
+        await asyncio.gather(*(self._release_instance(i, keep=set()) for i in instances))
         for follower in self._task_followers.values():
             await follower.stop()
         self._task_followers.clear()

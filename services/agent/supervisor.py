@@ -51,7 +51,7 @@ CRASH_LIMIT = 3
 CRASH_WINDOW_S = 60.0
 KEEP_ENTRIES = 128
 _TELEMETRY_QUEUE = 1024
-_STOP_GRACE_S = 5.0
+_STOP_GRACE_S = 3.0  # twice this fits within `up`'s 8 s grace for the agent
 
 
 def exit_cause(code: int) -> str:

@@ -106,7 +106,8 @@ class Supervisor:
         await asyncio.gather(*keepers)
 
     async def terminate(self) -> None:
-        """SIGTERM every child, then SIGKILL what is left after a grace period."""
+        """SIGTERM every child, then SIGKILL what is left after a grace period, and
+        whatever is left in their process groups (each child leads its own)."""
         running = [c.process for c in self._children if c.process and c.process.returncode is None]
         for process in running:
             with contextlib.suppress(ProcessLookupError):
@@ -120,3 +121,7 @@ class Supervisor:
                     with contextlib.suppress(ProcessLookupError):
                         process.kill()
             await asyncio.gather(*late)
+        for child in self._children:  # grandchildren (runners) left in a child's group
+            if child.process is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.process.pid, signal.SIGKILL)

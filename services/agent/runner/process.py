@@ -3,6 +3,7 @@ rank has agreed on. Spawned by the agent; talks to it only through queues."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import signal
@@ -22,6 +23,7 @@ from services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from services.agent.runner.watchdog import Watchdog
 from shared.processes import die_with_parent
 from shared.wire import (
+    Breadcrumb,
     GenerationRequest,
     Phase,
     RunnerStatusKind,
@@ -104,14 +106,15 @@ class _Runner:
         with self.watchdog.guard("warmup", timeouts.warmup):
             barrier(group)
             generation.run(warm)
-        record(Phase.IDLE, "runner_ready", memory=True)
+        record(Phase.IDLE, Breadcrumb.RUNNER_READY, memory=True)
         status(RunnerStatusKind.READY)
         return group, generation
 
     def is_cancelled(self, task_id: str) -> bool:
-        """Whether a cancel for `task_id` has reached this rank (checking for new ones)."""
+        """Whether a cancel for `task_id` has reached this rank (checking for new ones), or
+        the rank is stopping: either way every rank ends the task at the same step."""
         self._drain()
-        return task_id in self.cancelled
+        return task_id in self.cancelled or self.stopping.is_set()
 
     def _drain(self) -> None:
         while True:
@@ -140,7 +143,9 @@ class _Runner:
         """All ranks share their oldest pending task; run it only when every rank has it.
         A task older than some rank's oldest never reached that rank: it is dropped."""
         local = min(self.pending, default=_NO_TASK)
-        with self.watchdog.guard("task_agreement", self.config.timeouts.collective):
+        with self.watchdog.guard(
+            "task_agreement", self.config.timeouts.collective, Phase.TASK_AGREEMENT
+        ):
             gathered = mx.distributed.all_gather(
                 mx.array([local], dtype=mx.int64), group=group, stream=mx.cpu
             )
@@ -200,9 +205,12 @@ def runner_main(
     config: RunnerConfig, telemetry: Queue[Any], control: Queue[Any], tasks: Queue[Any]
 ) -> None:
     """Entry point of the spawned runner process."""
-    tie = die_with_parent()
+    tie = die_with_parent(signal.SIGKILL)  # even from inside a collective, no handler runs
     if tie is not None:
         tie()
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # the agent died before the tie was made
     recorder = Recorder(telemetry=telemetry, control=control, memory=snapshot)
     runner = _Runner(config, recorder, tasks)
     signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
