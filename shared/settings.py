@@ -183,6 +183,12 @@ class Settings:
     request_timeout: float = _setting(
         5.0, _duration, "Deadline of one gateway request to the services behind it."
     )
+    chat_default_tokens: int = _setting(
+        128, _positive_int, "Tokens a chat completion generates when it names no max_tokens."
+    )
+    chat_max_tokens: int = _setting(
+        4096, _positive_int, "Most tokens a chat completion may ask for (more: a 422)."
+    )
     gateway_host: str = _setting("127.0.0.1", _text, "Address the HTTP gateway binds.")
     gateway_port: int = _setting(8000, _port, "Port of the HTTP gateway.")
     grpc_host: str = _setting("127.0.0.1", _text, "Address the rank-table gRPC service binds.")

@@ -23,6 +23,7 @@ from shared.wire import (
     RunnerStatusKind,
     TaskCreated,
     TaskEvent,
+    TaskKind,
     TaskStatus,
     TaskStatusChanged,
     TokenChunk,
@@ -466,3 +467,94 @@ async def test_an_id_too_long_for_a_subject_is_a_422_and_nats_stays_connected(
     assert (await http.get("/readyz")).status_code == 200
     assert (await http.get("/v1/runners")).status_code == 200
     assert (await http.post("/v1/runners", json={"runners": [SPEC]})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("limit", "field", "said"),
+    [
+        (100_000, "max_tokens", "`$.max_tokens` 100,000 is over this gateway's limit of 4,096"),
+        (10**23, "max_tokens", "is over this gateway's limit"),
+        (0, "max_completion_tokens", "`$.max_completion_tokens` must be at least 1, not 0"),
+        (-5, "max_tokens", "must be at least 1"),
+    ],
+)
+async def test_a_chat_asking_for_too_many_tokens_is_a_422_before_anything_runs(
+    stack_for: Any, limit: int, field: str, said: str
+) -> None:
+    stack: Stack = await stack_for()
+    tasks = await stack.nc.subscribe(stack.layout.subjects.tasks_all())
+    reply = await stack.http.post("/v1/chat/completions", json=CHAT | {field: limit})
+    assert reply.status_code == 422
+    assert said in reply.json()["detail"]
+    with pytest.raises(TimeoutError):
+        await tasks.next_msg(timeout=0.5)  # no task was submitted
+
+
+async def _cancel_of(tasks: Any) -> TaskCreated:
+    """The next cancel on the tasks subject (skipping the task itself)."""
+    while True:
+        event = decode((await tasks.next_msg(timeout=10)).data, TaskEvent)
+        if isinstance(event, TaskCreated) and event.taskKind is TaskKind.CANCEL_TASK:
+            return event
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_client_that_leaves_mid_generation_cancels_the_task_on_every_rank(
+    stack_for: Any, stream: bool
+) -> None:
+    stack: Stack = await stack_for()
+    speaker = await _serving(stack)
+    tasks = await stack.nc.subscribe(stack.layout.subjects.tasks("llm-0"))
+    body = CHAT | {"stream": stream, "max_tokens": 4000}
+
+    async def leave_after_first_chunk() -> None:
+        async with stack.http.stream("POST", "/v1/chat/completions", json=body) as events:
+            async for _ in events.aiter_lines():
+                return  # the first line arrived: go away
+
+    client = asyncio.create_task(leave_after_first_chunk())
+    task = decode((await tasks.next_msg(timeout=10)).data, TaskEvent)
+    assert isinstance(task, TaskCreated)
+    assert task.commandId
+    subject = stack.layout.subjects.output(task.commandId, speaker)
+    await stack.nc.publish(subject, _chunk(0, "Hel"))  # and never another
+    if not stream:
+        await asyncio.sleep(0.5)
+        client.cancel()  # a whole answer sends nothing before the end: hang up
+    with contextlib.suppress(asyncio.CancelledError):
+        await client
+    cancel = await _cancel_of(tasks)
+    assert cancel.targetTaskId == task.taskId
+
+
+async def test_a_rank_lost_mid_generation_ends_the_chat_with_a_502_naming_it(
+    stack_for: Any,
+) -> None:
+    stack: Stack = await stack_for()
+    await _serving(stack)
+    tasks = await stack.nc.subscribe(stack.layout.subjects.tasks("llm-0"))
+    chat = asyncio.create_task(stack.http.post("/v1/chat/completions", json=CHAT))
+    await tasks.next_msg(timeout=10)
+    raw = await stack.nc.jetstream().get_last_msg(
+        stack.layout.placement_stream.name, stack.layout.subjects.placement("llm-0")
+    )
+    first = decode(raw.data or b"", InstanceCreated).assignments[0]
+    ref = RunnerRef(
+        runnerId=first.runnerId,
+        nodeId=first.nodeId,
+        instanceId="llm-0",
+        modelId="tiny",
+        deviceRank=first.deviceRank,
+        worldSize=first.worldSize,
+    )
+    dead = RunnerStatusChanged(
+        runner=ref, seq=1, at=now(), statusKind=RunnerStatusKind.FAILED, processAlive=False
+    )
+    subject = stack.layout.subjects.runner(first.nodeId, "llm-0", first.deviceRank, "status")
+    # a rank lost without a word about the task (its agent died with it)
+    await stack.nc.jetstream().publish(subject, encode(dead))
+    reply = await chat
+    assert reply.status_code == 502
+    assert reply.json()["detail"] == (
+        f"lost while generating: rank {first.deviceRank} on {first.nodeId} (RunnerFailed)"
+    )

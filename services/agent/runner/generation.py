@@ -108,6 +108,9 @@ class Generation:
             )
         else:
             prompt = tokenizer.encode(request.prompt or "")
+        limit, context = request.maxTokens, self._shard.context_length
+        if context is not None:  # never past the model's context, whatever was asked
+            limit = max(min(limit, context - len(prompt)), 1)
         record(Phase.KV_CACHE_LOOKUP, "fresh_cache", attrs={"prompt_tokens": len(prompt)})
         cache = make_prompt_cache(self._shard.model)
         record(Phase.PREFILL_BARRIER, "enter")
@@ -117,7 +120,7 @@ class Generation:
         tokens = generate_step(
             mx.array(prompt),
             self._shard.model,
-            max_tokens=request.maxTokens,
+            max_tokens=limit,
             sampler=sampler,
             prompt_cache=cache,
         )
@@ -136,7 +139,7 @@ class Generation:
         record(
             Phase.DECODE_WAIT_FIRST_TOKEN,
             "first_token",
-            attrs={"prompt_tokens": len(prompt), "max_tokens": request.maxTokens},
+            attrs={"prompt_tokens": len(prompt), "max_tokens": limit},
         )
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()

@@ -64,6 +64,9 @@ class LoadedShard:
         self.model = model
         self.tokenizer = tokenizer
         self.layers = layers
+        context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        self.context_length: int | None = context if isinstance(context, int) else None
+        """Longest sequence the model was built for, when its config says."""
         flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
         self.parameter_bytes = sum(array.nbytes for _, array in flat)
 

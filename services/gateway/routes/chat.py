@@ -6,10 +6,11 @@ The completion id is the task's `commandId`, so a completion can be found in the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -17,9 +18,10 @@ from nats.aio.msg import Msg
 from starlette.responses import StreamingResponse
 
 from services.gateway.bodies import strict
-from services.gateway.bus import Bus
+from services.gateway.bus import Bus, BusError
 from services.gateway.deps import bus, writer
 from services.gateway.responses import Json, fail, schema_ref
+from shared.settings import Settings
 from shared.timestamps import now
 from shared.wire import (
     ChatMessage,
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["chat"])
 Nats = Annotated[Bus, Depends(bus)]
 GENERATION_TIMEOUT_S = 300.0
+RANK_CHECK_S = 2.0
+"""Seconds without output after which a chat checks that every rank of its instance lives."""
+DISCONNECT_CHECK_S = 0.5
 FINAL_CHUNK_GRACE_S = 5.0
 """How long the last chunk may trail the `Complete` status of its rank before it counts as
 lost: both come from the same agent, the status batched with its telemetry."""
@@ -82,7 +87,7 @@ async def _instance(nats: Bus, model: str) -> InstanceState:
     return ready[0]
 
 
-async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[TokenChunk]:
+async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncGenerator[TokenChunk, None]:
     """Submit the task and yield its output chunks, as node `speaker` (the node of the
     instance's last rank) sends them, in order until the last.
 
@@ -101,13 +106,18 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[T
         await nats.nc.subscribe(output, cb=arrived.put),
         await nats.nc.subscribe(subjects.task_statuses(task.instanceId), cb=arrived.put),
     ]
+    finished = False
     try:
         await nats.publish(subjects.tasks(task.instanceId), encode(task), task.taskId)
         deadline, expected, completed = time.monotonic() + GENERATION_TIMEOUT_S, 0, False
         while True:
             try:
-                msg = await asyncio.wait_for(arrived.get(), deadline - time.monotonic())
+                left = deadline - time.monotonic()
+                msg = await asyncio.wait_for(arrived.get(), min(left, RANK_CHECK_S))
             except TimeoutError:
+                if time.monotonic() < deadline:
+                    await _ranks_alive(nats, task.instanceId)
+                    continue
                 if completed:
                     raise fail(
                         502,
@@ -135,12 +145,61 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncIterator[T
                     "the generation itself may have finished (see the timeline)",
                 )
             expected += 1
-            yield chunk
             if chunk.finishReason is not None:
+                finished = True
+            yield chunk
+            if finished:
                 return
     finally:
+        if not finished:  # the client left, a rank failed, the deadline passed: nobody
+            # is waiting for the rest, so no rank goes on generating it
+            _cancel(nats, task)
         for subscription in subscriptions:
             await subscription.unsubscribe()
+
+
+_cancelling: set[asyncio.Task[None]] = set()
+
+
+def _cancel(nats: Bus, task: TaskCreated) -> None:
+    """Ask every rank to stop `task`, in a task of its own: a closing stream must not wait
+    for it, nor be able to cancel it half way."""
+    cancel = TaskCreated(
+        at=now(),
+        taskId=f"cancel-{task.taskId}",
+        instanceId=task.instanceId,
+        taskKind=TaskKind.CANCEL_TASK,
+        targetTaskId=task.taskId,
+    )
+    subject = nats.layout.subjects.tasks(task.instanceId)
+    sending = asyncio.get_running_loop().create_task(
+        nats.publish(subject, encode(cancel), cancel.taskId)
+    )
+    _cancelling.add(sending)
+    sending.add_done_callback(_settled)
+
+
+def _settled(sending: asyncio.Task[None]) -> None:
+    _cancelling.discard(sending)
+    if not sending.cancelled() and sending.exception() is not None:
+        log.warning("could not cancel a task: %s", sending.exception())
+
+
+async def _ranks_alive(nats: Bus, instance_id: str) -> None:
+    """A 502 naming the rank when a rank of the instance is lost (or the instance gone)."""
+    try:
+        states = decode(await nats.query("instances"), list[InstanceState])
+    except (BusError, WireError):
+        return  # cannot tell now; the deadline still holds
+    state = next((s for s in states if s.instanceId == instance_id), None)
+    if state is None:
+        raise fail(502, f"instance {instance_id} was released while generating")
+    lost = [r for r in state.ranks if r.lost]
+    if lost:
+        names = ", ".join(
+            f"rank {r.deviceRank} on {r.nodeId} ({r.statusKind or 'no status'})" for r in lost
+        )
+        raise fail(502, f"lost while generating: {names}")
 
 
 def _completed(msg: Msg, task_id: str) -> bool:
@@ -164,14 +223,17 @@ def _completed(msg: Msg, task_id: str) -> bool:
     dependencies=[Depends(writer)],
     openapi_extra={"requestBody": schema_ref(ChatRequest)},
 )
-async def chat_completions(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> object:
-    """Generate a reply; with `stream: true`, as server-sent chunks ending in `[DONE]`."""
+async def chat_completions(
+    http: Request, nats: Nats, body: Annotated[bytes, Depends(_body)]
+) -> object:
+    """Generate a reply; with `stream: true`, as server-sent chunks ending in `[DONE]`.
+    A client that goes away cancels the generation on every rank."""
     request = strict(body, ChatRequest)
     if not request.messages:
         raise fail(422, "invalid body: `$.messages` is empty")
+    limit = _token_limit(request, http.app.state.settings)
     instance = await _instance(nats, request.model)
     completion = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    limit = request.max_completion_tokens or request.max_tokens or 128
     task = TaskCreated(
         at=now(),
         taskId=f"task-{uuid.uuid4().hex[:16]}",
@@ -181,7 +243,7 @@ async def chat_completions(nats: Nats, body: Annotated[bytes, Depends(_body)]) -
         modelId=instance.modelId,
         request=GenerationRequest(
             messages=[ChatMessage(role=m.role, content=m.content) for m in request.messages],
-            maxTokens=max(limit, 1),
+            maxTokens=limit,
             temperature=request.temperature,
         ),
     )
@@ -191,10 +253,15 @@ async def chat_completions(nats: Nats, body: Annotated[bytes, Depends(_body)]) -
         return StreamingResponse(
             _stream(nats, task, speaker, request.model, created), media_type="text/event-stream"
         )
-    text, last = "", None
-    async for chunk in _chunks(nats, task, speaker):
-        text, last = text + chunk.text, chunk
-    assert last is not None
+    answer = asyncio.create_task(_collect(_chunks(nats, task, speaker)))
+    while not answer.done():
+        await asyncio.wait({answer}, timeout=DISCONNECT_CHECK_S)
+        if not answer.done() and await http.is_disconnected():
+            answer.cancel()  # its generator's cleanup cancels the task on every rank
+            with contextlib.suppress(asyncio.CancelledError):
+                await answer
+            return Json({"detail": "the client closed the request"}, status_code=499)
+    text, last = answer.result()
     prompt, produced = last.promptTokens or 0, last.completionTokens or 0
     return Json(
         {
@@ -218,6 +285,38 @@ async def chat_completions(nats: Nats, body: Annotated[bytes, Depends(_body)]) -
     )
 
 
+def _token_limit(request: ChatRequest, settings: Settings) -> int:
+    """The tokens to generate: as asked, within `chat_max_tokens`; a 422 above it."""
+    field, asked = (
+        ("max_completion_tokens", request.max_completion_tokens)
+        if request.max_completion_tokens is not None
+        else ("max_tokens", request.max_tokens)
+    )
+    if asked is None:
+        return min(settings.chat_default_tokens, settings.chat_max_tokens)
+    if asked < 1:
+        raise fail(422, f"invalid body: `$.{field}` must be at least 1, not {asked}")
+    if asked > settings.chat_max_tokens:
+        raise fail(
+            422,
+            f"invalid body: `$.{field}` {asked:,} is over this gateway's limit of "
+            f"{settings.chat_max_tokens:,} tokens (RANKSCOPE_CHAT_MAX_TOKENS)",
+        )
+    return asked
+
+
+async def _collect(chunks: AsyncGenerator[TokenChunk, None]) -> tuple[str, TokenChunk]:
+    """The whole text and the last chunk."""
+    text, last = "", None
+    try:
+        async for chunk in chunks:
+            text, last = text + chunk.text, chunk
+    finally:
+        await chunks.aclose()
+    assert last is not None
+    return text, last
+
+
 async def _stream(
     nats: Bus, task: TaskCreated, speaker: str, model: str, created: int
 ) -> AsyncIterator[bytes]:
@@ -234,8 +333,9 @@ async def _stream(
         ],
     }
     yield b"data: " + encode(first) + b"\n\n"
+    chunks = _chunks(nats, task, speaker)
     try:
-        async for chunk in _chunks(nats, task, speaker):
+        async for chunk in chunks:
             delta = {"content": chunk.text} if chunk.text else {}
             piece = {
                 **base,
@@ -246,4 +346,6 @@ async def _stream(
         error = {"message": exc.detail, "type": "server_error", "code": exc.status_code}
         yield b"data: " + encode({"error": error}) + b"\n\n"
         return
+    finally:
+        await chunks.aclose()  # a client gone mid-stream cancels the task on every rank
     yield b"data: [DONE]\n\n"
