@@ -140,6 +140,8 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 f"{p}.placement.>",
                 f"{p}.ranktable.>",
                 f"$KV.{layout.runner_status_bucket.bucket}.>",
+                # a deleted job's rank table goes with it
+                f"$JS.API.STREAM.PURGE.{api.stream('RANKTABLE')}",
                 subjects.deadletter(),
                 *api.everyone(),
                 *api.own(),

@@ -78,17 +78,38 @@ class Agent:
         self._task_followers: dict[str, Follower] = {}
         self._final_tasks: set[str] = set()
         self._outputs: set[asyncio.Task[None]] = set()
+        self._replayed: dict[str, PlacementEvent] | None = {}
+        """The latest placement event of each instance while the stream is replayed (None
+        once caught up): what is released by then never starts a runner."""
+        self._placing = asyncio.Lock()
         self.dead_letters = DeadLetters(
             js=js, subject=layout.subjects.deadletter(), service=f"agent {self._node_id}"
         )
 
     async def on_placement(self, msg: Msg) -> None:
-        """Start, keep or stop local runners to match the latest placement of an instance."""
+        """Start, keep or stop local runners to match the latest placement of an instance;
+        while the stream is replayed, only note it (see `catch_up`)."""
         event: PlacementEvent | None = self.dead_letters.decoded(
             msg, PlacementEvent, "placement_undecodable"
         )
         if event is None:
             return
+        if self._replayed is not None:
+            self._replayed[event.instanceId] = event
+            return
+        async with self._placing:
+            await self._apply(event)
+
+    async def catch_up(self) -> None:
+        """Act on the placement as it stands once the stream is replayed: runners for the
+        instances still placed here, none for those released meanwhile."""
+        async with self._placing:
+            replayed, self._replayed = self._replayed or {}, None
+            for event in replayed.values():
+                if isinstance(event, InstanceCreated):
+                    await self._apply(event)
+
+    async def _apply(self, event: PlacementEvent) -> None:
         if isinstance(event, InstanceReleased):
             await self._release_instance(event.instanceId, keep=set())
             return

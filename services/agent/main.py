@@ -86,6 +86,8 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             layout.subjects.node_diagnostics(identity), cb=agent.answer
         )
         placements = await follow(js, layout.subjects.placement_all(), agent.on_placement)
+        await placements.caught_up.wait()
+        await agent.catch_up()
         log.info("agent up", extra={"nodeId": identity})
         await stop.wait()
         await placements.stop()

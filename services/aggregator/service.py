@@ -22,7 +22,7 @@ from nats.js.kv import KeyValue
 from services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from services.aggregator.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
 from services.aggregator.snapshot import Position, SnapshotFile, capture, restore
-from services.aggregator.views import ClusterState
+from services.aggregator.views import ClusterState, RunnerView
 from shared.connection import Reachability, slow_consumer_drops
 from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
@@ -359,18 +359,21 @@ class AggregatorService:
 
     # Unreachable nodes
 
-    async def _probe(self, node_id: str) -> bool:
+    async def _probe(self, node_id: str) -> set[str] | None:
+        """The runners `node_id`'s agent supervises, or None when it does not answer."""
         try:
             reply = await self._nc.request(
                 self._layout.subjects.node_diagnostics(node_id), b"", timeout=self._probe_timeout
             )
             answer = decode(reply.data, NodeDiagnostics)
         except (NatsError, TimeoutError, WireError):
-            return False
+            return None
+        listed = set()
         for runner in answer.runners:
             if runner.nodeId == node_id:  # a node speaks only for its own runners
                 self.state.note_acknowledged(runner.runnerId, runner.acknowledgedSeq)
-        return True
+                listed.add(runner.runnerId)
+        return listed
 
     async def _probe_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -391,11 +394,18 @@ class AggregatorService:
             self._after_outage()
         targets = sorted(self.state.placed_nodes() | set(self._heartbeats))
         answers = await asyncio.gather(*(self._probe(n) for n in targets))
-        if not all(answers) and not await self.reach.check():
+        if None in answers and not await self.reach.check():
             return
+        on: dict[str, list[RunnerView]] = {}
+        for view in self.state.runners.values():
+            on.setdefault(view.ref.nodeId, []).append(view)
+        for node_id, listed in zip(targets, answers, strict=True):
+            if listed is not None:
+                self.state.note_listed(node_id, listed, on.get(node_id, []))
         moment, ttl = self._clock(), self._layout.node_ttl_s
         unreachable: dict[str, UnreachableNode] = {}
-        for node_id, answered in zip(targets, answers, strict=True):
+        for node_id, listed in zip(targets, answers, strict=True):
+            answered = listed is not None
             if answered:
                 self._silent_probes.pop(node_id, None)
             else:

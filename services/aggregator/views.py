@@ -51,6 +51,9 @@ from shared.wire import (
 __all__ = ["ClusterState", "RunnerView", "TaskView", "TimelinePlan"]
 
 TASKS_PER_INSTANCE = 128
+UNLISTED = 2
+"""Probes in a row a runner's node answers without it before it counts as not alive (one
+is not enough: an agent lists a runner only once it has started it)."""
 _READY = frozenset({RunnerStatusKind.READY, RunnerStatusKind.RUNNING})
 
 
@@ -80,11 +83,14 @@ class RunnerView:
     across its restarts."""
     failure: RunnerStatusChanged | None = None
     """Its last failure since it was last ready (how its process ended)."""
+    unlisted: int = 0
+    """Probes in a row its node answered without listing it: no agent supervises it."""
 
     @property
     def alive(self) -> bool:
-        """Whether the supervisor last reported the process alive (unknown counts as yes)."""
-        return self.status is None or self.status.processAlive
+        """Whether the supervisor last reported the process alive (unknown counts as yes),
+        and its node's agent still lists it (one restarted without it did not keep it)."""
+        return (self.status is None or self.status.processAlive) and self.unlisted < UNLISTED
 
     @property
     def ready(self) -> bool:
@@ -271,6 +277,14 @@ class ClusterState:
         if view is not None and event.runnerId is not None:
             view.statuses[event.runnerId] = event.taskStatus
 
+    def note_listed(self, node_id: str, listed: set[str], runners: list[RunnerView]) -> None:
+        """Record which of `runners` (those on `node_id`) its agent just listed as its own."""
+        for view in runners:
+            alive = view.alive
+            view.unlisted = 0 if view.ref.runnerId in listed else view.unlisted + 1
+            if view.alive != alive:
+                self.version += 1
+
     def note_acknowledged(self, runner_id: str, seq: int | None) -> None:
         """Record what a runner's agent says JetStream acknowledged of its telemetry."""
         view = self.runners.get(runner_id)
@@ -335,7 +349,7 @@ class ClusterState:
             deviceRank=view.ref.deviceRank,
             worldSize=view.ref.worldSize,
             pid=status.pid if status else None,
-            processAlive=status.processAlive if status else False,
+            processAlive=view.alive if status else False,
             statusKind=status.statusKind.value if status else RunnerStatusKind.IDLE.value,
             phase=view.phase or Phase.CREATED,
             phaseDetail=view.phase_detail,
@@ -468,7 +482,7 @@ class ClusterState:
     def _rank_state(self, rank: RunnerAssignment) -> RankState:
         view = self.runners.get(rank.runnerId)
         status = view.status if view else None
-        lost = rank.nodeId in self.unreachable or (status is not None and not status.processAlive)
+        lost = rank.nodeId in self.unreachable or (view is not None and not view.alive)
         return RankState(
             runnerId=rank.runnerId,
             nodeId=rank.nodeId,

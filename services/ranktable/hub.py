@@ -30,6 +30,10 @@ class TableHub:
         self._latest[job_id] = (version, table)
         self._changed.pop(job_id, asyncio.Event()).set()
 
+    def forget(self, job_id: str) -> None:
+        """Drop a job's table (its spec is gone); its followers wait for it to return."""
+        self._latest.pop(job_id, None)
+
     async def follow(self, job_id: str) -> AsyncIterator[tuple[int, RankTableStream]]:
         """The current table (after waiting for the job if it has none yet), then every
         newer one, for as long as the caller iterates."""

@@ -278,7 +278,25 @@ class RankTableService:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), period)
 
+    async def _nodes_back(self, stop: asyncio.Event) -> None:
+        """After a restart, give the nodes of live instances one TTL to be heard before
+        deciding anything: agents restarted along with this service have not sent their
+        first heartbeat yet, and their instances are theirs to keep."""
+        deadline = self._clock() + self._layout.node_ttl_s
+        while not stop.is_set() and self._clock() < deadline:
+            placed = {a.nodeId for i in self._state.instances.values() for a in i.assignments}
+            if placed <= set(self._nodes):
+                return
+            await asyncio.sleep(0.1)
+        missing = sorted(
+            {a.nodeId for i in self._state.instances.values() for a in i.assignments}
+            - set(self._nodes)
+        )
+        if missing:
+            log.warning("not heard within the TTL since start: %s", ", ".join(missing))
+
     async def _reconcile_forever(self, stop: asyncio.Event) -> None:
+        await self._nodes_back(stop)
         while not stop.is_set():
             await self._dirty.wait()
             self._dirty.clear()
@@ -339,11 +357,14 @@ class RankTableService:
         self._state = apply_placement(self._state, event, ack.seq)
 
     def _jobs(self) -> set[str]:
+        """Jobs that have a rank table: every replica of a spec, and what is placed."""
         wanted = {s.instance_id(r) for s in self._specs.values() for r in range(s.replicas)}
-        return wanted | set(self._state.instances) | set(self._tables)
+        return wanted | set(self._state.instances)
 
     async def _publish_tables(self) -> None:
-        for job_id in sorted(self._jobs()):
+        jobs = self._jobs()
+        gone = set(self._tables) - jobs  # its spec deleted, its instance released
+        for job_id in sorted(jobs | gone):
             table = rank_table(self._state.instances.get(job_id), self._readiness.is_ready)
             version, previous = self._tables.get(job_id, (0, None))
             if table == previous:
@@ -358,6 +379,13 @@ class RankTableService:
             self._tables[job_id] = (version, table)
             self._hub.publish(job_id, version, wire)
             log.info("rank table %s v%d %s", job_id, version, table.status.value)
+        for job_id in sorted(gone):  # followers saw its last, empty table: now it goes
+            await self._js.purge_stream(
+                self._layout.ranktable_stream.name, subject=self._layout.subjects.ranktable(job_id)
+            )
+            del self._tables[job_id]
+            self._hub.forget(job_id)
+            log.info("rank table %s removed: no spec wants it, nothing is placed", job_id)
 
     def _metrics(self, spec_id: str) -> RunnerMetrics:
         instances = [i for i in self._state.instances.values() if i.runnerSpecId == spec_id]

@@ -133,3 +133,22 @@ def test_instance_state_says_ready_and_lost() -> None:
     state.apply_telemetry(status(rank(1), 0, RunnerStatusKind.FAILED, alive=False))
     (instance,) = state.instance_states()
     assert [(r.ready, r.lost) for r in instance.ranks] == [(True, False), (False, True)]
+
+
+def test_a_runner_its_agent_no_longer_lists_is_not_alive() -> None:
+    state = _state()
+    state.apply_telemetry(status(rank(0), 0, RunnerStatusKind.READY))
+    runners = [state.runners["i-r0"]]
+
+    def alive() -> tuple[bool, bool]:
+        found = state.timeline(TimelineQuery(), local_node_id="a").runners
+        (synopsis,) = [r for r in found if r.runnerId == "i-r0"]
+        (instance,) = state.instance_states()
+        return synopsis.processAlive, instance.ranks[0].lost
+
+    state.note_listed("node-0", set(), runners)  # once: it may not be started yet
+    assert alive() == (True, False)
+    state.note_listed("node-0", set(), runners)  # its agent restarted without it
+    assert alive() == (False, True)
+    state.note_listed("node-0", {"i-r0"}, runners)
+    assert alive() == (True, False)

@@ -15,7 +15,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from services.ranktable.grpc_server import serve
 from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
@@ -287,6 +287,28 @@ async def test_restart_keeps_placements(stack: Stack) -> None:
     assert tables.state.messages == 2  # the restart re-sent nothing
 
 
+async def test_a_restart_before_the_nodes_are_heard_again_places_nothing_anew(
+    fast_stack: Stack,
+) -> None:
+    stack = fast_stack
+    for node in ("node-a", "node-b"):
+        await stack.put_node(node_info(node, 24 if node == "node-a" else 8))
+    await stack.start()
+    before = await _place(stack, runner())
+    await stack.halt()
+    nodes = await stack.js.key_value(stack.layout.nodes_bucket.bucket)
+    for node in ("node-a", "node-b"):  # the whole stack went down: their entries expired
+        await nodes.delete(token(node))
+    restarting = asyncio.create_task(stack.start())
+    await asyncio.sleep(0.5)  # the agents come back a moment after the service
+    for node in ("node-a", "node-b"):
+        await stack.put_node(node_info(node, 24 if node == "node-a" else 8))
+    service = await restarting
+    assert service.placements == {"llm-0": before}
+    placement = await stack.js.stream_info(stack.layout.placement_stream.name)
+    assert placement.state.messages == 1, "released and placed again"
+
+
 async def test_lost_node_re_places_on_the_remaining_capacity(fast_stack: Stack) -> None:
     stack = fast_stack
     beats: dict[str, asyncio.Task[None]] = {}
@@ -359,8 +381,19 @@ async def test_deleting_a_spec_releases_its_instances(stack: Stack) -> None:
     kv = await stack.js.key_value(stack.layout.runners_bucket.bucket)
     await kv.delete(token("llm"))
     _, table = _table(await _next(tables))
-    assert table.server_group_list[0].server_list == []
+    assert table.server_group_list[0].server_list == []  # followers see it emptied
     assert stack.service.placements == {}  # type: ignore[union-attr]
+
+    for _ in range(100):  # then the job and its table are gone, not initializing forever
+        try:
+            await stack.js.get_last_msg(
+                stack.layout.ranktable_stream.name, stack.layout.subjects.ranktable("llm-0")
+            )
+        except NotFoundError:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the deleted spec's rank table is still there")
 
 
 @pytest.mark.parametrize("job_id", ["", "x" * 129])

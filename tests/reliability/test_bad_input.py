@@ -243,6 +243,8 @@ async def _agent_scenario(nc: Client, layout: Layout, garbage: list[bytes]) -> N
     describe = functools.partial(node_info, "node-0", 24)
     agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=TelemetryPublisher(js=js))
     follower = await follow(js, subjects.placement_all(), agent.on_placement)
+    await follower.caught_up.wait()
+    await agent.catch_up()
     local = msgspec.structs.replace(placed(), modelPath="/nonexistent/model")
     for payload in garbage:
         await js.publish(subjects.placement("i"), payload)
