@@ -1,10 +1,12 @@
 """End to end: `rankscope up --demo` as a user runs it, checked over HTTP, then a runner
-frozen with SIGSTOP is named by the diagnosis, and SIGTERM leaves nothing behind. All of
+frozen with SIGSTOP is named by the diagnosis, and Ctrl-C in the middle of a long
+generation leaves nothing behind. All of
 it twice: on an open NATS, and with `--nats-auth`, where every service and each agent has
 only its own user's permissions and the server must refuse none of their work."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -239,11 +242,59 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
     demo.until(lambda: not demo.get("/v1/cluster/diagnosis")["findings"], 30)
 
 
-def test_sigterm_stops_everything_and_leaves_no_process(demo: Demo) -> None:
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_runner_dies_with_its_agent_even_inside_a_collective(demo: Demo) -> None:
+    runners = {r["deviceRank"]: r for r in demo.get("/v1/cluster/timeline?limit=1")["runners"]}
+    stuck, frozen = runners[0]["pid"], runners[1]["pid"]
+    os.kill(frozen, signal.SIGSTOP)  # rank 0 now waits on it in the task agreement
+    try:
+        time.sleep(3)
+        os.kill(_parent(stuck), signal.SIGKILL)  # its agent dies without a word
+        deadline = time.monotonic() + 5
+        while not _gone(stuck) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(stuck), "a runner outlived its agent"
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    demo.until(  # `up` restarts the agent; the instance serves again
+        lambda: all(
+            r["statusKind"] == "RunnerReady" and r["processAlive"]
+            for r in demo.get("/v1/cluster/timeline?limit=1")["runners"]
+        ),
+        120,
+    )
+
+
+def test_ctrl_c_during_a_long_generation_leaves_no_process(demo: Demo) -> None:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000}
+
+    def ask() -> None:
+        with contextlib.suppress(OSError):  # cut off by the shutdown
+            demo.post("/v1/chat/completions", body)
+
+    threading.Thread(target=ask, daemon=True).start()
+
+    def generating() -> bool:
+        runners = demo.get("/v1/cluster/timeline?limit=1")["runners"]
+        return all(r["phase"] in ("decode_stream", "decode_barrier") for r in runners)
+
+    demo.until(generating, 60)
+    runners = demo.get("/v1/cluster/timeline?limit=1")["runners"]
+    # rank 1 frozen: rank 0 blocks inside a collective, where no signal handler runs
+    os.kill(next(r["pid"] for r in runners if r["deviceRank"] == 1), signal.SIGSTOP)
+    time.sleep(1)
     everything = _descendants(demo.process.pid)
     assert len(everything) >= 6  # nats, 3 services, 2 agents, their runners
-    demo.process.send_signal(signal.SIGTERM)
-    assert demo.process.wait(timeout=10) == 0
+    demo.process.send_signal(signal.SIGINT)  # what Ctrl-C sends to `up`
+    assert demo.process.wait(timeout=20) == 0
     left = [
         pid
         for pid in everything
