@@ -4,7 +4,9 @@ two agents serving the tiny model over two ranks) with a short collective timeou
 A rank frozen for four collective timeouts stays the one named, under one `since`, in
 every sample: its peer times out, restarts and waits again, and is only ever listed as
 waiting. NATS paused for four heartbeat TTLs is an outage of NATS: readiness says so, no
-rank is blamed, no node is declared lost and nothing is placed again.
+rank is blamed, no node is declared lost and nothing is placed again. A client that
+leaves mid-stream cancels its generation on both ranks, and a rank killed mid-generation
+ends the chat with a 502 within seconds.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import pytest
 import pytest_asyncio
 
 from shared.nats_server import EmbeddedNats
-from shared.wire import Finding, FindingKind, RankRole
+from shared.wire import Finding, FindingKind, Phase, RankRole
 from tests.gateway.conftest import free_port
-from tests.reliability.deployment import FAULT_TEST_MARKS, Agent, Deployment, deployed
+from tests.reliability.deployment import FAULT_TEST_MARKS, SPEC, Agent, Deployment, deployed
 
 pytestmark = FAULT_TEST_MARKS
 
@@ -109,3 +111,57 @@ async def test_nats_paused_is_an_outage_of_nats_not_lost_nodes(deployment: Deplo
     assert await deployment.findings() == []
     assert (await deployment.http.get("/readyz")).status_code == 200
     assert not deployment.crashed(), f"{deployment.crashed()} exited"
+
+
+CHAT = {"model": SPEC, "messages": [{"role": "user", "content": "go on"}]}
+
+
+async def test_a_client_gone_mid_stream_frees_the_instance_for_the_next_chat(
+    deployment: Deployment,
+) -> None:
+    await deployment.until("both ranks ready", deployment.ready, 120)
+    body = CHAT | {"stream": True, "max_tokens": 4000}
+    async with deployment.http.stream("POST", "/v1/chat/completions", json=body) as events:
+        chunks = 0
+        async for line in events.aiter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 4:  # the role, then three chunks of text: then the client goes
+                break
+    started = time.monotonic()
+    reply = await deployment.http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 8})
+    assert reply.status_code == 200, reply.text
+    assert time.monotonic() - started < 20, "the abandoned generation held the instance"
+
+    async def cancelled() -> bool | None:
+        found = (await deployment.timeline()).timeline
+        ranks = {e.runnerId for e in found if e.phase is Phase.CANCEL_OBSERVED}
+        return True if len(ranks) == 2 else None
+
+    await deployment.until("the abandoned task cancelled on both ranks", cancelled, 30)
+
+
+async def test_a_rank_killed_mid_generation_ends_the_chat_with_a_502_naming_it(
+    deployment: Deployment,
+) -> None:
+    await deployment.until("both ranks ready", deployment.ready, 120)
+    ranks = {r.deviceRank: r for r in (await deployment.timeline()).runners}
+    chat = asyncio.create_task(
+        deployment.http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 4000})
+    )
+    await deployment.until("decoding", _decoding(deployment), 60)
+    assert ranks[0].pid is not None
+    os.kill(ranks[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    reply = await chat
+    assert time.monotonic() - killed < 10, "waited on a dead rank"
+    assert reply.status_code == 502
+    assert ranks[0].runnerId in reply.json()["detail"] or "rank 0" in reply.json()["detail"]
+    await deployment.until("both ranks ready again", deployment.ready, 120)
+
+
+def _decoding(deployment: Deployment) -> Callable[[], Awaitable[bool | None]]:
+    async def decoding() -> bool | None:
+        runners = (await deployment.timeline()).runners
+        return True if all(r.phase is Phase.DECODE_STREAM for r in runners) else None
+
+    return decoding
