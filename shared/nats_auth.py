@@ -164,7 +164,13 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 f"{p}.node.*.diagnostics",
                 f"$KV.{layout.runners_bucket.bucket}.>",
                 *api.everyone(),
-                *api.read(api.stream("RANKTABLE"), runners_kv, nodes_kv, status_kv),
+                *api.read(
+                    api.stream("RANKTABLE"),
+                    api.stream("DIAGNOSIS"),
+                    runners_kv,
+                    nodes_kv,
+                    status_kv,
+                ),
             ),
             subscribe=(*inbox, f"{p}.ranktable.>", f"{p}.output.>", f"{p}.tasks.*.status.*"),
         )

@@ -21,6 +21,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -75,6 +76,7 @@ class Follower:
         handle: called once per message, in order; it should not raise (an exception is
             logged and the message skipped).
         deliver_policy: where the first consumer starts.
+        start_time: with `DeliverPolicy.BY_START_TIME`, the first message's earliest time.
         batch: messages asked for per pull.
         heartbeat: seconds between the server's idle heartbeats.
     """
@@ -87,6 +89,7 @@ class Follower:
         subjects: Sequence[str],
         handle: Callable[[Msg], Awaitable[None]],
         deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+        start_time: datetime | None = None,
         batch: int = BATCH,
         heartbeat: float = HEARTBEAT_S,
     ) -> None:
@@ -103,6 +106,7 @@ class Follower:
         self._subjects = list(subjects)
         self._handle = handle
         self._deliver_policy = deliver_policy
+        self._start_time = start_time
         self._batch = batch
         self._heartbeat = heartbeat
         self._target = 0
@@ -146,6 +150,7 @@ class Follower:
             name=self._nc._nuid.next().decode(),
             deliver_policy=policy,
             opt_start_seq=start,
+            opt_start_time=self._start_time if policy is DeliverPolicy.BY_START_TIME else None,
             ack_policy=AckPolicy.NONE,
             mem_storage=True,
             num_replicas=1,
@@ -263,6 +268,7 @@ async def follow(
     handle: Callable[[Msg], Awaitable[None]],
     *,
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+    start_time: datetime | None = None,
     also: Sequence[str] = (),
     after: int = 0,
     batch: int = BATCH,
@@ -270,7 +276,8 @@ async def follow(
 ) -> Follower:
     """Follow `subject` (and the subjects `also`, of the same stream, interleaved in stream
     order), calling `handle` for each message in order; from stream sequence `after` + 1
-    when given (what a snapshot already holds is not read again).
+    when given (what a snapshot already holds is not read again), else from the first
+    message stored at or after `start_time` when given.
 
     `handle` must not raise for bad payloads: it is the place to count and skip them.
     Await `follower.caught_up` before trusting state built from the backlog.
@@ -280,7 +287,8 @@ async def follow(
         stream=await js.find_stream_name_by_subject(subject),
         subjects=[subject, *also],
         handle=handle,
-        deliver_policy=deliver_policy,
+        deliver_policy=DeliverPolicy.BY_START_TIME if start_time else deliver_policy,
+        start_time=start_time,
         batch=batch,
         heartbeat=heartbeat,
     )

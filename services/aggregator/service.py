@@ -331,7 +331,7 @@ class AggregatorService:
             if key not in before or _told(before[key].finding) != _told(i.finding)
         ]
         cleared = [
-            msgspec.structs.replace(i.finding, open=False)
+            msgspec.structs.replace(i.finding, open=False, clearedAt=now())
             for key, i in before.items()
             if key not in found or found[key].finding.since != i.finding.since
         ]

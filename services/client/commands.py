@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlencode
 
 from services.client.http import ClientError, Gateway
 
@@ -93,16 +94,50 @@ def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
     )
 
 
+_EVIDENCE = ("phase", "step", "waitingIn", "timedOutIn", "exitReason", "process", "lastProgressAt")
+"""What `diagnose --verbose` says of each rank, in this order."""
+
+
+def _finding_lines(finding: dict[str, Any], verbose: bool) -> list[str]:
+    where = finding["instanceId"] or "(installation)"
+    state = "" if finding.get("open", True) else f" [cleared {finding.get('clearedAt')}]"
+    lines = [
+        f"{finding['kind']:<18} {where}: {finding['summary']} (since {finding['since']}){state}"
+    ]
+    if verbose:
+        for rank in finding.get("evidence", []):
+            said = [
+                f"{key} {rank[key]}"
+                for key in (
+                    "phase",
+                    "step",
+                    "waitingIn",
+                    "timedOutIn",
+                    "exitReason",
+                    "lastProgressAt",
+                )
+                if rank.get(key) is not None
+            ]
+            lines.append(
+                f"    rank {rank['deviceRank']} {rank['nodeId']} {rank.get('role') or ''}: "
+                + (", ".join(said) or "no data")
+            )
+            lines += [f"      {line}" for line in (rank.get("stack") or "").splitlines()]
+    return lines
+
+
 def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
-    found = gateway.call("GET", "/v1/cluster/diagnosis")
-    text = (
-        "\n".join(
-            f"{f['kind']:<18} {f['instanceId'] or '(installation)'}: {f['summary']}"
-            for f in found["findings"]
+    if args.history:
+        query = urlencode(
+            {k: v for k, v in (("since", args.since), ("instanceId", args.instance)) if v}
         )
-        or "no findings: every instance is healthy"
-    )
-    _out(args, found, text)
+        found = gateway.call("GET", f"/v1/cluster/diagnosis/history?{query}")
+        lines = [line for f in found["findings"] for line in _finding_lines(f, args.verbose)]
+        _out(args, found, "\n".join(lines) or "no incidents in that time")
+        return
+    found = gateway.call("GET", "/v1/cluster/diagnosis")
+    lines = [line for f in found["findings"] for line in _finding_lines(f, args.verbose)]
+    _out(args, found, "\n".join(lines) or "no findings: every instance is healthy")
     if found["findings"]:
         raise SystemExit(1)
 
@@ -194,7 +229,11 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
     timeline.add_argument("--limit", type=int, default=50, help="newest entries (50)")
     timeline.add_argument("--instance", help="only this instance")
     command("placement", "which layers sit on which node", _placement)
-    command("diagnose", "findings that name the stuck rank (exit 1 when any)", _diagnose)
+    diagnose = command("diagnose", "findings that name the stuck rank (exit 1 when any)", _diagnose)
+    diagnose.add_argument("--verbose", "-v", action="store_true", help="each rank's evidence")
+    diagnose.add_argument("--history", action="store_true", help="past incidents too")
+    diagnose.add_argument("--since", help="with --history: from this RFC 3339 time")
+    diagnose.add_argument("--instance", help="with --history: only this instance")
     runners = command("runners", "Runner specs", _runners)
     actions = runners.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", help="list Runner specs")

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
@@ -16,9 +17,10 @@ from services.aggregator.service import ERROR_HEADER
 from services.ranktable.service import VERSION_HEADER
 from shared.connection import REACH_CHECK_S, Reachability
 from shared.jetstream import Layout
-from shared.replay import follow_bucket
+from shared.replay import follow, follow_bucket
 from shared.subjects import token, untoken
-from shared.wire import QueryError, RankTableStream, decode, encode
+from shared.timestamps import parse_ts
+from shared.wire import Finding, QueryError, RankTableStream, WireError, decode, encode
 
 __all__ = ["Bus", "BusError"]
 
@@ -140,6 +142,39 @@ class Bus:
             raise BusError(503, f"NATS read failed: {exc}") from None
         version = int((raw.headers or {}).get(VERSION_HEADER, "0"))
         return version, decode(raw.data or b"", RankTableStream)
+
+    async def findings(
+        self, *, since: str | None, instance_id: str | None, limit: int
+    ) -> list[Finding]:
+        """The last word of each incident (open or cleared) published from `since` on, of
+        one instance or all, oldest first; the newest `limit` of them.
+
+        Raises:
+            BusError: 503 when the diagnosis stream cannot be read in time.
+        """
+        subjects = self.layout.subjects
+        subject = subjects.diagnosis(instance_id) if instance_id else subjects.diagnosis_all()
+        incidents: dict[tuple[str, str, str], Finding] = {}
+        start = parse_ts(since) if since else None
+
+        async def keep(msg: Msg) -> None:
+            if start is not None and msg.metadata.timestamp < start:
+                return  # a server may start a consumer by time before it, never after
+            try:
+                finding = decode(msg.data, Finding)
+            except WireError:
+                return  # the aggregator wrote it; nothing else may
+            incidents[(finding.instanceId, finding.kind, finding.since)] = finding
+
+        try:
+            follower = await follow(self.js, subject, keep, start_time=start)
+            try:
+                await asyncio.wait_for(follower.caught_up.wait(), self.timeout)
+            finally:
+                await follower.stop()
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"the diagnosis stream could not be read: {exc}") from None
+        return sorted(incidents.values(), key=lambda f: f.since)[-limit:]
 
     async def jobs(self) -> list[str]:
         """Every job that has a rank table."""

@@ -77,11 +77,14 @@ class Finding(CamelStruct, kw_only=True, frozen=True):
     summary: str
     since: str
     open: bool = True
+    clearedAt: str | None = None
+    """When it cleared (on the message that says so)."""
     evidence: list[RankEvidence] = []
 
 
 class Diagnosis(CamelStruct, kw_only=True, frozen=True):
-    """Every open finding, by instance."""
+    """Every open finding, by instance; or, as history, every incident's last word (open
+    or cleared), oldest first."""
 
     generatedAt: str
     findings: list[Finding] = []

@@ -14,6 +14,8 @@ from nats.aio.msg import Msg
 
 from shared.timestamps import now
 from shared.wire import (
+    Finding,
+    FindingKind,
     InstanceCreated,
     InstanceState,
     NodeDiagnostics,
@@ -558,3 +560,47 @@ async def test_a_rank_lost_mid_generation_ends_the_chat_with_a_502_naming_it(
     assert reply.json()["detail"] == (
         f"lost while generating: rank {first.deviceRank} on {first.nodeId} (RunnerFailed)"
     )
+
+
+def _finding(instance: str, since: str, *, cleared: str | None = None) -> bytes:
+    return encode(
+        Finding(
+            instanceId=instance,
+            kind=FindingKind.STALLED_RANK,
+            culpritRanks=[1],
+            culpritRunnerIds=[f"{instance}-r1"],
+            waitingRanks=[0],
+            summary=f"{instance} stalled" + (" (cleared)" if cleared else ""),
+            since=since,
+            open=cleared is None,
+            clearedAt=cleared,
+        )
+    )
+
+
+async def test_diagnosis_history_serves_every_incident_open_or_cleared(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    js, subjects = stack.nc.jetstream(), stack.layout.subjects
+    await js.publish(subjects.diagnosis("a"), _finding("a", "2026-11-23T10:00:00Z"))
+    await js.publish(subjects.diagnosis("b"), _finding("b", "2026-11-23T10:05:00Z"))
+    cleared = _finding("a", "2026-11-23T10:00:00Z", cleared="2026-11-23T10:09:00Z")
+    await js.publish(subjects.diagnosis("a"), cleared)
+    await js.publish(subjects.diagnosis("a"), b"not a finding")  # skipped, nothing else lost
+    reply = await stack.http.get("/v1/cluster/diagnosis/history")
+    assert reply.status_code == 200
+    found = reply.json()["findings"]
+    assert [(f["instanceId"], f["open"], f["clearedAt"]) for f in found] == [
+        ("a", False, "2026-11-23T10:09:00Z"),  # one incident, in its last word
+        ("b", True, None),
+    ]
+    only = await stack.http.get("/v1/cluster/diagnosis/history", params={"instanceId": "b"})
+    assert [f["instanceId"] for f in only.json()["findings"]] == ["b"]
+    newest = await stack.http.get("/v1/cluster/diagnosis/history", params={"limit": 1})
+    assert [f["instanceId"] for f in newest.json()["findings"]] == ["b"]
+    later = await stack.http.get(
+        "/v1/cluster/diagnosis/history", params={"since": "2999-01-01T00:00:00Z"}
+    )
+    assert later.json()["findings"] == []
+    bad = await stack.http.get("/v1/cluster/diagnosis/history", params={"since": "yesterday"})
+    assert bad.status_code == 422
+    assert "'since' is not an RFC 3339 timestamp" in bad.json()["detail"]

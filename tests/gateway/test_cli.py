@@ -74,6 +74,16 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
         assert out == "no findings: every instance is healthy\n"
         await asyncio.sleep(0.1)
     assert out.startswith("dead_rank          llm-0: rank 0 (node-a): node unreachable")
+    code, out, _ = await _cli("diagnose", "--url", url, "--verbose")
+    assert code == 1
+    assert "\n    rank 0 node-a culprit: " in out
+    for _ in range(100):  # kept in the diagnosis stream once published
+        code, out, _ = await _cli("diagnose", "--url", url, "--history")
+        if out.startswith("dead_rank"):
+            break
+        await asyncio.sleep(0.1)
+    assert code == 0  # history is not an alarm
+    assert out.startswith("dead_rank          llm-0: rank 0 (node-a): node unreachable")
     code, out, _ = await _cli("timeline", "--url", url, "--json")
     assert code == 0
     assert set(json.loads(out)) >= {"runners", "timeline", "unreachableNodes"}

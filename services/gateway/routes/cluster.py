@@ -98,6 +98,23 @@ async def diagnosis(nats: Nats) -> Json:
 
 
 @router.get(
+    "/v1/cluster/diagnosis/history",
+    response_class=Json,
+    responses={200: schema_ref(Diagnosis)},
+)
+async def diagnosis_history(
+    nats: Nats,
+    since: Annotated[str | None, Query(description="RFC 3339")] = None,
+    instanceId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+) -> Json:
+    """Every incident since `since` (of one instance, or all), open or cleared, in its
+    last word, oldest first: the newest `limit` of them."""
+    found = await nats.findings(since=_moment(since, "since"), instance_id=instanceId, limit=limit)
+    return Json(Diagnosis(generatedAt=now(), findings=found))
+
+
+@router.get(
     "/v1/cluster/history",
     response_class=Json,
     responses={200: schema_ref(list[RunnerHistory])},
