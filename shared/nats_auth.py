@@ -118,7 +118,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 # a restarted runner resumes its seq from its last stored message
                 f"$JS.API.DIRECT.GET.{api.stream('RUNNER')}.{p}.runner.{node}.>",
             ),
-            subscribe=(*inbox, subjects.node_diagnostics(node_id)),
+            subscribe=(*inbox, subjects.node_diagnostics(node_id), subjects.node_evidence(node_id)),
         )
     if user == "aggregator":
         return Permissions(
@@ -126,6 +126,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 f"{p}.diagnosis.>",
                 subjects.deadletter(),
                 f"{p}.node.*.diagnostics",
+                f"{p}.node.*.evidence",
                 *api.everyone(),
                 *api.own(),
                 *api.read(

@@ -5,11 +5,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["die_with_parent", "signal_name"]
+from shared.wire import ProcessState
+
+__all__ = ["die_with_parent", "process_state", "signal_name"]
 
 
 def _set_pdeathsig(signum: int) -> None:
@@ -36,3 +40,37 @@ def signal_name(returncode: int) -> str | None:
         return signal.Signals(-returncode).name
     except ValueError:
         return f"signal {-returncode}"
+
+
+_PROC = Path("/proc/self/stat").exists()
+
+_STATES = {
+    "R": ProcessState.RUNNING,
+    "S": ProcessState.SLEEPING,
+    "I": ProcessState.SLEEPING,
+    "D": ProcessState.DISK_WAIT,
+    "T": ProcessState.STOPPED,
+    "t": ProcessState.STOPPED,
+    "Z": ProcessState.ZOMBIE,
+    "X": ProcessState.GONE,
+}
+
+
+def process_state(pid: int | None) -> ProcessState:
+    """What the kernel says process `pid` is doing (Linux's /proc; elsewhere only whether
+    it exists)."""
+    if pid is None:
+        return ProcessState.GONE
+    if not _PROC:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return ProcessState.GONE
+        except PermissionError:
+            pass
+        return ProcessState.UNKNOWN
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ProcessState.GONE
+    return _STATES.get(stat.rsplit(")", 1)[1].split()[0], ProcessState.UNKNOWN)

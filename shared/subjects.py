@@ -129,6 +129,10 @@ class Subjects:
         """Live request to one agent for its supervisors' state."""
         return f"{self.prefix}.node.{token(node_id)}.diagnostics"
 
+    def node_evidence(self, node_id: str) -> str:
+        """Request to one agent to capture its runners' stacks and memory now."""
+        return f"{self.prefix}.node.{token(node_id)}.evidence"
+
     def query(self, view: str) -> str:
         """Request to the aggregator for one view."""
         return f"{self.prefix}.query.{token(view)}"

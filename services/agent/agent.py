@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -20,14 +23,18 @@ from services.agent.supervisor import RunnerSupervisor
 from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
 from shared.replay import Follower, follow
+from shared.subjects import token
 from shared.timestamps import now
 from shared.wire import (
+    EvidenceRequest,
     InstanceCreated,
     InstanceReleased,
     NodeDiagnostics,
+    NodeEvidence,
     NodeInfo,
     PhaseEntries,
     PlacementEvent,
+    QueryError,
     RunnerRef,
     RunnerTelemetry,
     TaskEvent,
@@ -82,6 +89,8 @@ class Agent:
         """The latest placement event of each instance while the stream is replayed (None
         once caught up): what is released by then never starts a runner."""
         self._placing = asyncio.Lock()
+        self._stacks = Path(tempfile.mkdtemp(prefix="rankscope-stacks-"))
+        """Where runners write their stacks when asked (removed at shutdown)."""
         self.dead_letters = DeadLetters(
             js=js, subject=layout.subjects.deadletter(), service=f"agent {self._node_id}"
         )
@@ -135,6 +144,7 @@ class Agent:
                 assignments=tuple(event.assignments),
                 model_path=event.modelPath or "",
                 timeouts=self._timeouts,
+                stack_path=str(self._stacks / f"{token(assignment.runnerId)}.stacks"),
             )
             supervisor = RunnerSupervisor(
                 config=config,
@@ -253,6 +263,19 @@ class Agent:
         )
         await msg.respond(encode(reply))
 
+    async def evidence(self, msg: Msg) -> None:
+        """Reply to an evidence request with what its runners (those here) look like now."""
+        try:
+            wanted = decode(msg.data or b"{}", EvidenceRequest)
+        except WireError as exc:
+            await msg.respond(encode(QueryError(status=422, error=str(exc))))
+            return
+        here = [
+            self.supervisors[r] for r in dict.fromkeys(wanted.runnerIds) if r in self.supervisors
+        ]
+        captured = await asyncio.gather(*(s.capture() for s in here))
+        await msg.respond(encode(NodeEvidence(nodeId=self._node_id, runners=list(captured))))
+
     async def shutdown(self) -> None:
         """Release every runner and stop following tasks."""
         instances = {s.config.runner.instanceId for s in self.supervisors.values()}
@@ -260,3 +283,4 @@ class Agent:
         for follower in self._task_followers.values():
             await follower.stop()
         self._task_followers.clear()
+        shutil.rmtree(self._stacks, ignore_errors=True)

@@ -85,6 +85,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         diagnostics = await nc.subscribe(
             layout.subjects.node_diagnostics(identity), cb=agent.answer
         )
+        evidence = await nc.subscribe(layout.subjects.node_evidence(identity), cb=agent.evidence)
         placements = await follow(js, layout.subjects.placement_all(), agent.on_placement)
         await placements.caught_up.wait()
         await agent.catch_up()
@@ -92,6 +93,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         await stop.wait()
         await placements.stop()
         await diagnostics.unsubscribe()
+        await evidence.unsubscribe()
         await agent.shutdown()
         _reap_runners()
         beat_stop.set()

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -18,14 +19,15 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
+from pathlib import Path
 from typing import Any
 
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.channel import ENTRY, MEMORY, OUTPUT, STATUS, TASK
 from services.agent.runner.config import RunnerConfig
-from services.agent.runner.process import STOP, runner_main
+from services.agent.runner.process import STACK_SIGNAL, STOP, runner_main
 from services.agent.runner.watchdog import WEDGED_EXIT
-from shared.processes import signal_name
+from shared.processes import process_state, signal_name
 from shared.subjects import Subjects, TelemetryKind
 from shared.timestamps import now
 from shared.wire import (
@@ -33,6 +35,8 @@ from shared.wire import (
     MemorySampled,
     MlxMemorySnapshot,
     Phase,
+    ProcessState,
+    RunnerEvidence,
     RunnerStatusChanged,
     RunnerStatusKind,
     RunnerSupervisorDiagnostics,
@@ -52,6 +56,32 @@ CRASH_WINDOW_S = 60.0
 KEEP_ENTRIES = 128
 _TELEMETRY_QUEUE = 1024
 _STOP_GRACE_S = 3.0  # twice this fits within `up`'s 8 s grace for the agent
+
+
+_DUMPABLE = frozenset({ProcessState.RUNNING, ProcessState.SLEEPING, ProcessState.DISK_WAIT})
+STACK_WAIT_S = 1.0
+"""Longest a capture waits for a runner to write its stacks."""
+STACK_BYTES = 32 << 10
+"""The most of a stack dump kept (the innermost frames come first in each thread)."""
+
+
+async def _dump(pid: int, path: Path) -> str | None:
+    """Ask runner `pid` for its stacks and read them once it stops writing (None when it
+    wrote nothing in time)."""
+    await asyncio.to_thread(path.write_bytes, b"")
+    try:
+        os.kill(pid, STACK_SIGNAL)
+    except ProcessLookupError:
+        return None
+    deadline, size = time.monotonic() + STACK_WAIT_S, -1
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        now_size = (await asyncio.to_thread(path.stat)).st_size
+        if now_size and now_size == size:
+            break
+        size = now_size
+    text = (await asyncio.to_thread(path.read_bytes))[:STACK_BYTES].decode(errors="replace")
+    return text or None
 
 
 def exit_cause(code: int) -> str:
@@ -344,6 +374,24 @@ class RunnerSupervisor:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.exited.wait(), _STOP_GRACE_S)
                 return
+
+    async def capture(self) -> RunnerEvidence:
+        """Its process state, its threads' stacks (none from a stopped process: it runs no
+        code until continued) and its memory, now."""
+        pid = self.pid if self.alive else None
+        state = process_state(pid)
+        stack = None
+        path = self.config.stack_path
+        if pid is not None and path is not None and state in _DUMPABLE:
+            stack = await _dump(pid, Path(path))
+        return RunnerEvidence(
+            runnerId=self.runner_id,
+            pid=pid,
+            process=state,
+            stack=stack,
+            mlxMemory=self.last_memory,
+            capturedAt=now(),
+        )
 
     def live(self) -> RunnerSupervisorDiagnostics:
         """The supervisor's view right now."""

@@ -31,11 +31,14 @@ from shared.subjects import untoken
 from shared.timestamps import now
 from shared.wire import (
     Diagnosis,
+    EvidenceRequest,
     Finding,
     NodeDiagnostics,
+    NodeEvidence,
     NodeInfo,
     PlacementQuery,
     QueryError,
+    RunnerEvidence,
     TimelineQuery,
     UnreachableNode,
     WireError,
@@ -71,6 +74,8 @@ ERROR_HEADER = "Rankscope-Error"
 """Set (to the HTTP-like status) on a query reply that carries a `QueryError`."""
 
 
+EVIDENCE_WAIT_S = 5.0
+"""Longest the aggregator waits for an agent's evidence of a new finding."""
 UNPUBLISHED_FINDINGS = 10_000
 """Findings kept for the diagnosis stream while NATS is out; the oldest go first."""
 
@@ -130,6 +135,9 @@ class AggregatorService:
         self._heartbeats: dict[str, float] = {}
         self._silent_probes: dict[str, float] = {}
         self._incidents: dict[str, Incident] = {}
+        self._evidence: dict[tuple[str, str], dict[str, RunnerEvidence]] = {}
+        """What the agents captured of each open incident's ranks, by (instance, since)."""
+        self._capturing: set[asyncio.Task[None]] = set()
         self._unpublished: deque[Finding] = deque(maxlen=UNPUBLISHED_FINDINGS)
         """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
         self._answers: dict[bytes, tuple[int, float, bytes]] = {}
@@ -197,9 +205,10 @@ class AggregatorService:
             asyncio.create_task(self._snapshot_forever(stop)),
         ]
         await stop.wait()
-        for task in [*loops, *self._heavy]:
+        busy = [*loops, *self._heavy, *self._capturing]
+        for task in busy:
             task.cancel()
-        await asyncio.gather(*loops, *self._heavy, return_exceptions=True)
+        await asyncio.gather(*busy, return_exceptions=True)
         await self.snapshot()  # a restart right after this replays nothing
         await queries.unsubscribe()
         for follower in followers:
@@ -325,6 +334,15 @@ class AggregatorService:
             else None,
         )
         before = self._incidents
+        opened = [
+            i.finding
+            for key, i in found.items()
+            if key not in before or before[key].finding.since != i.finding.since
+        ]
+        for finding in opened:
+            if finding.evidence:
+                self._capture(finding)
+        found = {key: self._with_evidence(i) for key, i in found.items()}
         changed = [
             i.finding
             for key, i in found.items()
@@ -336,7 +354,62 @@ class AggregatorService:
             if key not in found or found[key].finding.since != i.finding.since
         ]
         self._incidents = found
+        live = {(i.finding.instanceId, i.finding.since) for i in found.values()}
+        for gone in set(self._evidence) - live:
+            del self._evidence[gone]
         return changed, cleared
+
+    # Evidence
+
+    def _capture(self, finding: Finding) -> None:
+        """Ask the agents of every rank of `finding` for their stacks and memory now; they
+        join the finding when they arrive."""
+        key = (finding.instanceId, finding.since)
+        self._evidence[key] = {}
+        nodes: dict[str, list[str]] = {}
+        for rank in finding.evidence:
+            nodes.setdefault(rank.nodeId, []).append(rank.runnerId)
+        for node_id, runner_ids in nodes.items():
+            task = asyncio.get_running_loop().create_task(self._gather(key, node_id, runner_ids))
+            self._capturing.add(task)
+            task.add_done_callback(self._capturing.discard)
+
+    async def _gather(self, key: tuple[str, str], node_id: str, runner_ids: list[str]) -> None:
+        request = encode(EvidenceRequest(runnerIds=runner_ids))
+        try:
+            reply = await self._nc.request(
+                self._layout.subjects.node_evidence(node_id), request, timeout=EVIDENCE_WAIT_S
+            )
+            answer = decode(reply.data, NodeEvidence)
+        except (NatsError, TimeoutError, WireError) as exc:
+            log.warning("no evidence from %s: %s", node_id, exc or type(exc).__name__)
+            return
+        held = self._evidence.get(key)
+        if held is None:
+            return  # the incident is over already
+        for runner in answer.runners:
+            if runner.runnerId in runner_ids:  # a node speaks only for the runners asked of it
+                held[runner.runnerId] = runner
+        self.state.version += 1
+
+    def _with_evidence(self, incident: Incident) -> Incident:
+        held = self._evidence.get((incident.finding.instanceId, incident.finding.since))
+        if not held:
+            return incident
+        ranks = [
+            msgspec.structs.replace(
+                rank,
+                process=captured.process,
+                stack=captured.stack,
+                mlxMemory=captured.mlxMemory,
+                capturedAt=captured.capturedAt,
+            )
+            if (captured := held.get(rank.runnerId)) is not None
+            else rank
+            for rank in incident.finding.evidence
+        ]
+        finding = msgspec.structs.replace(incident.finding, evidence=ranks)
+        return Incident(finding=finding, opened=incident.opened)
 
     async def _diagnose_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -597,7 +670,7 @@ def _told(finding: Finding) -> tuple[object, ...]:
         finding.kind,
         finding.culpritRunnerIds,
         finding.waitingRanks,
-        [(e.timedOutIn, e.exitReason, e.processAlive) for e in finding.evidence],
+        [(e.timedOutIn, e.exitReason, e.processAlive, e.capturedAt) for e in finding.evidence],
     )
 
 

@@ -35,7 +35,14 @@ from shared.wire.events import (
     TokenChunk,
 )
 from shared.wire.memory import Memory, MlxMemorySnapshot
-from shared.wire.node_diagnostics import NodeDiagnostics, RunnerSupervisorDiagnostics
+from shared.wire.node_diagnostics import (
+    EvidenceRequest,
+    NodeDiagnostics,
+    NodeEvidence,
+    ProcessState,
+    RunnerEvidence,
+    RunnerSupervisorDiagnostics,
+)
 from shared.wire.nodes import NodeInfo
 from shared.wire.placement import PlacementRunnerDiagnostics, PlacementTaskDiagnostics
 from shared.wire.ranktable import (
@@ -80,6 +87,7 @@ __all__ = [
     "ComputeInfo",
     "Device",
     "Diagnosis",
+    "EvidenceRequest",
     "Finding",
     "FindingKind",
     "FlightEntry",
@@ -92,6 +100,7 @@ __all__ = [
     "MlxMemorySnapshot",
     "ModelVersion",
     "NodeDiagnostics",
+    "NodeEvidence",
     "NodeInfo",
     "Nodepool",
     "Phase",
@@ -100,6 +109,7 @@ __all__ = [
     "PlacementQuery",
     "PlacementRunnerDiagnostics",
     "PlacementTaskDiagnostics",
+    "ProcessState",
     "QueryError",
     "RankEvidence",
     "RankRole",
@@ -110,6 +120,7 @@ __all__ = [
     "ReleaseCause",
     "Runner",
     "RunnerAssignment",
+    "RunnerEvidence",
     "RunnerHistory",
     "RunnerMetrics",
     "RunnerRef",

@@ -9,6 +9,8 @@ import msgspec
 
 from shared.wire.base import CamelStruct
 from shared.wire.enums import Phase
+from shared.wire.memory import MlxMemorySnapshot
+from shared.wire.node_diagnostics import ProcessState
 
 __all__ = [
     "Diagnosis",
@@ -61,6 +63,12 @@ class RankEvidence(CamelStruct, kw_only=True, frozen=True):
     """Where and when its watchdog gave up waiting on a peer (kept across its restarts)."""
     exitReason: str | None = None
     """How its process ended, when it is down or timed out."""
+    process: ProcessState | None = None
+    """What the kernel said the process was doing when the evidence was captured."""
+    stack: str | None = None
+    """Its threads' Python stacks when the finding opened (see `RunnerEvidence`)."""
+    mlxMemory: MlxMemorySnapshot | None = None
+    capturedAt: str | None = None
 
 
 class Finding(CamelStruct, kw_only=True, frozen=True):

@@ -1,14 +1,24 @@
-"""What an agent answers on `rankscope.node.<nodeId>.diagnostics`: each supervisor's live
-view of its runner, with the last flight-recorder entries."""
+"""What an agent answers on `rankscope.node.<nodeId>.diagnostics` (each supervisor's live
+view of its runner, with the last flight-recorder entries) and on
+`rankscope.node.<nodeId>.evidence` (the stacks and memory of the runners asked for)."""
 
 from __future__ import annotations
+
+from enum import StrEnum
 
 from shared.wire.base import CamelStruct
 from shared.wire.enums import Phase
 from shared.wire.memory import MlxMemorySnapshot
 from shared.wire.timeline import TimelineEntry
 
-__all__ = ["NodeDiagnostics", "RunnerSupervisorDiagnostics"]
+__all__ = [
+    "EvidenceRequest",
+    "NodeDiagnostics",
+    "NodeEvidence",
+    "ProcessState",
+    "RunnerEvidence",
+    "RunnerSupervisorDiagnostics",
+]
 
 
 class RunnerSupervisorDiagnostics(CamelStruct, kw_only=True, frozen=True):
@@ -48,3 +58,43 @@ class NodeDiagnostics(CamelStruct, kw_only=True, frozen=True):
     address: str
     generatedAt: str
     runners: list[RunnerSupervisorDiagnostics] = []
+
+
+class EvidenceRequest(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The runners of one node whose evidence to capture now."""
+
+    runnerIds: list[str]
+
+
+class ProcessState(StrEnum):
+    """What the kernel says a runner process is doing."""
+
+    RUNNING = "running"
+    SLEEPING = "sleeping"
+    """Waiting on something (a socket of a collective, a lock, a timer)."""
+    DISK_WAIT = "disk_wait"
+    STOPPED = "stopped"
+    """Stopped by a signal (SIGSTOP) or a debugger: it runs no code, not even to dump."""
+    ZOMBIE = "zombie"
+    GONE = "gone"
+    UNKNOWN = "unknown"
+
+
+class RunnerEvidence(CamelStruct, kw_only=True, frozen=True):
+    """One runner as captured when a finding named it or its peers."""
+
+    runnerId: str
+    pid: int | None = None
+    process: ProcessState
+    stack: str | None = None
+    """The Python stack of every thread, innermost call last, as `faulthandler` writes it:
+    the line each thread is on, even inside a blocking collective."""
+    mlxMemory: MlxMemorySnapshot | None = None
+    capturedAt: str
+
+
+class NodeEvidence(CamelStruct, kw_only=True, frozen=True):
+    """What one agent captured of the runners asked for (those it supervises)."""
+
+    nodeId: str
+    runners: list[RunnerEvidence] = []

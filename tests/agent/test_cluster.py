@@ -28,13 +28,17 @@ from shared.settings import Settings
 from shared.timestamps import now
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 from shared.wire import (
+    EvidenceRequest,
     FlightEntry,
     GenerationRequest,
     InstanceCreated,
     InstanceReleased,
     NodeDiagnostics,
+    NodeEvidence,
     Phase,
     PhaseEntries,
+    ProcessState,
+    QueryError,
     ReleaseCause,
     RunnerAssignment,
     RunnerStatusChanged,
@@ -152,6 +156,11 @@ class Cluster:
     async def diagnostics(self, node_id: str) -> NodeDiagnostics:
         reply = await self.nc.request(self.layout.subjects.node_diagnostics(node_id), b"", 5)
         return decode(reply.data, NodeDiagnostics)
+
+    async def evidence(self, node_id: str, *runner_ids: str) -> NodeEvidence:
+        request = encode(EvidenceRequest(runnerIds=list(runner_ids)))
+        reply = await self.nc.request(self.layout.subjects.node_evidence(node_id), request, 5)
+        return decode(reply.data, NodeEvidence)
 
     async def stored(self) -> list[RunnerTelemetry]:
         js = self.nc.jetstream()
@@ -418,6 +427,16 @@ async def test_a_stopped_peer_trips_the_watchdog_with_a_breadcrumb(cluster: Clus
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGSTOP)  # alive but wedged: its socket stays open
     try:
+        await asyncio.sleep(1)
+        (stopped,) = (await cluster.evidence("node-b", RANKS[1], "not-here")).runners
+        assert (stopped.process, stopped.stack) == (ProcessState.STOPPED, None)
+        (waiting,) = (await cluster.evidence("node-a", RANKS[0])).runners
+        assert waiting.process is ProcessState.SLEEPING  # blocked in the collective
+        assert waiting.stack is not None
+        assert "in _agree" in waiting.stack, waiting.stack  # the line it waits on
+        assert waiting.mlxMemory is not None
+        bad = await cluster.nc.request(cluster.layout.subjects.node_evidence("node-a"), b"[]", 5)
+        assert decode(bad.data, QueryError).status == 422
         await cluster.until(
             lambda: any(e.event == "pipeline_eval_timeout" for e in cluster.entries[RANKS[0]])
         )

@@ -1,12 +1,14 @@
 """Incidents as an operator lives them, on a real deployment (every part its own process,
 two agents serving the tiny model over two ranks) with a short collective timeout.
 
-A rank frozen for four collective timeouts stays the one named, under one `since`, in
+A rank frozen for three collective timeouts stays the one named, under one `since`, in
 every sample: its peer times out, restarts and waits again, and is only ever listed as
-waiting. NATS paused for four heartbeat TTLs is an outage of NATS: readiness says so, no
-rank is blamed, no node is declared lost and nothing is placed again. A client that
-leaves mid-stream cancels its generation on both ranks, and a rank killed mid-generation
-ends the chat with a 502 within seconds.
+waiting; the finding carries what was captured as it opened (the waiting rank's stack on
+the line of its collective, the frozen one reported as stopped). NATS paused for four
+heartbeat TTLs is an outage of NATS: readiness says so, no rank is blamed, no node is
+declared lost and nothing is placed again. A client that leaves mid-stream cancels its
+generation on both ranks, and a rank killed mid-generation ends the chat with a 502
+within seconds.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import pytest
 import pytest_asyncio
 
 from shared.nats_server import EmbeddedNats
-from shared.wire import Finding, FindingKind, Phase, RankRole
+from shared.wire import Finding, FindingKind, Phase, ProcessState, RankRole
 from tests.gateway.conftest import free_port
 from tests.reliability.deployment import FAULT_TEST_MARKS, SPEC, Agent, Deployment, deployed
 
 pytestmark = FAULT_TEST_MARKS
 
 TTL = 3.0
-COLLECTIVE = 6.0
+COLLECTIVE = 10.0
 SILENT = 5.0  # Thresholds.silent: a rank without a word this long is frozen
 NODES = ("node-a", "node-b")
 
@@ -55,7 +57,7 @@ async def test_a_hang_longer_than_the_collective_timeout_names_the_frozen_rank_t
     stopped = time.monotonic()
     samples: list[tuple[float, list[Finding]]] = []
     try:
-        while time.monotonic() - stopped < 4 * COLLECTIVE:  # sampled every second
+        while time.monotonic() - stopped < 3 * COLLECTIVE:  # sampled every second
             await asyncio.sleep(1)
             samples.append((time.monotonic() - stopped, await deployment.findings()))
     finally:
@@ -69,8 +71,15 @@ async def test_a_hang_longer_than_the_collective_timeout_names_the_frozen_rank_t
     assert {e.role for e in peer} == {RankRole.WAITING}
     timed_out = [e for e in peer if e.timedOutIn]
     assert timed_out, "the peer's collective timeout is in the evidence"
-    assert (timed_out[-1].timedOutIn or "").startswith("task_agreement after 6s")
+    assert (timed_out[-1].timedOutIn or "").startswith("task_agreement after 10s")
     assert "timed out in task_agreement" in findings[-1].summary
+    # the evidence captured as the incident opened: the line the waiting rank was on
+    (culprit,) = [e for e in findings[-1].evidence if e.runnerId == frozen.runnerId]
+    assert culprit.process is ProcessState.STOPPED
+    assert culprit.stack is None
+    (victim,) = [e for e in findings[-1].evidence if e.runnerId == waiting.runnerId]
+    assert victim.stack is not None
+    assert "in _agree" in victim.stack
     await deployment.until("both ranks ready again", deployment.ready, 120)
     await deployment.until("the incident closed", _no_findings(deployment), 30)
 

@@ -29,6 +29,9 @@ class RunnerConfig:
     timeouts: Timeouts = Timeouts()
     memory_interval: float = 1.0
     idle_tick: float = 0.02
+    stack_path: str | None = None
+    """Where the runner writes its threads' stacks on SIGUSR1 (appending: the agent empties
+    the file before it asks)."""
 
     @property
     def is_last_stage(self) -> bool:

@@ -3,6 +3,7 @@ rank has agreed on. Spawned by the agent; talks to it only through queues."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import queue
@@ -32,10 +33,14 @@ from shared.wire import (
     TaskStatus,
 )
 
-__all__ = ["STOP", "runner_main"]
+__all__ = ["STACK_SIGNAL", "STOP", "runner_main"]
 
 STOP = "stop"
 """Put on the task queue to ask the runner to shut down cleanly."""
+
+STACK_SIGNAL = signal.SIGUSR1
+"""Makes a runner write its threads' Python stacks to its `stack_path` (faulthandler, so
+it works while the interpreter is blocked in C)."""
 
 _NO_TASK = -1
 
@@ -211,6 +216,12 @@ def runner_main(
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:
         os._exit(1)  # the agent died before the tie was made
+    if config.stack_path is not None:  # the stacks on request, even from inside a collective
+        faulthandler.register(
+            STACK_SIGNAL,
+            file=open(config.stack_path, "a"),  # noqa: SIM115  (open for the process's life)
+            all_threads=True,
+        )
     recorder = Recorder(telemetry=telemetry, control=control, memory=snapshot)
     runner = _Runner(config, recorder, tasks)
     signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
