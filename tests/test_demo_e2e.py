@@ -233,8 +233,17 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
         )
         assert finding["culpritRanks"] == [1]
         assert finding["waitingRanks"] == [0]
+
+        def with_stacks() -> Any:
+            found = demo.get("/v1/cluster/diagnosis")["findings"]
+            return next((f for f in found if any(e.get("stack") for e in f["evidence"])), None)
+
+        finding = demo.until(with_stacks, 15)  # captured by the agents as it opened
         page = _browse(demo.base, ARTIFACTS / "timeline.png")
         assert "stalled rank" in page.lower()  # the finding is on the page
+        assert "process stopped" in page  # the frozen rank, as the kernel says
+        assert "in _agree" in page  # the line its peer waits on, from its stack
+        assert "silent since" in page  # on the frozen rank's lane
         assert re.search(r"node-[ab] \[0, \d+\)", page)  # the placement bar
         assert "2 ranks" in page  # both lanes
     finally:

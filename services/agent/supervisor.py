@@ -62,7 +62,8 @@ _DUMPABLE = frozenset({ProcessState.RUNNING, ProcessState.SLEEPING, ProcessState
 STACK_WAIT_S = 1.0
 """Longest a capture waits for a runner to write its stacks."""
 STACK_BYTES = 32 << 10
-"""The most of a stack dump kept (the innermost frames come first in each thread)."""
+"""The most of a stack dump kept (the main thread comes first, each thread's innermost
+frame first)."""
 
 
 async def _dump(pid: int, path: Path) -> str | None:
@@ -80,8 +81,9 @@ async def _dump(pid: int, path: Path) -> str | None:
         if now_size and now_size == size:
             break
         size = now_size
-    text = (await asyncio.to_thread(path.read_bytes))[:STACK_BYTES].decode(errors="replace")
-    return text or None
+    text = (await asyncio.to_thread(path.read_bytes)).decode(errors="replace")
+    threads = sorted(text.strip().split("\n\n"), key=lambda t: "in runner_main" not in t)
+    return "\n\n".join(threads)[:STACK_BYTES] or None  # the main thread (inference) first
 
 
 def exit_cause(code: int) -> str:

@@ -1,5 +1,7 @@
-// rankscope web timeline: one swimlane per rank, grouped by instance; phase segments over
-// time, a memory sparkline per rank, findings on the lanes they name, placement bars.
+// rankscope web timeline: one swimlane per rank, grouped by instance and incarnation
+// (ended incarnations folded into one row); phase segments over a time axis, a memory
+// sparkline per rank, open findings on the lanes they name with the evidence captured,
+// past incidents as bands, placement bars.
 "use strict";
 
 const PHASES = ["created", "idle", "connect_group", "load_model", "warmup", "task_submission",
@@ -12,10 +14,17 @@ PHASES.forEach((phase, i) => { COLORS[phase] = `hsl(${(i * 137.5) % 360} 60% 55%
 COLORS.idle = "#3a4150"; COLORS.error = "#ff3b3b"; COLORS.decode_stream = "#4aa3ff";
 COLORS.prefill_pipeline = "#b084ff";
 
-const LANE = 34, LABEL = 220, SPARK = 12;
+const LANE = 34, LABEL = 260, SPARK = 12, AXIS = 26;
 const canvas = document.getElementById("lanes");
 const ctx = canvas.getContext("2d");
-let view = { lanes: [], start: 0, end: 1, findings: [] };
+let view = { lanes: [], start: 0, end: 1, findings: [], incidents: [] };
+let incidents = [];
+let refreshes = 0;
+const unfolded = new Set();  // ended incarnations the operator opened
+
+const clock = (t) => new Date(t * 1000).toLocaleTimeString();
+// a runner id ends in -a<attempt>-r<rank>: the attempt is the instance's incarnation
+const incarnation = (runnerId) => (runnerId.match(/-(a\d+)-r\d+$/) || [null, ""])[1];
 
 const seconds = (at) => Date.parse(at) / 1000;
 
@@ -44,7 +53,7 @@ function gaps(held) {
   return notes.length ? ` · ${notes.join(", ")}` : "";
 }
 
-function build(timeline, findings, history) {
+function build(timeline, findings, history, past, placed) {
   const windowSeconds = Number(document.getElementById("window").value);
   const now = seconds(timeline.generatedAt);
   const start = now - windowSeconds;
@@ -56,9 +65,21 @@ function build(timeline, findings, history) {
   const held = new Map(history.map((h) => [h.runnerId, h]));
   const culprits = new Map();
   for (const f of findings) for (const id of f.culpritRunnerIds) culprits.set(id, f);
+  const live = new Set(placed.map((p) => p.runnerId));
   const runners = [...timeline.runners].sort((a, b) =>
-    a.instanceId.localeCompare(b.instanceId) || a.deviceRank - b.deviceRank);
-  const lanes = runners.map((runner) => {
+    a.instanceId.localeCompare(b.instanceId) ||
+    incarnation(b.runnerId).localeCompare(incarnation(a.runnerId), undefined, { numeric: true }) ||
+    a.deviceRank - b.deviceRank);
+  const lanes = [];
+  for (const runner of runners) {
+    const group = `${runner.instanceId} ${incarnation(runner.runnerId)}`;
+    const ended = !live.has(runner.runnerId);
+    if (ended && !unfolded.has(group)) {
+      const folded = lanes.find((l) => l.folded && l.group === group);
+      if (folded) { folded.ranks += 1; continue; }
+      lanes.push({ folded: true, group, runner, ranks: 1, segments: [], memory: [] });
+      continue;
+    }
     const entries = byRunner.get(runner.runnerId) || [];
     const segments = entries.map((e, i) => ({
       entry: e, from: seconds(e.at),
@@ -66,17 +87,46 @@ function build(timeline, findings, history) {
     }));
     const memory = entries.filter((e) => e.mlxMemory && e.mlxMemory.active)
       .map((e) => [seconds(e.at), e.mlxMemory.active.inBytes]);
-    return {
-      runner, segments, memory, finding: culprits.get(runner.runnerId),
+    const finding = culprits.get(runner.runnerId);
+    const last = runner.lastProgressAt ? seconds(runner.lastProgressAt) : null;
+    // silent: named as frozen, or nothing said within the window at all
+    const silent = last !== null && ((finding && finding.kind === "stalled_rank") || last < start)
+      ? ` · silent since ${clock(last)}` : "";
+    lanes.push({
+      group, ended, runner, segments, memory, finding, silent,
       gaps: gaps(held.get(runner.runnerId)),
-    };
-  });
-  return { lanes, start, end: now, findings };
+    });
+  }
+  const byIncident = new Map(past.map((f) => [`${f.instanceId} ${f.kind} ${f.since}`, f]));
+  const bands = [...byIncident.values()].map((f) => ({
+    finding: f, from: seconds(f.since), to: f.clearedAt ? seconds(f.clearedAt) : now,
+  })).filter((b) => b.to >= start);
+  return { lanes, start, end: now, findings, incidents: bands };
+}
+
+function axis(width, height, x) {
+  const span = view.end - view.start;
+  const step = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600]
+    .find((s) => span / s <= 8) || 3600;
+  ctx.fillStyle = "#8a93a5"; ctx.strokeStyle = "#262b35";
+  for (let t = Math.ceil(view.start / step) * step; t <= view.end; t += step) {
+    const px = x(t);
+    ctx.beginPath(); ctx.moveTo(px, AXIS - 6); ctx.lineTo(px, height); ctx.stroke();
+    ctx.fillText(clock(t), px - 24, 10);
+  }
+}
+
+function label(lane) {
+  const runner = lane.runner;
+  if (lane.folded) return `instance ${runner.instanceId} ${incarnation(runner.runnerId)}: ${lane.ranks} ranks, ended`;
+  return `rank ${runner.deviceRank} · ${runner.nodeId} · ${runner.phase}${lane.silent}${lane.gaps}`;
 }
 
 function draw() {
+  // the lanes in words too, for screen readers (and anything else that cannot see a canvas)
+  canvas.textContent = view.lanes.map(label).join("\n");
   const width = canvas.clientWidth;
-  const height = Math.max(view.lanes.length * LANE + 30, 120);
+  const height = Math.max(view.lanes.length * LANE + AXIS + 10, 120);
   const ratio = window.devicePixelRatio || 1;
   canvas.width = width * ratio; canvas.height = height * ratio; canvas.style.height = `${height}px`;
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
@@ -84,16 +134,36 @@ function draw() {
   const span = Math.max(view.end - view.start, 1e-3);
   const x = (t) => LABEL + ((t - view.start) / span) * (width - LABEL - 10);
   ctx.font = "12px system-ui"; ctx.textBaseline = "middle";
-  let instance = null;
+  axis(width, height, x);
+  let group = null;
   view.lanes.forEach((lane, row) => {
-    const y = row * LANE + 20;
-    if (lane.runner.instanceId !== instance) {
-      instance = lane.runner.instanceId;
-      ctx.fillStyle = "#8a93a5"; ctx.fillText(`instance ${instance}`, 4, y - 8);
+    const y = row * LANE + AXIS + 10;
+    if (lane.group !== group) {
+      group = lane.group;
+      ctx.fillStyle = "#8a93a5";
+      ctx.fillText(`instance ${lane.runner.instanceId} · ${incarnation(lane.runner.runnerId) || "?"}` +
+        (lane.ended ? " (ended)" : ""), 4, y - 8);
     }
-    if (lane.finding) { ctx.fillStyle = "rgba(255,60,60,.18)"; ctx.fillRect(0, y, width, LANE - 6); }
-    ctx.fillStyle = lane.finding ? "#ff5c5c" : "#d8dee9";
-    ctx.fillText(`rank ${lane.runner.deviceRank} · ${lane.runner.nodeId} · ${lane.runner.phase}${lane.gaps}`, 4, y + 10);
+    for (const band of view.incidents) {  // past and open incidents of this instance
+      if (band.finding.instanceId !== lane.runner.instanceId) continue;
+      const named = band.finding.culpritRunnerIds.includes(lane.runner.runnerId);
+      const from = Math.max(x(band.from), LABEL), to = Math.max(x(band.to), from + 2);
+      ctx.fillStyle = named ? "rgba(255,60,60,.28)" : "rgba(255,180,70,.10)";
+      ctx.fillRect(from, y - 2, to - from, LANE - 4);
+    }
+    if (lane.folded) {
+      ctx.fillStyle = "#6b7384";
+      ctx.fillText(`▸ ${lane.ranks} rank${lane.ranks > 1 ? "s" : ""} of an ended incarnation (click to open)`, 4, y + 10);
+      return;
+    }
+    if (lane.finding) { ctx.fillStyle = "rgba(255,60,60,.18)"; ctx.fillRect(0, y, LABEL - 4, LANE - 6); }
+    ctx.fillStyle = lane.finding ? "#ff5c5c" : (lane.ended ? "#6b7384" : "#d8dee9");
+    ctx.fillText(label(lane), 4, y + 10);
+    if (!lane.segments.length && lane.silent) {  // its last word left the window: its phase since
+      ctx.fillStyle = COLORS[lane.runner.phase] || "#777"; ctx.globalAlpha = 0.35;
+      ctx.fillRect(LABEL, y + 2, x(view.end) - LABEL, LANE - 14 - SPARK / 2);
+      ctx.globalAlpha = 1;
+    }
     for (const s of lane.segments) {
       if (s.to < view.start) continue;
       const from = Math.max(x(s.from), LABEL), to = Math.max(x(s.to), from + 1);
@@ -112,9 +182,28 @@ function draw() {
   });
 }
 
+function evidence(rank, open) {
+  const said = ["role", "phase", "waitingIn", "timedOutIn", "exitReason", "process"]
+    .filter((k) => rank[k] !== null && rank[k] !== undefined)
+    .map((k) => `${k} ${escape(rank[k])}`).join(" · ");
+  const stack = rank.stack ? `<pre>${escape(rank.stack)}</pre>` : "";
+  return `<details${open ? " open" : ""}><summary>rank ${rank.deviceRank} ` +
+    `${escape(rank.nodeId)}: ${said}</summary>${stack}</details>`;
+}
+
+// the first stack of a finding is shown open: the culprit's, or its first waiting rank's
+function evidenceOf(finding) {
+  const ranks = finding.evidence || [];
+  const first = ranks.find((r) => r.stack && r.role === "culprit") || ranks.find((r) => r.stack);
+  return ranks.map((r) => evidence(r, r === first)).join("");
+}
+
 function showFindings(findings) {
   document.getElementById("findings").innerHTML = findings.map((f) =>
-    `<div class="finding"><b>${f.kind.replace("_", " ")}</b>instance ${f.instanceId}: ${escape(f.summary)}</div>`).join("");
+    `<div class="finding"><b>${f.kind.replaceAll("_", " ")}</b>` +
+    `${f.instanceId ? `instance ${escape(f.instanceId)}` : "installation"} since ` +
+    `${new Date(f.since).toLocaleTimeString()}: ${escape(f.summary)}` +
+    `${evidenceOf(f)}</div>`).join("");
 }
 
 function showPlacement(placement) {
@@ -137,9 +226,14 @@ function escape(text) {
 
 canvas.addEventListener("click", (event) => {
   const rect = canvas.getBoundingClientRect();
-  const row = Math.floor((event.clientY - rect.top - 20) / LANE);
+  const row = Math.floor((event.clientY - rect.top - AXIS - 10) / LANE);
   const lane = view.lanes[row];
   if (!lane) return;
+  if (lane.folded || (lane.ended && event.clientX - rect.left < LABEL)) {
+    if (unfolded.has(lane.group)) unfolded.delete(lane.group); else unfolded.add(lane.group);
+    refresh();
+    return;
+  }
   const span = Math.max(view.end - view.start, 1e-3);
   const t = view.start + ((event.clientX - rect.left - LABEL) / (canvas.clientWidth - LABEL - 10)) * span;
   const hit = lane.segments.find((s) => s.from <= t && t <= s.to);
@@ -154,8 +248,11 @@ async function refresh() {
     const [timeline, diagnosis, placement, history] = await Promise.all([
       json(`/v1/cluster/timeline?limit=50000&since=${encodeURIComponent(since)}`),
       json("/v1/cluster/diagnosis"), json("/v1/placement/runners"), json("/v1/cluster/history")]);
+    if (refreshes++ % 5 === 0) {  // past incidents change rarely: every fifth refresh
+      incidents = (await json(`/v1/cluster/diagnosis/history?since=${encodeURIComponent(since)}`)).findings;
+    }
     const fetched = performance.now();
-    view = build(timeline, diagnosis.findings, history);
+    view = build(timeline, diagnosis.findings, history, [...incidents, ...diagnosis.findings], placement);
     showFindings(diagnosis.findings);
     showPlacement(placement);
     draw();
@@ -173,6 +270,6 @@ async function refresh() {
 
 legend();
 window.addEventListener("resize", draw);
-document.getElementById("window").addEventListener("change", refresh);
+document.getElementById("window").addEventListener("change", () => { refreshes = 0; refresh(); });
 refresh();
 setInterval(() => { if (document.getElementById("live").checked) refresh(); }, 1000);
