@@ -177,7 +177,7 @@ class _Node:
             )
             seq = self._next(rank)
             sample = MemorySampled(runner=ref, seq=seq, snapshot=snapshot)
-            self._publisher.message(self._memory[rank], encode(sample), f"{ref.runnerId}:{seq}")
+            self._publisher.telemetry(self._memory[rank], encode(sample), ref.runnerId, seq)
 
     def script(self, rng: random.Random) -> Iterator[float]:
         """Tasks back to back with idle gaps; yields the seconds until its next step."""

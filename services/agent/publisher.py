@@ -32,6 +32,10 @@ class _Outgoing:
     payload: bytes
     msg_id: str
     entries: int
+    runner_id: str | None = None
+    """The runner whose telemetry this is (None for other messages), and"""
+    last_seq: int = -1
+    """the newest of its seqs it carries."""
 
 
 @dataclass(slots=True)
@@ -94,16 +98,24 @@ class TelemetryPublisher:
             self._close(runner.runnerId)
 
     def message(self, subject: str, payload: bytes, msg_id: str) -> None:
-        """Queue one ready-made message (a memory sample or status change)."""
+        """Queue one ready-made message that is not telemetry (a task status)."""
         self._buffered += 1
         self._enqueue(_Outgoing(subject, payload, msg_id, 1))
+
+    def telemetry(self, subject: str, payload: bytes, runner_id: str, seq: int) -> None:
+        """Queue one ready-made telemetry message of a runner (a memory sample or status
+        change), deduplicated by its seq."""
+        self._buffered += 1
+        self._enqueue(_Outgoing(subject, payload, f"{runner_id}:{seq}", 1, runner_id, seq))
 
     def _close(self, runner_id: str) -> None:
         batch = self._open.pop(runner_id)
         first, last = batch.entries[0].seq, batch.entries[-1].seq
         payload = encode(PhaseEntries(runner=batch.runner, entries=batch.entries))
         msg_id = f"{runner_id}:{first}-{last}"
-        self._enqueue(_Outgoing(batch.subject, payload, msg_id, len(batch.entries)))
+        self._enqueue(
+            _Outgoing(batch.subject, payload, msg_id, len(batch.entries), runner_id, last)
+        )
 
     def _enqueue(self, outgoing: _Outgoing) -> None:
         self._queue.append(outgoing)
@@ -146,10 +158,9 @@ class TelemetryPublisher:
         else:
             self._buffered -= outgoing.entries
             self.published_entries += outgoing.entries
-            runner_id, _, seqs = outgoing.msg_id.rpartition(":")  # `<runner>:<seq>[-<seq>]`
-            last = int(seqs.rpartition("-")[2])
-            if last > self.acknowledged.get(runner_id, -1):
-                self.acknowledged[runner_id] = last
+            runner_id = outgoing.runner_id
+            if runner_id is not None and outgoing.last_seq > self.acknowledged.get(runner_id, -1):
+                self.acknowledged[runner_id] = outgoing.last_seq
             if not self._buffered:
                 self._settled.set()
         finally:

@@ -128,6 +128,8 @@ class RunnerSupervisor:
         self._readers: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._crashes: deque[float] = deque()
+        self._stacks_ready = False
+        """Whether the process can write its stacks (SIGUSR1 would kill it before)."""
         self._releasing = False
         self.exited = asyncio.Event()
         self.gave_up = False
@@ -178,6 +180,7 @@ class RunnerSupervisor:
             name=f"runner-{self.runner_id}",
         )
         self._process.start()
+        self._stacks_ready = False
         self.exited.clear()
         self._readers = [
             threading.Thread(target=self._read, args=(channel, self._process), daemon=True)
@@ -207,6 +210,7 @@ class RunnerSupervisor:
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == ENTRY:
+            self._stacks_ready = True  # its first entry comes after it can dump its stacks
             _, at, phase, event, detail, attrs, task_id, command_id, memory, dropped = item
             if dropped:
                 attrs = {**attrs, "droppedBefore": dropped}
@@ -229,8 +233,8 @@ class RunnerSupervisor:
             sample = MemorySampled(
                 runner=self.config.runner, seq=self._next_seq(), snapshot=item[1]
             )
-            self._publisher.message(
-                self._subject("memory"), encode(sample), f"{self.runner_id}:{sample.seq}"
+            self._publisher.telemetry(
+                self._subject("memory"), encode(sample), self.runner_id, sample.seq
             )
         elif kind == STATUS:
             self._set_status(RunnerStatusKind(item[1]), item[2])
@@ -299,9 +303,7 @@ class RunnerSupervisor:
             exitCode=exit_code,
             signal=signal,
         )
-        self._publisher.message(
-            self._subject("status"), encode(event), f"{self.runner_id}:{event.seq}"
-        )
+        self._publisher.telemetry(self._subject("status"), encode(event), self.runner_id, event.seq)
 
     def submit(self, seq: int, task: TaskCreated) -> None:
         """Hand a task (with its stream sequence, the order all ranks agree on) to the runner."""
@@ -378,13 +380,13 @@ class RunnerSupervisor:
                 return
 
     async def capture(self) -> RunnerEvidence:
-        """Its process state, its threads' stacks (none from a stopped process: it runs no
-        code until continued) and its memory, now."""
+        """Its process state, its threads' stacks (none from a stopped process, which runs
+        no code until continued, nor from one still starting) and its memory, now."""
         pid = self.pid if self.alive else None
         state = process_state(pid)
         stack = None
         path = self.config.stack_path
-        if pid is not None and path is not None and state in _DUMPABLE:
+        if pid is not None and path is not None and self._stacks_ready and state in _DUMPABLE:
             stack = await _dump(pid, Path(path))
         return RunnerEvidence(
             runnerId=self.runner_id,

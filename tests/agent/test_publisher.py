@@ -82,6 +82,20 @@ async def test_entries_are_batched_with_deterministic_ids(nc: Client, ready: Lay
     assert publisher.acknowledged == {"i-a0-r0": 130}  # what a probe of the agent reports
 
 
+async def test_task_statuses_and_telemetry_messages_share_the_queue_but_not_the_seqs(
+    nc: Client, ready: Layout
+) -> None:
+    publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=0.01)
+    status_subject = ready.subjects.task_status("i", "node-a")
+    memory_subject = ready.subjects.runner("node-a", "i", 0, "memory")
+    async with _running(publisher):
+        publisher.message(status_subject, b"{}", "task-1:i-a0-r0:Complete")
+        publisher.telemetry(memory_subject, b"{}", "i-a0-r0", 7)
+        await publisher.settled()
+    assert publisher.published_entries == 2
+    assert publisher.acknowledged == {"i-a0-r0": 7}  # a task status carries no seq
+
+
 async def test_a_quiet_runner_is_flushed_within_the_window(nc: Client, ready: Layout) -> None:
     publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=0.05)
     got: asyncio.Queue[bytes] = asyncio.Queue()

@@ -222,31 +222,27 @@ class Hang:
         self.seqs[r] += 1
         return self.seqs[r] - 1
 
+    def run(self, seconds: int) -> list[tuple[int, list[Finding]]]:
+        """The hang's first `seconds`, diagnosed every second: (second, findings) each."""
+        named = []
+        for second in range(1, seconds + 1):
+            self.clock.now = 1000.0 + second
+            self.rank0(second)
+            named.append((second, _run(self.state, self.clock)))
+        return named
+
+    def collective(self, t: float, phase: Phase, event: str, site: str, limit: float) -> None:
+        """Rank 0 says `event` of the collective at `site`."""
+        said = _said(0, self.seq(0), t, phase, event, site=site, timeoutSeconds=limit)
+        self.state.apply_telemetry(said)
+
     def rank0(self, second: int) -> None:
         """What the waiting rank 0 says in `second` of the hang."""
         t = float(second)
         if second == 2:
-            wait = _said(
-                0,
-                self.seq(0),
-                t,
-                Phase.TASK_AGREEMENT,
-                "collective_wait",
-                site="task_agreement",
-                timeoutSeconds=60,
-            )
-            self.tell(0, wait)
+            self.collective(t, Phase.TASK_AGREEMENT, "collective_wait", "task_agreement", 60)
         elif second == 60:  # its watchdog gives up: breadcrumb, exit 75, restart
-            timeout = _said(
-                0,
-                self.seq(0),
-                t,
-                Phase.TASK_AGREEMENT,
-                "pipeline_eval_timeout",
-                site="task_agreement",
-                timeoutSeconds=60,
-            )
-            self.state.apply_telemetry(timeout)
+            self.collective(t, Phase.TASK_AGREEMENT, "pipeline_eval_timeout", "task_agreement", 60)
             failed = status(
                 rank(0),
                 self.seq(0),
@@ -255,33 +251,20 @@ class Hang:
                 detail="watchdog: a collective did not finish in time; restarting",
             )
             self.state.apply_telemetry(failed)
+            return  # and not a word until the new process has imported mlx
         elif 60 < second < 68:
-            pass  # the new process imports mlx: not a word
+            return
         elif second == 68:
-            self.tell(0, status(rank(0), self.seq(0), RunnerStatusKind.CONNECTING))
+            self.state.apply_telemetry(status(rank(0), self.seq(0), RunnerStatusKind.CONNECTING))
             self.state.apply_telemetry(_said(0, self.seq(0), t, Phase.CONNECT_GROUP, "init"))
         elif second == 70:
-            wait = _said(
-                0,
-                self.seq(0),
-                t,
-                Phase.CONNECT_GROUP,
-                "collective_wait",
-                site="connect_group",
-                timeoutSeconds=120,
-            )
-            self.tell(0, wait)
-        else:
-            self.tell(0)
+            self.collective(t, Phase.CONNECT_GROUP, "collective_wait", "connect_group", 120)
+        self.tell(0)
 
 
 def test_a_hang_longer_than_the_collective_timeout_keeps_naming_the_silent_rank() -> None:
     hang = Hang()
-    named = []
-    for second in range(1, 151):  # sampled every second for 150 s
-        hang.clock.now = 1000.0 + second
-        hang.rank0(second)
-        named.append((second, _run(hang.state, hang.clock)))
+    named = hang.run(150)  # sampled every second for 150 s
     quiet = [s for s, findings in named if not findings]
     assert quiet == [1, 2, 3, 4, 5]  # silent for 5 s is not yet frozen
     findings = [f for _, fs in named for f in fs]
@@ -305,10 +288,7 @@ def test_a_hang_longer_than_the_collective_timeout_keeps_naming_the_silent_rank(
 
 def test_the_incident_ends_when_its_culprit_moves_again() -> None:
     hang = Hang()
-    for second in range(1, 31):
-        hang.clock.now = 1000.0 + second
-        hang.rank0(second)
-        _run(hang.state, hang.clock)
+    hang.run(30)
     assert _run(hang.state, hang.clock)
     hang.tell(1, _said(1, hang.seq(1), 31, Phase.TASK_AGREEMENT, "collective_resumed"))
     hang.clock.now += 1
@@ -317,11 +297,7 @@ def test_the_incident_ends_when_its_culprit_moves_again() -> None:
 
 def test_a_stalled_culprit_confirmed_dead_opens_a_death_naming_it() -> None:
     hang = Hang()
-    for second in range(1, 31):
-        hang.clock.now = 1000.0 + second
-        hang.rank0(second)
-        found = _run(hang.state, hang.clock)
-    (stall,) = found
+    (stall,) = hang.run(30)[-1][1]
     assert stall.kind is FindingKind.STALLED_RANK
     killed = status(
         rank(1), hang.seq(1), RunnerStatusKind.FAILED, alive=False, detail="killed by SIGKILL"
@@ -365,11 +341,7 @@ def test_a_victim_stays_a_victim_until_it_is_ready_again() -> None:
 
 def test_the_incident_outlasts_a_moment_when_every_rank_is_quiet() -> None:
     hang = Hang()
-    for second in range(1, 31):
-        hang.clock.now = 1000.0 + second
-        hang.rank0(second)
-        found = _run(hang.state, hang.clock)
-    (before,) = found
+    (before,) = hang.run(30)[-1][1]
     hang.clock.now += 10  # the waiting rank's samples are late too: both look frozen
     (during,) = _run(hang.state, hang.clock)
     assert (during.culpritRanks, during.since) == ([1], before.since)

@@ -33,6 +33,7 @@ from shared.wire import (
     decode,
     encode,
 )
+from tests.agents_stand_in import answer_probes
 from tests.aggregator.builders import at, entries, placed, rank
 from tests.aggregator.running import WAIT, aggregator, publish, query, until
 from tests.ranktable.builders import node_info
@@ -71,6 +72,7 @@ async def test_disagreement_appears_within_threshold_and_clears(
         await findings.put(decode(msg.data, Finding))
 
     await nc.subscribe(js_ready.subjects.diagnosis("i"), cb=keep)
+    await answer_probes(nc, js_ready, placed())  # both nodes alive: only the ranks disagree
     async with aggregator(nc, js_ready, thresholds=Thresholds(working=1.0)):
         await publish(nc, js_ready, placed())
         await publish(nc, js_ready, entries(rank(0), (0, 1, Phase.PREFILL_PIPELINE, 7)))

@@ -10,7 +10,6 @@ from typing import Any
 
 import httpx
 import pytest
-from nats.aio.msg import Msg
 
 from shared.timestamps import now
 from shared.wire import (
@@ -18,8 +17,8 @@ from shared.wire import (
     FindingKind,
     InstanceCreated,
     InstanceState,
-    NodeDiagnostics,
     RankTableStatus,
+    RunnerAssignment,
     RunnerRef,
     RunnerStatusChanged,
     RunnerStatusKind,
@@ -32,6 +31,7 @@ from shared.wire import (
     decode,
     encode,
 )
+from tests.agents_stand_in import answer_probes
 from tests.conftest import FIXTURES
 from tests.gateway.conftest import Stack
 
@@ -214,6 +214,17 @@ async def _next_event(lines: Any) -> str:
     raise AssertionError("stream ended")
 
 
+def _ref(rank: RunnerAssignment) -> RunnerRef:
+    return RunnerRef(
+        runnerId=rank.runnerId,
+        nodeId=rank.nodeId,
+        instanceId="llm-0",
+        modelId="tiny",
+        deviceRank=rank.deviceRank,
+        worldSize=rank.worldSize,
+    )
+
+
 async def _report_ready(stack: Stack) -> InstanceCreated:
     """Every rank of llm-0 reports READY, as its runners would; the placement."""
     js = stack.nc.jetstream()
@@ -222,16 +233,12 @@ async def _report_ready(stack: Stack) -> InstanceCreated:
     )
     instance = decode(raw.data or b"", InstanceCreated)
     for a in instance.assignments:
-        ref = RunnerRef(
-            runnerId=a.runnerId,
-            nodeId=a.nodeId,
-            instanceId="llm-0",
-            modelId="tiny",
-            deviceRank=a.deviceRank,
-            worldSize=a.worldSize,
-        )
         event = RunnerStatusChanged(
-            runner=ref, seq=0, at=instance.at, statusKind=RunnerStatusKind.READY, processAlive=True
+            runner=_ref(a),
+            seq=0,
+            at=instance.at,
+            statusKind=RunnerStatusKind.READY,
+            processAlive=True,
         )
         subject = stack.layout.subjects.runner(a.nodeId, "llm-0", a.deviceRank, "status")
         await js.publish(subject, encode(event))
@@ -301,13 +308,7 @@ async def _serving(stack: Stack) -> str:
     await stack.http.post("/v1/runners", json={"runners": [SPEC]})
     await _until(lambda: _has_table(stack))
     instance = await _report_ready(stack)
-    for node_id in {a.nodeId for a in instance.assignments}:
-        here = NodeDiagnostics(nodeId=node_id, friendlyName=node_id, address="", generatedAt=now())
-
-        async def answer(msg: Msg, here: NodeDiagnostics = here) -> None:
-            await msg.respond(encode(here))
-
-        await stack.nc.subscribe(stack.layout.subjects.node_diagnostics(node_id), cb=answer)
+    await answer_probes(stack.nc, stack.layout, instance)
 
     async def ready() -> bool:
         reply = await stack.nc.request(stack.layout.subjects.query("instances"), b"")
@@ -541,16 +542,8 @@ async def test_a_rank_lost_mid_generation_ends_the_chat_with_a_502_naming_it(
         stack.layout.placement_stream.name, stack.layout.subjects.placement("llm-0")
     )
     first = decode(raw.data or b"", InstanceCreated).assignments[0]
-    ref = RunnerRef(
-        runnerId=first.runnerId,
-        nodeId=first.nodeId,
-        instanceId="llm-0",
-        modelId="tiny",
-        deviceRank=first.deviceRank,
-        worldSize=first.worldSize,
-    )
     dead = RunnerStatusChanged(
-        runner=ref, seq=1, at=now(), statusKind=RunnerStatusKind.FAILED, processAlive=False
+        runner=_ref(first), seq=1, at=now(), statusKind=RunnerStatusKind.FAILED, processAlive=False
     )
     subject = stack.layout.subjects.runner(first.nodeId, "llm-0", first.deviceRank, "status")
     # a rank lost without a word about the task (its agent died with it)

@@ -54,6 +54,7 @@ __all__ = [
     "both",
     "deployed",
     "node_loss_seen",
+    "serving",
 ]
 
 REPO = Path(__file__).parent.parent.parent
@@ -226,6 +227,17 @@ async def deployed(
             for process in built.processes.values():
                 process.wait(timeout=20)
             await close(nc)
+
+
+@contextlib.asynccontextmanager
+async def serving(root: Path, nodes: Sequence[str], **settings: Any) -> AsyncIterator[Deployment]:
+    """`deployed`, on an embedded NATS (file storage) of its own, with an agent per node."""
+    server = EmbeddedNats(store_dir=root / "nats", port=free_port()).start()
+    try:
+        async with deployed(root, server, {node: Agent() for node in nodes}, **settings) as built:
+            yield built
+    finally:
+        server.stop()
 
 
 async def node_loss_seen(

@@ -18,20 +18,17 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from shared.nats_server import EmbeddedNats
 from shared.wire import (
     Finding,
     FindingKind,
     Phase,
 )
-from tests.gateway.conftest import free_port
 from tests.reliability.deployment import (
     FAULT_TEST_MARKS,
-    Agent,
     Deployment,
     both,
-    deployed,
     node_loss_seen,
+    serving,
 )
 
 pytestmark = FAULT_TEST_MARKS
@@ -44,12 +41,9 @@ NODES = ("node-a", "node-b")
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def deployment(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Deployment]:
     root = tmp_path_factory.mktemp("faults")
-    server = EmbeddedNats(store_dir=root / "nats", port=free_port()).start()
-    agents = {node: Agent() for node in NODES}
     # a frozen peer is diagnosed here, not timed out
-    async with deployed(root, server, agents, heartbeat_ttl=TTL, collective_timeout=120.0) as built:
+    async with serving(root, NODES, heartbeat_ttl=TTL, collective_timeout=120.0) as built:
         yield built
-    server.stop()
 
 
 async def test_a_rank_frozen_mid_decode_is_named_with_the_rank_waiting_on_it(
