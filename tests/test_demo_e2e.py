@@ -119,11 +119,8 @@ class Demo:
         raise AssertionError(f"not reached within {seconds:g}s")
 
 
-@pytest.fixture(scope="module", params=[(), ("--nats-auth",)], ids=["open", "nats-auth"])
-def demo(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Demo]:
-    port, data = _free_port(), tmp_path_factory.mktemp("demo") / ".rankscope"
+def _launch(data: Path, port: int, *flags: str) -> subprocess.Popen[str]:
+    """`rankscope up --demo` on `port` with `data`, returned once its demo is ready."""
     env = {**os.environ, "RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
     process = subprocess.Popen(
         [
@@ -142,7 +139,7 @@ def demo(
             str(_free_port()),
             "--data-dir",
             str(data),
-            *request.param,
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -153,14 +150,42 @@ def demo(
     assert process.stdout is not None
     for line in process.stdout:
         if line.startswith("demo ready"):
-            break
-    else:
-        raise AssertionError("the demo never became ready")
-    yield Demo(process, f"http://127.0.0.1:{port}", data)
+            return process
+    raise AssertionError("the demo never became ready")
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
     if process.poll() is None:
         process.kill()
     process.wait()
+    assert process.stdout is not None
     process.stdout.close()
+
+
+@pytest.fixture(scope="module", params=[(), ("--nats-auth",)], ids=["open", "nats-auth"])
+def demo(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Demo]:
+    port, data = _free_port(), tmp_path_factory.mktemp("demo") / ".rankscope"
+    process = _launch(data, port, *request.param)
+    yield Demo(process, f"http://127.0.0.1:{port}", data)
+    _stop(process)
+
+
+def test_restarting_up_keeps_the_running_placement(tmp_path: Path) -> None:
+    port, data = _free_port(), tmp_path / ".rankscope"
+    placed = []
+    for _ in range(2):
+        process = _launch(data, port)
+        try:
+            demo = Demo(process, f"http://127.0.0.1:{port}", data)
+            placed.append(sorted(r["runnerId"] for r in demo.get("/v1/placement/runners")))
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) == 0
+        finally:
+            _stop(process)
+    assert placed[0] == placed[1], "placed again on restart"
+    assert all("-a0-" in runner for runner in placed[1])  # the first and only incarnation
 
 
 def test_timeline_shows_both_ranks_generating(demo: Demo) -> None:

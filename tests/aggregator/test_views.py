@@ -152,3 +152,30 @@ def test_a_runner_its_agent_no_longer_lists_is_not_alive() -> None:
     assert alive() == (False, True)
     state.note_listed("node-0", {"i-r0"}, runners)
     assert alive() == (True, False)
+
+
+def test_queue_depth_counts_generations_not_yet_over_on_every_rank() -> None:
+    state = _state()
+    for task_id in ("t1", "t2", "t3"):
+        state.apply_task(
+            TaskCreated(
+                at=at(5),
+                taskId=task_id,
+                instanceId="i",
+                taskKind=TaskKind.TEXT_GENERATION,
+                request=GenerationRequest(prompt="hi"),
+            )
+        )
+
+    def report(task_id: str, runner_id: str, status: TaskStatus) -> None:
+        state.apply_task(
+            TaskStatusChanged(
+                at=at(6), taskId=task_id, instanceId="i", taskStatus=status, runnerId=runner_id
+            )
+        )
+
+    report("t1", "i-r0", TaskStatus.COMPLETE)
+    report("t1", "i-r1", TaskStatus.COMPLETE)  # over on both ranks
+    report("t2", "i-r0", TaskStatus.CANCELLED)  # over on one rank only
+    report("t3", "i-r0", TaskStatus.RUNNING)
+    assert state.queued() == {"i": 2}

@@ -66,6 +66,7 @@ async def test_health_readiness_docs_and_metrics(stack_for: Any) -> None:
     assert "startLayer" in schemas["PlacementRunnerDiagnostics"]["properties"]
     metrics = (await stack.http.get("/metrics")).text
     assert "rankscope_nats_connected 1" in metrics
+    assert "rankscope_nats_reachable 1" in metrics
     assert 'rankscope_http_requests_total{route="/healthz",method="GET",status="200"} 1' in metrics
     assert "rankscope_aggregator_up 1" in metrics
 
@@ -337,6 +338,8 @@ async def _answered(
 
     async def answer() -> None:
         task = decode((await tasks.next_msg(timeout=10)).data, TaskEvent)
+        while isinstance(task, TaskCreated) and task.taskKind is TaskKind.CANCEL_TASK:
+            task = decode((await tasks.next_msg(timeout=10)).data, TaskEvent)  # of a chat before
         assert isinstance(task, TaskCreated)
         assert task.commandId
         for node, raw in answers:
@@ -437,6 +440,24 @@ async def test_a_task_a_rank_reports_failed_ends_the_chat_with_a_502_at_once(
     )
 
 
+async def test_every_rank_that_reports_the_task_failed_is_named_not_only_the_first(
+    stack_for: Any,
+) -> None:
+    stack: Stack = await stack_for()
+    speaker = await _serving(stack)
+    failed = (  # the victim, whose ring broke, happens to report first
+        ("node-b", TaskStatus.FAILED, "the runner died: exit code 1"),
+        ("node-a", TaskStatus.FAILED, "the runner died: killed by SIGKILL"),
+    )
+    async with _answered(stack, speaker, [("", _chunk(0, "Hel"))], failed):
+        reply = await stack.http.post("/v1/chat/completions", json=CHAT)
+    assert reply.status_code == 502
+    assert reply.json()["detail"] == (
+        "the task failed on runner-on-node-b: the runner died: exit code 1; "
+        "on runner-on-node-a: the runner died: killed by SIGKILL"
+    )
+
+
 async def test_a_last_chunk_missing_after_its_rank_completed_is_a_502(stack_for: Any) -> None:
     stack: Stack = await stack_for()
     speaker = await _serving(stack)
@@ -528,6 +549,12 @@ async def test_a_client_that_leaves_mid_generation_cancels_the_task_on_every_ran
         await client
     cancel = await _cancel_of(tasks)
     assert cancel.targetTaskId == task.taskId
+
+    async def queued() -> bool:  # no rank reported it over: it still counts as queued
+        metrics = (await stack.http.get("/metrics")).text
+        return 'rankscope_instance_queued_tasks{instance="llm-0"} 1' in metrics
+
+    await _until(queued)
 
 
 async def test_a_rank_lost_mid_generation_ends_the_chat_with_a_502_naming_it(

@@ -48,6 +48,8 @@ GENERATION_TIMEOUT_S = 300.0
 RANK_CHECK_S = 2.0
 """Seconds without output after which a chat checks that every rank of its instance lives."""
 DISCONNECT_CHECK_S = 0.5
+FAILURE_GRACE_S = 1.0
+"""How long a chat whose task a rank reported failed waits for other ranks' reports."""
 FINAL_CHUNK_GRACE_S = 5.0
 """How long the last chunk may trail the `Complete` status of its rank before it counts as
 lost: both come from the same agent, the status batched with its telemetry."""
@@ -95,8 +97,9 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncGenerator[
     that cannot be decoded) ends the answer with a 502 naming the missing `seq`s, never a
     reply with a hole in its text; so does a last chunk still missing
     `FINAL_CHUNK_GRACE_S` after the speaker reported the task complete. A rank that
-    reports the task failed or timed out ends it with a 502 saying why, without waiting
-    out the deadline."""
+    reports the task failed or timed out ends it with a 502 saying why (with every other
+    rank that reports a failure within `FAILURE_GRACE_S`: the first to report is not
+    always the one at fault), without waiting out the deadline."""
     assert task.commandId is not None
     subjects = nats.layout.subjects
     output = subjects.output(task.commandId, speaker)
@@ -110,6 +113,7 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncGenerator[
     try:
         await nats.publish(subjects.tasks(task.instanceId), encode(task), task.taskId)
         deadline, expected, completed = time.monotonic() + GENERATION_TIMEOUT_S, 0, False
+        failures: list[TaskStatusChanged] = []
         while True:
             try:
                 left = deadline - time.monotonic()
@@ -118,6 +122,8 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncGenerator[
                 if time.monotonic() < deadline:
                     await _ranks_alive(nats, task.instanceId)
                     continue
+                if failures:
+                    raise fail(502, _failed(failures)) from None
                 if completed:
                     raise fail(
                         502,
@@ -126,7 +132,13 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncGenerator[
                     ) from None
                 raise fail(504, f"no output within {GENERATION_TIMEOUT_S:g}s") from None
             if msg.subject != output:
-                if _completed(msg, task.taskId) and msg.subject == speaker_status:
+                status = _status_of(msg, task.taskId)
+                if status is None:
+                    continue
+                if status.taskStatus in (TaskStatus.FAILED, TaskStatus.TIMED_OUT):
+                    failures.append(status)
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                elif status.taskStatus is TaskStatus.COMPLETE and msg.subject == speaker_status:
                     completed = True
                     deadline = min(deadline, time.monotonic() + FINAL_CHUNK_GRACE_S)
                 continue
@@ -202,19 +214,22 @@ async def _ranks_alive(nats: Bus, instance_id: str) -> None:
         raise fail(502, f"lost while generating: {names}")
 
 
-def _completed(msg: Msg, task_id: str) -> bool:
-    """Whether `msg` is a rank reporting task `task_id` complete; a 502 when it reports
-    it failed or timed out."""
+def _status_of(msg: Msg, task_id: str) -> TaskStatusChanged | None:
+    """A rank's status of task `task_id`, if that is what `msg` holds."""
     try:
         event = decode(msg.data, TaskEvent)
     except WireError:
-        return False  # the status stream's readers count it; this reply does not need it
+        return None  # the status stream's readers count it; this reply does not need it
     if not isinstance(event, TaskStatusChanged) or event.taskId != task_id:
-        return False
-    if event.taskStatus in (TaskStatus.FAILED, TaskStatus.TIMED_OUT):
-        reason = event.detail or event.taskStatus.value
-        raise fail(502, f"the task failed on {event.runnerId or 'a rank'}: {reason}")
-    return event.taskStatus is TaskStatus.COMPLETE
+        return None
+    return event
+
+
+def _failed(failures: list[TaskStatusChanged]) -> str:
+    """The ranks that reported the task failed, and why, in the order they did."""
+    return "the task failed on " + "; on ".join(
+        f"{f.runnerId or 'a rank'}: {f.detail or f.taskStatus.value}" for f in failures
+    )
 
 
 @router.post(
