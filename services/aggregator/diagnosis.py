@@ -4,11 +4,11 @@ Pure: the cluster state, the clock and the incidents open so far in; incidents o
 Progress is judged by when the aggregator last received an entry from a rank (its own
 clock), not by the runners' clocks.
 
-A rank whose collective timed out while it waited on a peer is a victim: it is listed as
-waiting, with how it ended, and never named, whether it is down, restarting or waiting
-again. An incident keeps its culprits and its `since` until each culprit makes progress
-(an entry after the incident opened) or, for a stall, is confirmed dead; whatever the
-victims do meanwhile does not change it.
+A rank that gave up on a peer (its collective timed out, or the ring lost the peer) is a
+victim: it is listed as waiting, with how it ended, and never named, whether it is down,
+restarting or waiting again. An incident keeps its culprits and its `since` until each
+culprit makes progress (an entry after the incident opened) or, for a stall, is
+confirmed dead; whatever the victims do meanwhile does not change it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from services.aggregator.views import ClusterState, RunnerView
 from shared.timestamps import format_ts, parse_ts
 from shared.wire import (
+    Breadcrumb,
     Finding,
     FindingKind,
     InstanceCreated,
@@ -110,7 +111,7 @@ class _Judge:
         silent = [v for v in views if v.progressed is None]
         if silent and self.now - self.placed > self.limits.no_data:
             return _Verdict(FindingKind.MISSING_DATA, silent, [])
-        dead = [v for v in views if self.down(v) and v.timed_out is None]
+        dead = [v for v in views if self.down(v) and v.gave_up is None]
         if dead:
             return _Verdict(FindingKind.DEAD_RANK, dead, others(dead))
         frozen = [v for v in views if self.frozen(v)]
@@ -119,7 +120,7 @@ class _Judge:
             # its peers still talk means a frozen process (stopped, wedged in the kernel),
             # and whatever the instance does next waits on it.
             return _Verdict(FindingKind.STALLED_RANK, frozen, others(frozen))
-        working = [v for v in views if v.phase not in _RESTING and v.timed_out is None]
+        working = [v for v in views if v.phase not in _RESTING and v.gave_up is None]
         if not working or not all(self.stale(v) for v in working):
             return None
         # Ranks move in lockstep: one at rest while a peer waits in a collective is behind.
@@ -143,6 +144,8 @@ class _Judge:
             view = self.state.runners.get(runner_id)
             if view is None or view.ref.instanceId != incident.finding.instanceId:
                 return False
+            if view.gave_up is not None:
+                return False  # now known to have given up on a peer: a victim after all
             if kind is FindingKind.MISSING_DATA:
                 if view.progressed is not None:
                     return False
@@ -192,14 +195,14 @@ class _Judge:
     def doing(self, view: RunnerView) -> str:
         """What a waiting rank is doing, and how it got there."""
         words = []
-        if view.timed_out is not None:
-            words.append(f"timed out in {_timeout(view)}")
+        if view.gave_up is not None:
+            words.append(_gave_up(view) or "")
         if self.down(view):
             words.append(self.why_down(view))
         elif view.waiting_in is not None:
             words.append(f"waiting in {view.waiting_in}")
         else:
-            words.append(f"{'now ' if view.timed_out else ''}waiting in {_where(view)}")
+            words.append(f"{'now ' if view.gave_up else ''}waiting in {_where(view)}")
         return ", ".join(words)
 
 
@@ -222,14 +225,19 @@ def _exit(view: RunnerView) -> str | None:
     return failure.detail if failure is not None else None
 
 
-def _timeout(view: RunnerView) -> str | None:
-    entry = view.timed_out
+def _gave_up(view: RunnerView) -> str | None:
+    """How and where it gave up on a peer: `timed out in decode_stream after 60s at
+    12:01:00`, `lost its peer in decode_stream at 12:01:00`."""
+    entry = view.gave_up
     if entry is None:
         return None
     site = entry.attrs.get("site", entry.phase.value)
+    at = format_ts(parse_ts(entry.at))[11:19]
+    if entry.event == Breadcrumb.PEER_LOST:
+        return f"lost its peer in {site} at {at}"
     seconds = entry.attrs.get("timeoutSeconds")
     after = f" after {seconds:g}s" if isinstance(seconds, int | float) else ""
-    return f"{site}{after} at {format_ts(parse_ts(entry.at))[11:19]}"
+    return f"timed out in {site}{after} at {at}"
 
 
 def _evidence(judge: _Judge, view: RunnerView, culprit: bool) -> RankEvidence:
@@ -243,8 +251,8 @@ def _evidence(judge: _Judge, view: RunnerView, culprit: bool) -> RankEvidence:
         processAlive=view.alive,
         role=RankRole.CULPRIT if culprit else RankRole.WAITING,
         waitingIn=view.waiting_in,
-        timedOutIn=_timeout(view),
-        exitReason=_exit(view) if judge.down(view) or view.timed_out else None,
+        gaveUp=_gave_up(view),
+        exitReason=_exit(view) if judge.down(view) or view.gave_up else None,
     )
 
 
@@ -288,14 +296,20 @@ def diagnose(
         views = [state.runners[a.runnerId] for a in instance.assignments]
         judge = _Judge(state, views, now, placed_at(instance.instanceId), thresholds)
         previous = incidents.get(instance.instanceId)
-        if previous is not None and judge.at_fault(previous):
-            verdict: _Verdict | None = judge.kept(previous)
-        else:
-            verdict = judge.verdict()
+        verdict = judge.verdict()
+        if previous is not None and judge.at_fault(previous) and not _widens(previous, verdict):
+            verdict = judge.kept(previous)
         if verdict is None:
             continue
         found[instance.instanceId] = _incident(judge, instance, verdict, previous, wall)
     return found
+
+
+def _widens(previous: Incident, verdict: _Verdict | None) -> bool:
+    """Whether `verdict` is `previous` with more ranks at fault (a second rank found dead)."""
+    if verdict is None or verdict.kind is not previous.finding.kind:
+        return False
+    return set(previous.finding.culpritRunnerIds) < {v.ref.runnerId for v in verdict.culprits}
 
 
 def _incident(
@@ -306,10 +320,10 @@ def _incident(
     wall: str,
 ) -> Incident:
     culprits = [v.ref.runnerId for v in verdict.culprits]
-    same = (
+    same = (  # the same incident, or it widened: it keeps its since
         previous is not None
         and previous.finding.kind is verdict.kind
-        and previous.finding.culpritRunnerIds == culprits
+        and set(previous.finding.culpritRunnerIds) <= set(culprits)
     )
     task_id = next((v.task_id for v in verdict.culprits if v.task_id), None)
     finding = Finding(

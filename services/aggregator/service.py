@@ -670,7 +670,7 @@ def _told(finding: Finding) -> tuple[object, ...]:
         finding.kind,
         finding.culpritRunnerIds,
         finding.waitingRanks,
-        [(e.timedOutIn, e.exitReason, e.processAlive, e.capturedAt) for e in finding.evidence],
+        [(e.gaveUp, e.exitReason, e.processAlive, e.capturedAt) for e in finding.evidence],
     )
 
 

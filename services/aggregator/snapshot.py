@@ -67,7 +67,7 @@ class _Runner(msgspec.Struct, array_like=True):
     heard: bool
     progressed: bool
     waiting_in: str | None = None
-    timed_out: FlightEntry | None = None
+    gave_up: FlightEntry | None = None
     failure: RunnerStatusChanged | None = None
 
 
@@ -109,7 +109,7 @@ def capture(state: ClusterState, positions: dict[str, Position]) -> Snapshot:
                 heard=view.heard is not None,
                 progressed=view.progressed is not None,
                 waiting_in=view.waiting_in,
-                timed_out=view.timed_out,
+                gave_up=view.gave_up,
                 failure=view.failure,
             )
             for view in state.runners.values()
@@ -153,7 +153,7 @@ def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
             command_id=held.command_id,
             memory=held.memory,
             waiting_in=held.waiting_in,
-            timed_out=held.timed_out,
+            gave_up=held.gave_up,
             failure=held.failure,
         )
     state.store = store

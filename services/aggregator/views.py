@@ -55,6 +55,7 @@ UNLISTED = 2
 """Probes in a row a runner's node answers without it before it counts as not alive (one
 is not enough: an agent lists a runner only once it has started it)."""
 _READY = frozenset({RunnerStatusKind.READY, RunnerStatusKind.RUNNING})
+_GAVE_UP = frozenset({Breadcrumb.COLLECTIVE_TIMEOUT, Breadcrumb.PEER_LOST})
 
 
 @dataclass(slots=True)
@@ -78,9 +79,9 @@ class RunnerView:
     """The newest seq its agent had acknowledged by JetStream, as of the last probe."""
     waiting_in: str | None = None
     """The collective its last entry says it is waiting in (its site)."""
-    timed_out: FlightEntry | None = None
-    """Its last watchdog timeout since it was last ready: a victim's breadcrumb, kept
-    across its restarts."""
+    gave_up: FlightEntry | None = None
+    """The last time it gave up on a peer since it was last ready (its collective timed
+    out, or the ring lost the peer): a victim's breadcrumb, kept across its restarts."""
     failure: RunnerStatusChanged | None = None
     """Its last failure since it was last ready (how its process ended)."""
     unlisted: int = 0
@@ -224,10 +225,10 @@ class ClusterState:
         view.phase_detail, view.last_at = last.detail, last.at
         view.waiting_in = _site(last) if last.event == Breadcrumb.COLLECTIVE_WAIT else None
         for entry in entries:
-            if entry.event == Breadcrumb.COLLECTIVE_TIMEOUT:
-                view.timed_out = entry
+            if entry.event in _GAVE_UP:
+                view.gave_up = entry
             elif entry.event == Breadcrumb.RUNNER_READY:
-                view.timed_out = view.failure = None
+                view.gave_up = view.failure = None
         for entry in reversed(entries):
             if entry.phase is Phase.IDLE:
                 view.task_id = view.command_id = None

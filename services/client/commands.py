@@ -94,7 +94,7 @@ def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
     )
 
 
-_EVIDENCE = ("phase", "step", "waitingIn", "timedOutIn", "exitReason", "process", "lastProgressAt")
+_EVIDENCE = ("phase", "step", "waitingIn", "gaveUp", "exitReason", "process", "lastProgressAt")
 """What `diagnose --verbose` says of each rank, in this order."""
 
 
@@ -106,18 +106,7 @@ def _finding_lines(finding: dict[str, Any], verbose: bool) -> list[str]:
     ]
     if verbose:
         for rank in finding.get("evidence", []):
-            said = [
-                f"{key} {rank[key]}"
-                for key in (
-                    "phase",
-                    "step",
-                    "waitingIn",
-                    "timedOutIn",
-                    "exitReason",
-                    "lastProgressAt",
-                )
-                if rank.get(key) is not None
-            ]
+            said = [f"{key} {rank[key]}" for key in _EVIDENCE if rank.get(key) is not None]
             lines.append(
                 f"    rank {rank['deviceRank']} {rank['nodeId']} {rank.get('role') or ''}: "
                 + (", ".join(said) or "no data")

@@ -59,8 +59,9 @@ class RankEvidence(CamelStruct, kw_only=True, frozen=True):
     role: RankRole | None = None
     waitingIn: str | None = None
     """The collective it has been waiting in, by its last entry."""
-    timedOutIn: str | None = None
-    """Where and when its watchdog gave up waiting on a peer (kept across its restarts)."""
+    gaveUp: str | None = None
+    """How, where and when it last gave up on a peer (its collective timed out, or the ring
+    lost the peer), kept across its restarts until it is ready again."""
     exitReason: str | None = None
     """How its process ended, when it is down or timed out."""
     process: ProcessState | None = None

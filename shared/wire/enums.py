@@ -45,6 +45,8 @@ class Breadcrumb(StrEnum):
     """The collective it waited in returned."""
     COLLECTIVE_TIMEOUT = "pipeline_eval_timeout"
     """Its collective did not finish before the watchdog's deadline; the process exits."""
+    PEER_LOST = "peer_lost"
+    """Its collective failed (the ring lost a peer's connection); the process exits."""
 
 
 class RunnerStatusKind(StrEnum):

@@ -418,6 +418,9 @@ async def test_the_peer_of_a_killed_runner_records_the_lost_connection(cluster: 
     await cluster.until(cluster.all_ready)
     errors = [e for e in cluster.entries[RANKS[0]] if e.phase is Phase.ERROR]
     assert errors[0].detail == "[ring] connection to a peer was lost"
+    assert errors[0].event == "peer_lost"  # a victim of its peer, in the collective it was in
+    assert errors[0].attrs["exception"] == "RuntimeError"
+    assert isinstance(errors[0].attrs["site"], str)
     assert errors[0].mlxMemory is not None
 
 

@@ -275,9 +275,9 @@ def test_a_hang_longer_than_the_collective_timeout_keeps_naming_the_silent_rank(
     assert waiter[30].waitingIn == "task_agreement"
     assert waiter[30].role is RankRole.WAITING
     assert waiter[64].processAlive is False
-    assert waiter[64].timedOutIn == "task_agreement after 60s at 12:01:00"
+    assert waiter[64].gaveUp == "timed out in task_agreement after 60s at 12:01:00"
     assert (waiter[64].exitReason or "").startswith("watchdog")
-    assert waiter[100].timedOutIn == "task_agreement after 60s at 12:01:00"  # restarted, kept
+    assert waiter[100].gaveUp == waiter[64].gaveUp  # restarted, and kept
     assert waiter[100].waitingIn == "connect_group"
     (last,) = named[-1][1]
     assert last.summary == (
@@ -332,11 +332,11 @@ def test_a_victim_that_timed_out_is_never_named_while_its_peer_is_silent() -> No
 def test_a_victim_stays_a_victim_until_it_is_ready_again() -> None:
     state, _ = _setup()
     state.apply_telemetry(_said(0, 0, 1, Phase.TASK_AGREEMENT, "pipeline_eval_timeout"))
-    assert state.runners["i-r0"].timed_out is not None
+    assert state.runners["i-r0"].gave_up is not None
     state.apply_telemetry(_said(0, 1, 2, Phase.CREATED, "process_started"))
-    assert state.runners["i-r0"].timed_out is not None
+    assert state.runners["i-r0"].gave_up is not None
     state.apply_telemetry(_said(0, 2, 3, Phase.IDLE, "runner_ready"))
-    assert state.runners["i-r0"].timed_out is None
+    assert state.runners["i-r0"].gave_up is None
 
 
 def test_the_incident_outlasts_a_moment_when_every_rank_is_quiet() -> None:
@@ -345,3 +345,44 @@ def test_the_incident_outlasts_a_moment_when_every_rank_is_quiet() -> None:
     hang.clock.now += 10  # the waiting rank's samples are late too: both look frozen
     (during,) = _run(hang.state, hang.clock)
     assert (during.culpritRanks, during.since) == ([1], before.since)
+
+
+def test_a_rank_that_lost_its_peer_is_a_victim_even_when_it_says_so_last() -> None:
+    from shared.wire import UnreachableNode
+
+    state, clock = _setup()
+    for r in (0, 1):
+        state.apply_telemetry(entries(rank(r), (0, 1, Phase.DECODE_STREAM, 5)))
+    # node-1 and its rank die; rank 0's ring breaks and it exits: its exit arrives first
+    state.apply_telemetry(
+        status(rank(0), 1, RunnerStatusKind.FAILED, alive=False, detail="exit code 1")
+    )
+    (first,) = _run(state, clock)
+    assert first.culpritRanks == [0]  # all that is known yet
+    state.apply_telemetry(_said(0, 2, 2, Phase.ERROR, "peer_lost", site="decode_stream"))
+    state.unreachable = {"node-1": UnreachableNode(nodeId="node-1", error="silent")}
+    clock.now += 1
+    (finding,) = _run(state, clock)
+    assert (finding.kind, finding.culpritRanks, finding.waitingRanks) == (
+        FindingKind.DEAD_RANK,
+        [1],
+        [0],
+    )
+    (victim,) = [e for e in finding.evidence if e.deviceRank == 0]
+    assert victim.gaveUp == "lost its peer in decode_stream at 12:00:02"
+    assert victim.role is RankRole.WAITING
+
+
+def test_a_second_rank_found_dead_widens_the_incident_it_does_not_start_another() -> None:
+    from shared.wire import UnreachableNode
+
+    state, clock = _setup(world=3)
+    for r in range(3):
+        state.apply_telemetry(entries(rank(r, world=3), (0, 1, Phase.DECODE_STREAM, 5)))
+    state.unreachable = {"node-1": UnreachableNode(nodeId="node-1", error="silent")}
+    (first,) = _run(state, clock)
+    clock.now += 1
+    state.unreachable["node-2"] = UnreachableNode(nodeId="node-2", error="silent")
+    (wider,) = _run(state, clock)
+    assert (first.culpritRanks, wider.culpritRanks) == ([1], [1, 2])
+    assert wider.since == first.since

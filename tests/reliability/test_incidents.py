@@ -62,9 +62,9 @@ async def test_a_hang_longer_than_the_collective_timeout_names_the_frozen_rank_t
     assert len({f.since for f in findings}) == 1, "one incident, not one per flap"
     peer = [e for f in findings for e in f.evidence if e.runnerId == waiting.runnerId]
     assert {e.role for e in peer} == {RankRole.WAITING}
-    timed_out = [e for e in peer if e.timedOutIn]
+    timed_out = [e for e in peer if e.gaveUp]
     assert timed_out, "the peer's collective timeout is in the evidence"
-    assert (timed_out[-1].timedOutIn or "").startswith("task_agreement after 10s")
+    assert (timed_out[-1].gaveUp or "").startswith("timed out in task_agreement after 10s")
     assert "timed out in task_agreement" in findings[-1].summary
     # the evidence captured as the incident opened: the line the waiting rank was on
     (culprit,) = [e for e in findings[-1].evidence if e.runnerId == frozen.runnerId]

@@ -82,7 +82,7 @@ class _Runner:
                 "nLayers": rank.nLayers,
             },
         )
-        with self.watchdog.guard("load_model", timeouts.warmup):
+        with self.watchdog.guard("load_model", timeouts.warmup, peers=False):
             shard = load_shard(Path(config.model_path), group, config.assignments, rank)
         record(
             Phase.LOAD_MODEL,
@@ -238,12 +238,18 @@ def runner_main(
         recorder.record(Phase.SHUTDOWN_CLEANUP, "stopping", memory=True)
         recorder.status(RunnerStatusKind.SHUTDOWN)
     except Exception as exc:
+        site = runner.watchdog.broke  # raised inside a collective: a peer went away
         recorder.record(
             Phase.ERROR,
-            type(exc).__name__,
+            Breadcrumb.PEER_LOST if site else type(exc).__name__,
             detail=str(exc)[:500],
             memory=True,
-            attrs={"failedIn": recorder.phase.value, "traceback": traceback.format_exc()[-2000:]},
+            attrs={
+                "failedIn": recorder.phase.value,
+                "exception": type(exc).__name__,
+                "traceback": traceback.format_exc()[-2000:],
+                **({"site": site} if site else {}),
+            },
         )
         recorder.status(RunnerStatusKind.FAILED, f"{type(exc).__name__}: {exc}")
         code = 1

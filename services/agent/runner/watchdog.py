@@ -26,6 +26,9 @@ __all__ = ["WAIT_NOTE_S", "WEDGED_EXIT", "Watchdog"]
 WEDGED_EXIT = 75
 """Exit code of a runner whose collective did not finish in time."""
 
+_BACKENDS = ("[ring]", "[mpi]", "[jaccl]", "[nccl]")
+"""How mlx.distributed's backends start their errors (`[ring] connection to a peer was lost`)."""
+
 WAIT_NOTE_S = 2.0
 """How long a guarded call runs before the rank records that it is waiting in it."""
 
@@ -43,12 +46,18 @@ class Watchdog:
         self._phase: Phase | None = None
         self._entered = ""
         self._seconds = 0.0
+        self.broke: str | None = None
+        """The site of the collective (a guarded call with peers) in which the distributed
+        backend raised, if it did: the ring lost a peer."""
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
 
     @contextmanager
-    def guard(self, site: str, seconds: float, phase: Phase | None = None) -> Iterator[None]:
+    def guard(
+        self, site: str, seconds: float, phase: Phase | None = None, *, peers: bool = True
+    ) -> Iterator[None]:
         """Run the body under a deadline of `seconds`; `site` names the call in entries,
-        `phase` the phase a wait in it is recorded in (the current one by default)."""
+        `phase` the phase a wait in it is recorded in (the current one by default), `peers`
+        whether it waits on other ranks (a collective) or only on this one."""
         before = self._recorder.phase
         started = time.monotonic()
         with self._lock:
@@ -58,6 +67,10 @@ class Watchdog:
             self._lock.notify()
         try:
             yield
+        except Exception as exc:
+            if peers and str(exc).startswith(_BACKENDS):
+                self.broke = site
+            raise
         finally:
             with self._lock:
                 self._deadline = None

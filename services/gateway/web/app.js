@@ -183,7 +183,7 @@ function draw() {
 }
 
 function evidence(rank, open) {
-  const said = ["role", "phase", "waitingIn", "timedOutIn", "exitReason", "process"]
+  const said = ["role", "phase", "waitingIn", "gaveUp", "exitReason", "process"]
     .filter((k) => rank[k] !== null && rank[k] !== undefined)
     .map((k) => `${k} ${escape(rank[k])}`).join(" · ");
   const stack = rank.stack ? `<pre>${escape(rank.stack)}</pre>` : "";
