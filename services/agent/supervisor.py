@@ -1,5 +1,7 @@
 """Supervise one runner process: spawn it, turn what it reports into numbered telemetry,
-classify how it ended, restart it (up to a crash breaker), and tear it down on release.
+classify how it ended, restart it (up to a crash breaker, which a victim of its peers
+does not trip: a collective timed out, or its ring lost a peer), and tear it down on
+release.
 
 The supervisor numbers every telemetry message of its runner (entries, memory samples,
 status changes) with one gap-free `seq`, continuing where the stream left off.
@@ -31,6 +33,7 @@ from shared.processes import process_state, signal_name
 from shared.subjects import Subjects, TelemetryKind
 from shared.timestamps import now
 from shared.wire import (
+    Breadcrumb,
     FlightEntry,
     MemorySampled,
     MlxMemorySnapshot,
@@ -53,6 +56,8 @@ log = logging.getLogger(__name__)
 
 CRASH_LIMIT = 3
 CRASH_WINDOW_S = 60.0
+VICTIM_BACKOFF_MAX_S = 30.0
+"""Longest wait before restarting a runner that gave up on its peers again and again."""
 KEEP_ENTRIES = 128
 _TELEMETRY_QUEUE = 1024
 _STOP_GRACE_S = 3.0  # twice this fits within `up`'s 8 s grace for the agent
@@ -130,6 +135,10 @@ class RunnerSupervisor:
         self._crashes: deque[float] = deque()
         self._stacks_ready = False
         """Whether the process can write its stacks (SIGUSR1 would kill it before)."""
+        self._lost_peer: str | None = None
+        """The collective in which the process's ring lost a peer, if it did."""
+        self._victim_exits = 0
+        """Exits as a victim of its peers since it was last ready."""
         self._releasing = False
         self.exited = asyncio.Event()
         self.gave_up = False
@@ -181,6 +190,7 @@ class RunnerSupervisor:
         )
         self._process.start()
         self._stacks_ready = False
+        self._lost_peer = None
         self.exited.clear()
         self._readers = [
             threading.Thread(target=self._read, args=(channel, self._process), daemon=True)
@@ -212,6 +222,8 @@ class RunnerSupervisor:
         if kind == ENTRY:
             self._stacks_ready = True  # its first entry comes after it can dump its stacks
             _, at, phase, event, detail, attrs, task_id, command_id, memory, dropped = item
+            if event == Breadcrumb.PEER_LOST:
+                self._lost_peer = str(attrs.get("site", phase))
             if dropped:
                 attrs = {**attrs, "droppedBefore": dropped}
                 self.dropped_entries += dropped
@@ -237,7 +249,10 @@ class RunnerSupervisor:
                 self._subject("memory"), encode(sample), self.runner_id, sample.seq
             )
         elif kind == STATUS:
-            self._set_status(RunnerStatusKind(item[1]), item[2])
+            status = RunnerStatusKind(item[1])
+            if status is RunnerStatusKind.READY:
+                self._victim_exits = 0
+            self._set_status(status, item[2])
         elif kind == TASK:
             self._on_task(item[1], TaskStatus(item[2]), item[3])
         elif kind == OUTPUT:
@@ -322,6 +337,8 @@ class RunnerSupervisor:
             await asyncio.to_thread(reader.join)
         code = process.exitcode if process.exitcode is not None else -1
         cause = exit_cause(code)
+        if self._lost_peer is not None:
+            cause = f"lost its peer in {self._lost_peer} ({cause})"
         if self._releasing:
             if self.status is not RunnerStatusKind.SHUTDOWN:
                 self._set_status(RunnerStatusKind.SHUTDOWN, cause, code, signal_name(code))
@@ -345,7 +362,13 @@ class RunnerSupervisor:
             )
         )
         moment = time.monotonic()
-        self._crashes.append(moment)
+        victim = code == WEDGED_EXIT or self._lost_peer is not None
+        if victim:  # no crash of its own: it waits for its peers, a little longer each time
+            delay = min(2.0**self._victim_exits, VICTIM_BACKOFF_MAX_S)
+            self._victim_exits += 1
+        else:
+            delay = 1.0
+            self._crashes.append(moment)
         while self._crashes and self._crashes[0] < moment - CRASH_WINDOW_S:
             self._crashes.popleft()
         self.gave_up = len(self._crashes) >= CRASH_LIMIT
@@ -358,7 +381,7 @@ class RunnerSupervisor:
         if not self.gave_up:
             self.restarts += 1
             assert self._loop is not None
-            self._loop.call_later(1.0, self._restart)
+            self._loop.call_later(delay, self._restart)
 
     def _restart(self) -> None:
         if not self._releasing:

@@ -420,7 +420,15 @@ async def test_the_peer_of_a_killed_runner_records_the_lost_connection(cluster: 
     assert errors[0].detail == "[ring] connection to a peer was lost"
     assert errors[0].event == "peer_lost"  # a victim of its peer, in the collective it was in
     assert errors[0].attrs["exception"] == "RuntimeError"
-    assert isinstance(errors[0].attrs["site"], str)
+    site = errors[0].attrs["site"]
+    assert isinstance(site, str)
+    failed = [
+        s.detail or ""
+        for s in cluster.statuses
+        if s.runner.runnerId == RANKS[0] and s.statusKind is RunnerStatusKind.FAILED
+    ]
+    assert failed[0] == "RuntimeError: [ring] connection to a peer was lost"  # its own word
+    assert failed[1] == f"lost its peer in {site} (exit code 1); restarting"  # its agent's
     assert errors[0].mlxMemory is not None
 
 

@@ -48,7 +48,7 @@ GENERATION_TIMEOUT_S = 300.0
 RANK_CHECK_S = 2.0
 """Seconds without output after which a chat checks that every rank of its instance lives."""
 DISCONNECT_CHECK_S = 0.5
-FAILURE_GRACE_S = 1.0
+FAILURE_GRACE_S = 3.0
 """How long a chat whose task a rank reported failed waits for other ranks' reports."""
 FINAL_CHUNK_GRACE_S = 5.0
 """How long the last chunk may trail the `Complete` status of its rank before it counts as
