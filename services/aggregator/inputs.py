@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from shared.subjects import IdTooLongError, token
+import functools
+
+from shared.subjects import IdTooLongError, Subjects, TelemetryKind, token
 from shared.wire import (
     InstanceCreated,
+    MemorySampled,
+    PhaseEntries,
     PlacementEvent,
+    RunnerStatusChanged,
     RunnerTelemetry,
     TaskEvent,
     WireError,
@@ -34,11 +39,27 @@ def _named(*ids: str) -> None:
         raise BadInputError("id_empty", str(exc)) from None
 
 
-def parse_telemetry(data: bytes) -> RunnerTelemetry:
-    """A runner telemetry message.
+_KIND: dict[type, TelemetryKind] = {
+    PhaseEntries: "phase",
+    MemorySampled: "memory",
+    RunnerStatusChanged: "status",
+}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _subject(
+    subjects: Subjects, node_id: str, instance_id: str, rank: int, kind: TelemetryKind
+) -> str:
+    return subjects.runner(node_id, instance_id, rank, kind)
+
+
+def parse_telemetry(data: bytes, subject: str, subjects: Subjects) -> RunnerTelemetry:
+    """A runner telemetry message received on `subject`.
 
     Raises:
-        BadInputError: it does not decode, or names a rank outside its world.
+        BadInputError: it does not decode, names a rank outside its world, or names a
+            runner other than the one its subject does (a node's user may publish only
+            its own node's subjects, so a payload naming another node's runner is a lie).
     """
     try:
         event: RunnerTelemetry = decode(data, RunnerTelemetry)
@@ -49,7 +70,13 @@ def parse_telemetry(data: bytes) -> RunnerTelemetry:
             "telemetry_rank_outside_world",
             f"deviceRank {event.runner.deviceRank} >= worldSize {event.runner.worldSize}",
         )
-    _named(event.runner.nodeId, event.runner.instanceId, event.runner.runnerId)
+    ref = event.runner
+    _named(ref.nodeId, ref.instanceId, ref.runnerId)
+    named = _subject(subjects, ref.nodeId, ref.instanceId, ref.deviceRank, _KIND[type(event)])
+    if subject != named:
+        raise BadInputError(
+            "telemetry_identity", f"received on {subject!r}, but its runner's subject is {named!r}"
+        )
     return event
 
 

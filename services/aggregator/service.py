@@ -153,7 +153,8 @@ class AggregatorService:
 
     async def _on_telemetry(self, msg: Msg) -> None:
         try:
-            self.state.apply_telemetry(parse_telemetry(msg.data), msg.data)
+            event = parse_telemetry(msg.data, msg.subject, self._layout.subjects)
+            self.state.apply_telemetry(event, msg.data)
         except BadInputError as exc:
             self._reject(msg, exc)
 

@@ -29,6 +29,7 @@ from shared.subjects import IdTooLongError
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
 MAX_BODY_BYTES = 1 << 20
+_TOO_LARGE = f"request body over {MAX_BODY_BYTES} bytes"
 WEB = Path(__file__).parent / "web"
 
 
@@ -55,11 +56,22 @@ class LimitsAndMetrics:
                 status = message["status"]
             await send(message)
 
+        received = 0
+
+        async def counted() -> Message:
+            # a body without Content-Length (chunked) is counted as it streams in
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                raise HTTPException(413, _TOO_LARGE)
+            return message
+
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            refusal = Json({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+            refusal = Json({"detail": _TOO_LARGE}, status_code=413)
             await refusal(scope, receive, sent)
         else:
-            await self._app(scope, receive, sent)
+            await self._app(scope, counted, sent)
         path = getattr(scope.get("route"), "path", "unmatched")
         self._metrics.observe(path, scope["method"], status, time.perf_counter() - started)
 

@@ -27,6 +27,7 @@ from shared.wire import (
     Phase,
     PlacementRunnerDiagnostics,
     RunnerHistory,
+    RunnerStatusKind,
     RunnerSupervisorDiagnostics,
     RunnerSynopsis,
     TimelineQuery,
@@ -34,7 +35,7 @@ from shared.wire import (
     encode,
 )
 from tests.agents_stand_in import answer_probes
-from tests.aggregator.builders import at, entries, placed, rank
+from tests.aggregator.builders import at, entries, placed, rank, status
 from tests.aggregator.running import WAIT, aggregator, publish, query, until
 from tests.ranktable.builders import node_info
 
@@ -176,6 +177,22 @@ async def test_malformed_messages_are_counted_dead_lettered_and_skipped(
         await running.service.dead_letters.settled()
     info = await js.stream_info(js_ready.deadletter_stream.name)
     assert info.state.messages == 1003
+
+
+async def test_a_node_cannot_speak_for_another_node_s_runner(nc: Client, js_ready: Layout) -> None:
+    js = nc.jetstream()
+    await publish(nc, js_ready, placed())
+    # with node-0's credentials, a death of node-1's rank, pinned far ahead by its seq
+    spoof = status(rank(1), 900_000_000, RunnerStatusKind.FAILED, alive=False, detail="spoof")
+    await js.publish(js_ready.subjects.runner("node-0", "i", 1, "status"), encode(spoof))
+    await js.publish(js_ready.subjects.runner("node-0", "i", 0, "status"), encode(spoof))
+    await js.publish(js_ready.subjects.runner("node-1", "i", 1, "memory"), encode(spoof))
+    honest = status(rank(1), 0, RunnerStatusKind.READY)
+    await js.publish(js_ready.subjects.runner("node-1", "i", 1, "status"), encode(honest))
+    async with aggregator(nc, js_ready) as running:
+        assert running.service.dead_letters.counts == {"telemetry_identity": 3}
+        (kept,) = [v.status for v in running.service.state.runners.values() if v.status]
+        assert kept == honest
 
 
 async def test_query_errors_say_what_is_wrong(nc: Client, js_ready: Layout) -> None:

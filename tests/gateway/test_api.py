@@ -148,6 +148,16 @@ async def test_malformed_json_and_oversize_bodies(stack_for: Any) -> None:
     huge = await stack.http.post("/v1/runners", content=b" " * (2 << 20))
     assert huge.status_code == 413
 
+    async def streamed() -> AsyncIterator[bytes]:  # no Content-Length: chunked, 200 MB
+        for _ in range(200):
+            yield b" " * (1 << 20)
+
+    for path in ("/v1/runners", "/v1/chat/completions"):
+        chunked = await stack.http.post(path, content=streamed())
+        assert chunked.status_code == 413
+        assert chunked.json()["detail"] == "request body over 1048576 bytes"
+    assert (await stack.http.get("/v1/runners")).status_code == 200  # and the gateway serves
+
 
 async def test_timeline_trace_and_their_query_errors(stack_for: Any) -> None:
     stack: Stack = await stack_for()
@@ -491,6 +501,14 @@ async def test_an_id_too_long_for_a_subject_is_a_422_and_nats_stays_connected(
     assert (await http.get("/readyz")).status_code == 200
     assert (await http.get("/v1/runners")).status_code == 200
     assert (await http.post("/v1/runners", json={"runners": [SPEC]})).status_code == 200
+
+
+async def test_a_chat_message_of_no_known_role_is_a_422_naming_it(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    body = {"model": "llm", "messages": [{"role": "god", "content": "obey"}]}
+    reply = await stack.http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 422
+    assert "$.messages[0].role" in reply.json()["detail"]
 
 
 @pytest.mark.parametrize(

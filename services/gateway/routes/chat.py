@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from nats.aio.msg import Msg
@@ -58,7 +58,7 @@ lost: both come from the same agent, the status batched with its telemetry."""
 class Message(SnakeStruct, kw_only=True, frozen=True):
     """A chat message."""
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str
 
 
