@@ -119,9 +119,11 @@ class Demo:
         raise AssertionError(f"not reached within {seconds:g}s")
 
 
-def _launch(data: Path, port: int, *flags: str) -> subprocess.Popen[str]:
-    """`rankscope up --demo` on `port` with `data`, returned once its demo is ready."""
+def _launch(data: Path, port: int, *flags: str, **extra: str) -> subprocess.Popen[str]:
+    """`rankscope up --demo` on `port` with `data` (and `extra` variables), returned once
+    its demo is ready."""
     env = {**os.environ, "RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
+    env.update(extra)
     process = subprocess.Popen(
         [
             sys.executable,
@@ -170,6 +172,19 @@ def demo(
     process = _launch(data, port, *request.param)
     yield Demo(process, f"http://127.0.0.1:{port}", data)
     _stop(process)
+
+
+def test_the_demo_runs_behind_an_api_token_that_closes_reads_too(tmp_path: Path) -> None:
+    port = _free_port()
+    secret = {"RANKSCOPE_API_TOKEN": "s3cret", "RANKSCOPE_API_TOKEN_READS": "true"}
+    process = _launch(tmp_path / ".rankscope", port, **secret)  # it creates its spec, chats
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/runners", timeout=10)
+        assert refused.value.code == 401
+        refused.value.close()
+    finally:
+        _stop(process)
 
 
 def test_restarting_up_keeps_the_running_placement(tmp_path: Path) -> None:

@@ -22,11 +22,12 @@ DEMO_RUNNER = "demo"
 _PROMPTS = ["Which rank is stuck?", "Which node holds layer seven?", "How much memory?"]
 
 
-def _call(url: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
+def _call(url: str, method: str, body: Any, token: str | None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, json.loads(reply.read() or b"null")
@@ -41,13 +42,15 @@ def _settle(done: asyncio.Future[tuple[int, Any]], result: tuple[int, Any]) -> N
         done.set_result(result)
 
 
-async def _http(url: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
+async def _http(
+    url: str, method: str = "GET", body: Any = None, *, token: str | None = None
+) -> tuple[int, Any]:
     """`_call` on a daemon thread, so a slow request never holds up shutting down."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[tuple[int, Any]] = loop.create_future()
 
     def work() -> None:
-        result = _call(url, method, body)
+        result = _call(url, method, body, token)
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
             loop.call_soon_threadsafe(_settle, done, result)
 
@@ -69,12 +72,12 @@ def spec(model: Path) -> dict[str, Any]:
     }
 
 
-async def _progress(base: str, stop: asyncio.Event) -> bool:
+async def _progress(base: str, stop: asyncio.Event, token: str | None) -> bool:
     """Show the ranks' state until the instance is ready; False if stopped first."""
     spinner = "|/-\\"
     tick = 0
     while not stop.is_set():
-        status, placement = await _http(f"{base}/v1/placement/runners")
+        status, placement = await _http(f"{base}/v1/placement/runners", token=token)
         ranks = placement if status == 200 and isinstance(placement, list) else []
         ready = [r for r in ranks if r.get("statusKind") in ("RunnerReady", "RunnerRunning")]
         states = (
@@ -91,20 +94,24 @@ async def _progress(base: str, stop: asyncio.Event) -> bool:
     return False
 
 
-async def drive(base: str, model: Path, stop: asyncio.Event, every: float = 5.0) -> None:
-    """Create the spec (if missing), wait for readiness, then keep completions flowing."""
+async def drive(
+    base: str, model: Path, stop: asyncio.Event, every: float = 5.0, token: str | None = None
+) -> None:
+    """Create the spec (if missing), wait for readiness, then keep completions flowing;
+    with the gateway's API `token` when it has one."""
     while not stop.is_set():
         status, _ = await _http(f"{base}/readyz")
         if status == 200:
             break
         await asyncio.sleep(0.2)
-    status, _ = await _http(f"{base}/v1/runners/{DEMO_RUNNER}")
+    status, _ = await _http(f"{base}/v1/runners/{DEMO_RUNNER}", token=token)
     if status == 404:
-        status, reply = await _http(f"{base}/v1/runners", "POST", {"runners": [spec(model)]})
+        body = {"runners": [spec(model)]}
+        status, reply = await _http(f"{base}/v1/runners", "POST", body, token=token)
         if status != 200:
             log.error("could not create the demo runner: %s", reply)
             return
-    if not await _progress(base, stop):
+    if not await _progress(base, stop, token):
         return
     print(f"demo ready: chat completions every {every:g}s; watch them in the timeline", flush=True)
     count = 0
@@ -118,6 +125,7 @@ async def drive(base: str, model: Path, stop: asyncio.Event, every: float = 5.0)
                 "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": 24,
             },
+            token=token,
         )
         if status == 200:
             log.info("completion %s: %d tokens", reply["id"], reply["usage"]["completion_tokens"])

@@ -131,7 +131,11 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
         print("try         rankscope timeline --url " + web)
         print(f"            curl -s {web}/v1/cluster/diagnosis")
         print("Ctrl-C stops everything.", flush=True)
-        driving = asyncio.create_task(drive(web, model, stop)) if model is not None else None
+        driving = (
+            asyncio.create_task(drive(web, model, stop, token=settings.api_token))
+            if model is not None
+            else None
+        )
         await stop.wait()
         log.info("stopping")
         if driving is not None:

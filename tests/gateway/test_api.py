@@ -311,6 +311,9 @@ async def test_reads_can_be_closed_too(stack_for: Any) -> None:
     allowed = await stack.http.get("/v1/runners", headers={"Authorization": "Bearer s3cret"})
     assert allowed.status_code == 200
     assert (await stack.http.get("/healthz")).status_code == 200
+    assert (await stack.http.get("/metrics")).status_code == 401  # it names every runner
+    scraped = await stack.http.get("/metrics", headers={"Authorization": "Bearer s3cret"})
+    assert scraped.status_code == 200
 
 
 async def _serving(stack: Stack) -> str:

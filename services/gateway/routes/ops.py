@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import PlainTextResponse
 
 from services.gateway.bus import Bus, BusError
-from services.gateway.deps import bus
+from services.gateway.deps import bus, reader
 from services.gateway.metrics import cluster_lines
 from services.gateway.responses import Json
 from shared.connection import slow_consumer_drops
@@ -51,9 +51,10 @@ async def readyz(nats: Nats) -> Json:
     return Json({"status": "ready"})
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(reader)])
 async def metrics(request: Request, nats: Nats) -> PlainTextResponse:
-    """Prometheus text: requests and latencies, NATS state, and cluster gauges."""
+    """Prometheus text: requests and latencies, NATS state, and cluster gauges (runner,
+    instance and node ids among them: closed like every read when reads need the token)."""
     lines = request.app.state.metrics.lines()
     lines += [
         "# TYPE rankscope_nats_connected gauge",
