@@ -17,6 +17,7 @@ from shared.wire import (
     RankRole,
     RunnerStatusChanged,
     RunnerStatusKind,
+    UnreachableNode,
 )
 from tests.aggregator.builders import at, entries, placed, rank, status
 
@@ -173,8 +174,6 @@ def test_a_dead_process_is_named_with_its_cause_and_the_waiting_peers() -> None:
 
 
 def test_an_unreachable_node_makes_its_ranks_dead() -> None:
-    from shared.wire import UnreachableNode
-
     state, clock = _setup()
     for r in (0, 1):
         state.apply_telemetry(entries(rank(r), (0, 1, Phase.DECODE_STREAM, 5)))
@@ -348,8 +347,6 @@ def test_the_incident_outlasts_a_moment_when_every_rank_is_quiet() -> None:
 
 
 def test_a_rank_that_lost_its_peer_is_a_victim_even_when_it_says_so_last() -> None:
-    from shared.wire import UnreachableNode
-
     state, clock = _setup()
     for r in (0, 1):
         state.apply_telemetry(entries(rank(r), (0, 1, Phase.DECODE_STREAM, 5)))
@@ -374,8 +371,6 @@ def test_a_rank_that_lost_its_peer_is_a_victim_even_when_it_says_so_last() -> No
 
 
 def test_a_second_rank_found_dead_widens_the_incident_it_does_not_start_another() -> None:
-    from shared.wire import UnreachableNode
-
     state, clock = _setup(world=3)
     for r in range(3):
         state.apply_telemetry(entries(rank(r, world=3), (0, 1, Phase.DECODE_STREAM, 5)))
