@@ -7,7 +7,12 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from services.client.commands import add_client_commands, client_options, ranktable_client
+from services.client.commands import (
+    add_client_commands,
+    client_options,
+    identifier,
+    ranktable_client,
+)
 from shared import logs
 from shared.settings import Settings, SettingsError, add_arguments, load
 
@@ -112,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ranktable",
         help="run the rank-table service; with JOB, print that job's rank table instead",
     )
-    ranktable.add_argument("job", nargs="?", metavar="JOB", help="job id (= instance id)")
+    ranktable.add_argument(
+        "job", nargs="?", type=identifier, metavar="JOB", help="job id (= instance id)"
+    )
     ranktable.add_argument("--follow", "-f", action="store_true", help="with JOB: every change")
     client_options(ranktable)
     ranktable.set_defaults(handler=_ranktable)

@@ -1,4 +1,5 @@
-"""Run a service in the foreground until SIGINT or SIGTERM, and always exit after that."""
+"""Run a service in the foreground until SIGINT or SIGTERM, and always exit after that;
+non-zero when its NATS connection closed for good, so that its supervisor restarts it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 
+from shared.connection import ConnectionLostError
 from shared.settings import Settings
 
 __all__ = ["SHUTDOWN_GRACE_S", "run_until_signalled"]
@@ -42,5 +44,8 @@ def run_until_signalled(
         stopping.cancel()
         serving.result()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except ConnectionLostError:
+        return 1  # logged when it closed
     return 0

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import ssl
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,15 @@ from shared.nats_auth import inbox_prefix
 from shared.settings import Settings
 from shared.timestamps import now
 
-__all__ = ["REACH_CHECK_S", "Reachability", "close", "connect", "slow_consumer_drops"]
+__all__ = [
+    "REACH_CHECK_S",
+    "ConnectionLostError",
+    "Lifeline",
+    "Reachability",
+    "close",
+    "connect",
+    "slow_consumer_drops",
+]
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +76,81 @@ MAX_OUTSTANDING_PINGS = 3
 that vanished without a FIN is noticed in about this many ping intervals."""
 
 
-async def connect(settings: Settings, name: str, **options: Any) -> Client:
+class ConnectionLostError(RuntimeError):
+    """The NATS client closed for good while the service still needed it."""
+
+
+class Lifeline:
+    """Ends a service whose NATS client closed for good.
+
+    nats-py reconnects after a lost link, but closes for good when the server drops it
+    with a protocol error (a control line over 4 KiB, revoked credentials). A service left
+    so would answer nothing until restarted by hand; instead `stop` is set, and leaving the
+    `with` block (once the service has stopped) raises, so it exits non-zero and its
+    supervisor starts it afresh.
+
+    Example:
+        with Lifeline(stop) as lifeline:
+            nc = await connect(settings, "rankscope-aggregator", on_lost=lifeline)
+    """
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        self._stop = stop
+        self.reason: str | None = None
+        """Why the connection closed, once it has."""
+
+    def __call__(self, reason: str) -> None:
+        self.reason = reason
+        self._stop.set()
+
+    def __enter__(self) -> Lifeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Raises:
+        ConnectionLostError: the connection closed for good.
+        """
+        if self.reason is not None:
+            raise ConnectionLostError(self.reason)
+
+
+_closing: weakref.WeakSet[Client] = weakref.WeakSet()
+"""Clients being closed by `close`, whose closing is no loss."""
+
+
+async def connect(
+    settings: Settings,
+    name: str,
+    *,
+    on_lost: Callable[[str], None] | None = None,
+    **options: Any,
+) -> Client:
     """Connect as client `name`, reconnecting forever once connected; connection trouble
-    is logged in one line each, not as tracebacks.
+    is logged in one line each, not as tracebacks. `on_lost(reason)` is called if the
+    client closes for good other than through `close` (e.g. a `Lifeline`).
 
     Raises:
         nats.errors.NoServersError: no server answered the first connect.
     """
+    nc = Client()
+    connected = False
+
+    async def closed() -> None:
+        if on_lost is None or not connected or nc in _closing:
+            return  # a first connect that failed raises instead
+        reason = f"the NATS connection closed for good: {nc.last_error or 'by the server'}"
+        log.error("%s; stopping so that this service is restarted", reason)
+        on_lost(reason)
+
     options.setdefault("error_cb", _error)
     options.setdefault("disconnected_cb", _disconnected)
     options.setdefault("reconnected_cb", _reconnected)
+    options.setdefault("closed_cb", closed)
     if settings.nats_user:
         options.setdefault("inbox_prefix", inbox_prefix(settings.nats_user))
-    return await nats.connect(
+    # seconds, annotated `int` by nats-py but used as floats
+    options.update(reconnect_time_wait=0.5, ping_interval=settings.nats_ping_interval)
+    await nc.connect(
         servers=settings.nats_servers,
         name=name,
         user=settings.nats_user,
@@ -88,13 +159,13 @@ async def connect(settings: Settings, name: str, **options: Any) -> Client:
         user_credentials=str(settings.nats_creds) if settings.nats_creds else None,
         tls=_tls(settings),
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        ping_interval=settings.nats_ping_interval,
         max_outstanding_pings=MAX_OUTSTANDING_PINGS,
         connect_timeout=options.pop("connect_timeout", 5),
         allow_reconnect=True,
         **options,
     )
+    connected = True
+    return nc
 
 
 def _settled(ping: asyncio.Future[None]) -> None:
@@ -191,6 +262,7 @@ class Reachability:
 async def close(nc: Client) -> None:
     """Drain the connection (flush what is pending) when the server is there, else just
     close it: shutting down must not fail because NATS went first."""
+    _closing.add(nc)
     if nc.is_connected:
         try:
             await asyncio.wait_for(nc.drain(), 5)

@@ -1,6 +1,7 @@
 """A NATS link that dies without a word (no FIN, no RST: a cable pulled, a NAT entry gone)
 is noticed by the services' pings and reconnected once the path is back; a server that
-stops answering for a while (paused) is told from a working one, and the link survives."""
+stops answering for a while (paused) is told from a working one, and the link survives;
+a connection the server closes for good ends the service that holds it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from shared.connection import Reachability, close, connect
+from shared.connection import ConnectionLostError, Lifeline, Reachability, close, connect
 from shared.settings import Settings
 
 pytestmark = pytest.mark.nats
@@ -110,3 +111,24 @@ async def test_a_server_that_stops_answering_is_unreachable_until_it_answers_aga
         reply = await nc.request("$JS.API.INFO", b"", timeout=2)
         assert b"memory" in reply.data
         await close(nc)
+
+
+async def test_a_connection_the_server_drops_for_good_stops_the_service(nats_url: str) -> None:
+    stop = asyncio.Event()
+    lifeline = Lifeline(stop)
+    nc = await connect(Settings(nats_url=nats_url), "dropped", on_lost=lifeline)
+    await nc.publish("x" * 5000, b"")  # the server drops a client for this line
+    await asyncio.wait_for(stop.wait(), WAIT)
+    assert nc.is_closed, "nats-py does not reconnect after a protocol error"
+    with pytest.raises(ConnectionLostError, match=r"(?i)maximum control line"), lifeline:
+        pass  # the service has stopped: leaving its lifeline fails it
+
+
+async def test_closing_a_connection_on_purpose_is_no_loss(nats_url: str) -> None:
+    stop = asyncio.Event()
+    with Lifeline(stop) as lifeline:
+        nc = await connect(Settings(nats_url=nats_url), "closed", on_lost=lifeline)
+        await close(nc)
+        await asyncio.sleep(0.2)
+    assert not stop.is_set()
+    assert lifeline.reason is None

@@ -13,7 +13,7 @@ from services.agent.agent import Agent
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import Timeouts
 from services.lifecycle import run_until_signalled
-from shared.connection import close, connect
+from shared.connection import Lifeline, close, connect
 from shared.heartbeat import Heartbeat
 from shared.host import hostname, memory_bytes
 from shared.jetstream import Layout, ensure
@@ -61,7 +61,8 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         )
 
     async with contextlib.AsyncExitStack() as stack:
-        nc = await connect(settings, f"rankscope-agent-{identity}")
+        lifeline = stack.enter_context(Lifeline(stop))
+        nc = await connect(settings, f"rankscope-agent-{identity}", on_lost=lifeline)
         stack.push_async_callback(close, nc)
         js = nc.jetstream()
         layout = Layout.from_settings(settings)

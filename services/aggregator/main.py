@@ -12,7 +12,7 @@ from services.aggregator.snapshot import SnapshotFile
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
 from services.lifecycle import run_until_signalled
-from shared.connection import close, connect
+from shared.connection import Lifeline, close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
 
@@ -22,7 +22,8 @@ __all__ = ["run", "serve_until"]
 async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
     """Run the aggregator until `stop` is set."""
     async with contextlib.AsyncExitStack() as stack:
-        nc = await connect(settings, "rankscope-aggregator")
+        lifeline = stack.enter_context(Lifeline(stop))
+        nc = await connect(settings, "rankscope-aggregator", on_lost=lifeline)
         stack.push_async_callback(close, nc)
         js = nc.jetstream()
         layout = Layout.from_settings(settings)

@@ -8,11 +8,12 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from services.client.http import ClientError, Gateway
+from shared.subjects import token
 
-__all__ = ["add_client_commands", "client_options", "ranktable_client"]
+__all__ = ["add_client_commands", "client_options", "identifier", "ranktable_client"]
 
 
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
@@ -29,7 +30,9 @@ def _out(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def _timeline(args: argparse.Namespace, gateway: Gateway) -> None:
-    params = f"?limit={args.limit}" + (f"&instanceId={args.instance}" if args.instance else "")
+    params = "?" + urlencode(
+        {"limit": args.limit, **({"instanceId": args.instance} if args.instance else {})}
+    )
     seen = ""
     while True:
         found = gateway.call("GET", "/v1/cluster/timeline" + params)
@@ -133,13 +136,13 @@ def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
 
 def _ranktable(args: argparse.Namespace, gateway: Gateway) -> None:
     if args.follow:
-        for data in gateway.events(f"/v1/jobs/{args.job}/ranktable/stream"):
+        for data in gateway.events(f"/v1/jobs/{quote(args.job, safe='')}/ranktable/stream"):
             print(
                 data if args.json else json.dumps(json.loads(json.loads(data)["rankTable"])),
                 flush=True,
             )
         return
-    found = gateway.call("GET", f"/v1/jobs/{args.job}/ranktable")
+    found = gateway.call("GET", f"/v1/jobs/{quote(args.job, safe='')}/ranktable")
     _out(args, found, json.dumps(json.loads(found["rankTable"]), indent=2))
 
 
@@ -172,7 +175,7 @@ def _runners(args: argparse.Namespace, gateway: Gateway) -> None:
         )
         _out(args, found, "created " + ", ".join(r["id"] for r in found["runners"]))
     else:
-        found = gateway.call("DELETE", f"/v1/runners/{args.id}")
+        found = gateway.call("DELETE", f"/v1/runners/{quote(args.id, safe='')}")
         _out(args, found, f"deleted {args.id}")
 
 
@@ -180,6 +183,16 @@ def ranktable_client(args: argparse.Namespace) -> int:
     """`rankscope ranktable JOB`: print (or follow) a job's rank table."""
     run: Any = _run(_ranktable)
     return int(run(args, None))
+
+
+def identifier(text: str) -> str:
+    """An id argument, refused (usage error) when it could not name a NATS subject: the
+    same limit the gateway and the gRPC service apply."""
+    try:
+        token(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def client_options(parser: argparse.ArgumentParser) -> None:
@@ -216,18 +229,18 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
     timeline = command("timeline", "the cross-rank timeline", _timeline)
     timeline.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
     timeline.add_argument("--limit", type=int, default=50, help="newest entries (50)")
-    timeline.add_argument("--instance", help="only this instance")
+    timeline.add_argument("--instance", type=identifier, help="only this instance")
     command("placement", "which layers sit on which node", _placement)
     diagnose = command("diagnose", "findings that name the stuck rank (exit 1 when any)", _diagnose)
     diagnose.add_argument("--verbose", "-v", action="store_true", help="each rank's evidence")
     diagnose.add_argument("--history", action="store_true", help="past incidents too")
     diagnose.add_argument("--since", help="with --history: from this RFC 3339 time")
-    diagnose.add_argument("--instance", help="with --history: only this instance")
+    diagnose.add_argument("--instance", type=identifier, help="with --history: only this instance")
     runners = command("runners", "Runner specs", _runners)
     actions = runners.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", help="list Runner specs")
     listing.add_argument("--page", type=int, default=1)
     listing.add_argument("--per-page", type=int, default=128)
     actions.add_parser("create", help="create from a JSON file").add_argument("file")
-    actions.add_parser("delete", help="delete one").add_argument("id")
+    actions.add_parser("delete", help="delete one").add_argument("id", type=identifier)
     return made

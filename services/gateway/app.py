@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -76,12 +76,18 @@ class LimitsAndMetrics:
         self._metrics.observe(path, scope["method"], status, time.perf_counter() - started)
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """The gateway for `settings`; NATS is connected when the app starts."""
+def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None) -> FastAPI:
+    """The gateway for `settings`; NATS is connected when the app starts. `on_lost(reason)`
+    is called if the NATS connection closes for good (the server should then exit)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nc = await connect(settings, "rankscope-gateway")
+        def lost(reason: str) -> None:
+            app.state.bus.lost = reason
+            if on_lost is not None:
+                on_lost(reason)
+
+        nc = await connect(settings, "rankscope-gateway", on_lost=lost)
         layout = Layout.from_settings(settings)
         await ensure(nc.jetstream(), layout)
         app.state.bus = Bus(nc=nc, layout=layout, timeout=settings.request_timeout)

@@ -43,6 +43,8 @@ class Bus:
         self.layout = layout
         self.timeout = timeout
         self.reach = Reachability(nc, timeout=REACH_CHECK_S)
+        self.lost: str | None = None
+        """Why the connection closed for good, once it has (the gateway is exiting)."""
         self._kv: dict[str, KeyValue] = {}
 
     @property

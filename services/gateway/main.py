@@ -11,13 +11,21 @@ __all__ = ["run"]
 
 
 def run(settings: Settings) -> int:
-    """Serve until SIGINT or SIGTERM; returns the exit code."""
+    """Serve until SIGINT or SIGTERM, or until the NATS connection closes for good (exit
+    code 1, so that a supervisor restarts it); returns the exit code."""
+    lost: list[str] = []
+
+    def stop(reason: str) -> None:
+        lost.append(reason)
+        server.should_exit = True
+
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, on_lost=stop),
         host=settings.gateway_host,
         port=settings.gateway_port,
         log_config=None,
         timeout_graceful_shutdown=5,
     )
-    uvicorn.Server(config).run()
-    return 0
+    server = uvicorn.Server(config)
+    server.run()
+    return 1 if lost else 0

@@ -13,20 +13,19 @@ import grpc
 
 from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
 from services.ranktable.hub import TableHub
+from shared.subjects import token
 
-__all__ = ["MAX_JOB_ID", "serve"]
+__all__ = ["serve"]
 
 log = logging.getLogger(__name__)
 
-MAX_JOB_ID = 128
-
 
 async def _check_job_id(job_id: str, context: grpc.aio.ServicerContext) -> None:
-    if not job_id or len(job_id) > MAX_JOB_ID:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"jobId must be 1 to {MAX_JOB_ID} characters, got {len(job_id)}",
-        )
+    """The same limit as everywhere else: a job id must fit a subject token."""
+    try:
+        token(job_id)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"jobId: {exc}")
 
 
 class ConfigService(config_pb2_grpc.ConfigServicer):

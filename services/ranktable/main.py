@@ -10,7 +10,7 @@ from services.lifecycle import run_until_signalled
 from services.ranktable.grpc_server import serve
 from services.ranktable.hub import TableHub
 from services.ranktable.service import RankTableService
-from shared.connection import REACH_CHECK_S, Reachability, close, connect
+from shared.connection import REACH_CHECK_S, Lifeline, Reachability, close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
 
@@ -22,7 +22,8 @@ log = logging.getLogger("rankscope.ranktable")
 async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
     """Run the service and its gRPC server until `stop` is set."""
     async with contextlib.AsyncExitStack() as stack:
-        nc = await connect(settings, "rankscope-ranktable")
+        lifeline = stack.enter_context(Lifeline(stop))
+        nc = await connect(settings, "rankscope-ranktable", on_lost=lifeline)
         stack.push_async_callback(close, nc)
         js = nc.jetstream()
         layout = Layout.from_settings(settings)

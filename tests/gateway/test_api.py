@@ -495,6 +495,8 @@ async def test_an_id_too_long_for_a_subject_is_a_422_and_nats_stays_connected(
         ("DELETE", f"/v1/runners/{long_id}", None),
         ("PATCH", f"/v1/runners/{long_id}", {"runner": {"priority": 1}, "action": "merge"}),
         ("GET", f"/v1/jobs/{long_id}/ranktable", None),
+        ("GET", f"/v1/jobs/{long_id}/ranktable/stream", None),
+        ("GET", f"/v1/cluster/diagnosis/history?instanceId={long_id}", None),
         ("POST", "/v1/runners", {"runners": [{**SPEC, "id": long_id}]}),
     ):
         reply = await http.request(method, path, json=body)

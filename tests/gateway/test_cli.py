@@ -95,6 +95,14 @@ async def test_errors_are_one_line_with_a_non_zero_exit(stack_for: Any) -> None:
     code, out, err = await _cli("runners", "--url", url, "delete", "nope")
     assert (code, out) == (1, "")
     assert err == "rankscope: 404: runner 'nope' not found\n"
+    code, out, err = await _cli("runners", "--url", url, "delete", "a?b c#")
+    assert (code, err) == (1, "rankscope: 404: runner 'a?b c#' not found\n")
+    code, out, err = await _cli("runners", "--url", url, "delete", "*" * 200)
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1].endswith(
+        "escapes to 600 (`.`, `*`, `>`, white space and "
+        "non-ASCII take 3 per byte), over the limit of 512"
+    )
     code, _, err = await _cli("placement", "--url", "http://127.0.0.1:1")
     assert code == 1
     assert err.startswith("rankscope: cannot reach http://127.0.0.1:1")

@@ -23,7 +23,7 @@ from services.ranktable.hub import TableHub
 from services.ranktable.service import VERSION_HEADER, RankTableService
 from shared.heartbeat import Heartbeat
 from shared.jetstream import Layout, ensure
-from shared.subjects import token
+from shared.subjects import MAX_TOKEN, token
 from shared.timestamps import now
 from shared.wire import (
     InstanceCreated,
@@ -396,8 +396,11 @@ async def test_deleting_a_spec_releases_its_instances(stack: Stack) -> None:
         raise AssertionError("the deleted spec's rank table is still there")
 
 
-@pytest.mark.parametrize("job_id", ["", "x" * 129])
-async def test_grpc_refuses_a_bad_job_id(stack: Stack, job_id: str) -> None:
+@pytest.mark.parametrize(
+    ("job_id", "why"),
+    [("", "empty"), ("x" * (MAX_TOKEN + 1), "limit of 512"), ("*" * 171, "escapes to 513")],
+)
+async def test_grpc_refuses_a_bad_job_id(stack: Stack, job_id: str, why: str) -> None:
     async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
         stub = config_pb2_grpc.ConfigStub(channel)
         call = stub.SubscribeRankTable(config_pb2.ClientInfo(jobId=job_id))
@@ -406,7 +409,9 @@ async def test_grpc_refuses_a_bad_job_id(stack: Stack, job_id: str) -> None:
         assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await stub.Register(config_pb2.ClientInfo(jobId=job_id))
-        assert "1 to 128 characters" in (failure.value.details() or "")
+        assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert (failure.value.details() or "").startswith("jobId: ")
+        assert why in (failure.value.details() or "")
 
 
 async def test_grpc_waits_for_an_unknown_job_and_serves_many_subscribers(stack: Stack) -> None:

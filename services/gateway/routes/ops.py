@@ -31,7 +31,8 @@ async def healthz() -> Json:
 async def readyz(nats: Nats) -> Json:
     """NATS connected and the aggregator answering with its views built; 503 says which not."""
     if not nats.connected:
-        return Json({"status": "unavailable", "reason": "NATS is not connected"}, status_code=503)
+        reason = nats.lost or "NATS is not connected"
+        return Json({"status": "unavailable", "reason": reason}, status_code=503)
     if not await nats.reach.check():
         return Json({"status": "unavailable", "reason": nats.reach.why()}, status_code=503)
     try:
