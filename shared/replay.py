@@ -30,7 +30,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
-__all__ = ["Follower", "follow", "follow_bucket"]
+__all__ = ["Follower", "follow", "follow_bucket", "stored_ns"]
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +301,18 @@ _MARKERS = {"MaxAge": KV_PURGE, "Purge": KV_PURGE, "Remove": KV_DEL}
 """What the server's own markers (a key's TTL ran out, ...) mean as a KV operation."""
 
 
+def stored_ns(reply: str | None) -> int | None:
+    """When JetStream stored a message (ns since the epoch), read off the ack subject it
+    was delivered with (`$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.…`,
+    with a domain and account hash before the stream in the newer form); None for a
+    message that did not come from a consumer."""
+    if not reply or not reply.startswith("$JS.ACK."):
+        return None
+    tokens = reply.split(".")
+    at = {9: 7, 11: 9, 12: 9}.get(len(tokens))
+    return int(tokens[at]) if at is not None and tokens[at].isdigit() else None
+
+
 async def follow_bucket(
     js: JetStreamContext, bucket: str, handle: Callable[[KeyValue.Entry], Awaitable[None]]
 ) -> Follower:
@@ -328,7 +340,7 @@ async def follow_bucket(
                 value=msg.data,
                 revision=msg.metadata.sequence.stream,
                 delta=None,
-                created=None,
+                created=stored_ns(msg.reply),  # ns since the epoch
                 operation=operation,
             )
         )

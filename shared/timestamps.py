@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-__all__ = ["format_ts", "now", "parse_ts", "to_epoch"]
+__all__ = ["check_ts", "format_ts", "now", "parse_ts", "to_epoch"]
 
 _FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -18,11 +18,35 @@ def format_ts(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime(_FORMAT)
 
 
+_second: list[tuple[int, str]] = [(-1, "")]
+"""The last whole second `now` formatted, and how (formatting is most of its cost)."""
+
+
 def now() -> str:
     """The current time as a wire timestamp."""
-    ns = time.time_ns()
-    seconds, micros = divmod(ns // 1000, 1_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{micros:06d}Z"
+    seconds, micros = divmod(time.time_ns() // 1000, 1_000_000)
+    second, text = _second[0]
+    if second != seconds:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+        _second[0] = (seconds, text)
+    return f"{text}.{micros:06d}Z"
+
+
+def check_ts(text: str) -> None:
+    """Refuse what is not a wire timestamp of a real moment: the fixed-width UTC form
+    `now` writes, whose string order is time order.
+
+    Raises:
+        ValueError: saying what is wrong, quoting at most 40 characters of `text`.
+    """
+    if len(text) != 27 or text[10] != "T" or text[19] != "." or text[26] != "Z":
+        raise ValueError(
+            f"timestamp {text[:40]!r} is not of the form 2026-11-21T22:47:48.123456Z (UTC)"
+        )
+    try:
+        datetime.fromisoformat(text[:26])
+    except ValueError as exc:
+        raise ValueError(f"timestamp {text!r}: {exc}") from None
 
 
 def parse_ts(text: str) -> datetime:

@@ -17,7 +17,7 @@ from nats.js.kv import KeyValue
 from shared.connection import connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
-from shared.replay import follow, follow_bucket
+from shared.replay import follow, follow_bucket, stored_ns
 from shared.settings import Settings
 from shared.subjects import Subjects
 from tests.gateway.conftest import free_port
@@ -198,3 +198,18 @@ async def test_a_nats_restart_mid_follow_loses_and_repeats_nothing(tmp_path: Pat
     await follower.stop()
     await nc.close()
     server.stop()
+
+
+@pytest.mark.parametrize(
+    ("reply", "stored"),
+    [
+        ("$JS.ACK.S.C.1.20.7.1763900000123456789.0", 1763900000123456789),
+        ("$JS.ACK.hub.ACCHASH.S.C.1.20.7.1763900000123456789.0.tok", 1763900000123456789),
+        ("$JS.ACK.hub.ACCHASH.S.C.1.20.7.1763900000123456789.0", 1763900000123456789),
+        ("$JS.ACK.S.C.1.20.7.soon.0", None),
+        ("_INBOX.abc", None),
+        (None, None),
+    ],
+)
+def test_the_stored_time_is_read_off_the_ack_subject(reply: str | None, stored: int | None) -> None:
+    assert stored_ns(reply) == stored

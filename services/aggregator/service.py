@@ -20,15 +20,20 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from services.aggregator.diagnosis import Incident, Thresholds, diagnose
-from services.aggregator.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
 from services.aggregator.snapshot import Position, SnapshotFile, capture, restore
 from services.aggregator.views import ClusterState, RunnerView
 from shared.connection import Reachability, slow_consumer_drops
 from shared.deadletter import DeadLetters
+from shared.inputs import (
+    BadInputError,
+    parse_placement,
+    parse_task,
+    parse_telemetry,
+)
 from shared.jetstream import Layout
-from shared.replay import Follower, follow, follow_bucket
+from shared.replay import Follower, follow, follow_bucket, stored_ns
 from shared.subjects import untoken
-from shared.timestamps import now
+from shared.timestamps import now, to_epoch
 from shared.wire import (
     Diagnosis,
     EvidenceRequest,
@@ -78,6 +83,8 @@ EVIDENCE_WAIT_S = 5.0
 """Longest the aggregator waits for an agent's evidence of a new finding."""
 UNPUBLISHED_FINDINGS = 10_000
 """Findings kept for the diagnosis stream while NATS is out; the oldest go first."""
+CLOCK_TOLERANCE_S = 2.0
+"""How far a node's clock may be from the NATS server's before the aggregator says so."""
 
 
 class AggregatorService:
@@ -133,6 +140,8 @@ class AggregatorService:
         self.reach = Reachability(nc, timeout=probe_timeout, clock=clock)
         self._placed_at: dict[str, float] = {}
         self._heartbeats: dict[str, float] = {}
+        self.clock_offsets: dict[str, float] = {}
+        """Seconds each node's clock is ahead of the NATS server's (negative: behind)."""
         self._silent_probes: dict[str, float] = {}
         self._incidents: dict[str, Incident] = {}
         self._evidence: dict[tuple[str, str], dict[str, RunnerEvidence]] = {}
@@ -154,7 +163,7 @@ class AggregatorService:
     async def _on_telemetry(self, msg: Msg) -> None:
         try:
             event = parse_telemetry(msg.data, msg.subject, self._layout.subjects)
-            self.state.apply_telemetry(event, msg.data)
+            self.state.apply_telemetry(event, msg.data, stored_ns(msg.reply))
         except BadInputError as exc:
             self._reject(msg, exc)
 
@@ -300,14 +309,33 @@ class AggregatorService:
         node_id = untoken(entry.key)
         if entry.operation is not None:
             self.state.set_node(node_id, None)
+            self.clock_offsets.pop(node_id, None)
             return
         try:
-            self.state.set_node(node_id, decode(entry.value or b"", NodeInfo))
+            info = decode(entry.value or b"", NodeInfo)
         except WireError as exc:
             subject = f"$KV.{self._layout.nodes_bucket.bucket}.{entry.key}"
             self.dead_letters.reject(subject, entry.value, "node_undecodable", exc)
             return
+        self.state.set_node(node_id, info)
         self._heartbeats[node_id] = self._clock()
+        if entry.created is not None:  # when NATS stored it, ns
+            self._clock_offset(node_id, to_epoch(info.lastHeartbeat) - entry.created / 1e9)
+
+    def _clock_offset(self, node_id: str, offset: float) -> None:
+        """Note how far `node_id`'s clock is from the NATS server's (its heartbeat's time
+        against when the server stored it), saying so when it crosses `CLOCK_TOLERANCE_S`:
+        its entries' times then mislead, and the timeline files them by arrival at most."""
+        before = self.clock_offsets.get(node_id, 0.0)
+        self.clock_offsets[node_id] = offset
+        if abs(offset) > CLOCK_TOLERANCE_S >= abs(before):
+            log.warning(
+                "the clock of node %s is %.1fs %s of the NATS server's",
+                node_id, abs(offset), "ahead" if offset > 0 else "behind",
+                extra={"nodeId": node_id},
+            )  # fmt: skip
+        elif abs(before) > CLOCK_TOLERANCE_S >= abs(offset):
+            log.info("the clock of node %s agrees with NATS again", node_id)
 
     @staticmethod
     async def _freeze_heap_forever(stop: asyncio.Event) -> None:
@@ -661,6 +689,7 @@ class AggregatorService:
             "queuedTasks": self.state.queued(),
             "slowConsumerDrops": slow_consumer_drops(),
             "followerRestarts": sum(f.restarts for f in self._followers),
+            "clockOffsets": {n: round(o, 3) for n, o in self.clock_offsets.items()},
         }
 
 

@@ -227,9 +227,17 @@ class EntryStore:
         store._trim()
         return store
 
-    def add(self, runner_id: str, payload: bytes, fresh: Iterable[tuple[int, FlightEntry]]) -> None:
+    def add(
+        self,
+        runner_id: str,
+        payload: bytes,
+        fresh: Iterable[tuple[int, FlightEntry]],
+        ceiling: int | None = None,
+    ) -> None:
         """Store the new entries of one batch: `payload` is the batch's `PhaseEntries` JSON,
-        `fresh` the (position, entry) pairs not seen before (dedupe is the caller's)."""
+        `fresh` the (position, entry) pairs not seen before (dedupe is the caller's). An
+        entry is filed at its time, or at `ceiling` (µs, when it arrived) if later: a clock
+        running ahead cannot keep its entries the newest."""
         log = self._logs.get(runner_id)
         if log is None:
             log = self._logs[runner_id] = _RunnerLog()
@@ -238,6 +246,7 @@ class EntryStore:
         times = log.times
         newest = times[-1] if times else -1
         second, base = "", 0
+        ceiling = (1 << 62) if ceiling is None else ceiling
         for position, entry in fresh:  # the hot loop of ingest: kept flat on purpose
             text = entry.at
             if text[:19] == second and len(text) == 27:  # same second as the last entry
@@ -245,6 +254,8 @@ class EntryStore:
             else:
                 at = micros(text)
                 second, base = text[:19], at - at % 1_000_000
+            if at > ceiling:
+                at = ceiling
             if at >= newest:
                 times.append(at)
                 log.batches.append(batch)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.aggregator.store import EntryStore, Selection, SeqTracker, from_micros, micros
+from shared.inputs import BadInputError
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     Breadcrumb,
@@ -54,6 +55,13 @@ TASKS_PER_INSTANCE = 128
 UNLISTED = 2
 """Probes in a row a runner's node answers without it before it counts as not alive (one
 is not enough: an agent lists a runner only once it has started it)."""
+SEQ_SLACK = 200_000
+"""Seqs a runner's next message may skip at once: entries its agent dropped when its
+buffer (100,000 entries) overflowed, twice over."""
+SEQ_RATE = 10_000
+"""Seqs a second a runner may skip beyond `SEQ_SLACK` while it was not heard from (far
+more than an entry per token of any model); a larger jump is refused, since it would make
+every later message of that runner look old."""
 _READY = frozenset({RunnerStatusKind.READY, RunnerStatusKind.RUNNING})
 _GAVE_UP = frozenset({Breadcrumb.COLLECTIVE_TIMEOUT, Breadcrumb.PEER_LOST})
 
@@ -86,6 +94,8 @@ class RunnerView:
     """Its last failure since it was last ready (how its process ended)."""
     unlisted: int = 0
     """Probes in a row its node answered without listing it: no agent supervises it."""
+    stored_ns: int | None = None
+    """When NATS stored its last message (ns since the epoch), if known."""
 
     @property
     def alive(self) -> bool:
@@ -188,32 +198,65 @@ class ClusterState:
             view = self.runners[ref.runnerId] = RunnerView(ref=ref)
         return view
 
-    def apply_telemetry(self, event: RunnerTelemetry, raw: bytes | None = None) -> int:
+    def apply_telemetry(
+        self, event: RunnerTelemetry, raw: bytes | None = None, stored_ns: int | None = None
+    ) -> int:
         """Apply one telemetry message (`raw`: its JSON as received, kept as is for entry
-        batches); returns how many of its items were new."""
-        self.version += 1
+        batches; `stored_ns`: when NATS stored it); returns how many of its items were new.
+
+        A runner's newest state is its highest seq, whatever its clock says; an entry's
+        time counts as no later than its arrival here, so a clock ahead cannot hold the
+        top of the timeline.
+
+        Raises:
+            BadInputError: its seq jumps further past the runner's last than it could.
+        """
         view = self._runner(event.runner)
+        last = view.seqs.last
+        if isinstance(event, PhaseEntries):
+            highest = max((e.seq for e in event.entries), default=-1)
+        else:
+            highest = event.seq
+        self._check_jump(view, last, highest, stored_ns)
+        self.version += 1
         view.heard = self._clock()
+        if stored_ns is not None:
+            view.stored_ns = stored_ns
         if isinstance(event, PhaseEntries):
             fresh = view.seqs.fresh(event.entries)
-            self.store.add(view.ref.runnerId, raw or encode(event), fresh)
-            last = view.last_at
-            self._progress(view, [e for _, e in fresh if last is None or e.at >= last])
+            received = now()
+            self.store.add(view.ref.runnerId, raw or encode(event), fresh, micros(received))
+            newer = [e for _, e in fresh if last is None or e.seq > last]
+            self._progress(view, newer, received)
             self.duplicates += len(event.entries) - len(fresh)
             return len(fresh)
         if not view.seqs.add(event.seq):
             self.duplicates += 1
             return 0
         if isinstance(event, MemorySampled):
-            view.memory = event.snapshot
+            if last is None or event.seq > last:
+                view.memory = event.snapshot
         elif view.status is None or event.seq > view.status.seq:
             view.status = event
             if event.statusKind is RunnerStatusKind.FAILED:
                 view.failure = event
         return 1
 
-    def _progress(self, view: RunnerView, entries: list[FlightEntry]) -> None:
-        """Move the runner's synopsis to the last of `entries` (newer than what it had)."""
+    @staticmethod
+    def _check_jump(view: RunnerView, last: int | None, seq: int, stored_ns: int | None) -> None:
+        if last is None or seq <= last + SEQ_SLACK or stored_ns is None or view.stored_ns is None:
+            return  # nothing to judge by
+        quiet = max(stored_ns - view.stored_ns, 0) / 1e9
+        if seq > last + SEQ_SLACK + SEQ_RATE * quiet:
+            raise BadInputError(
+                "telemetry_seq_jump",
+                f"seq {seq:,} of runner {view.ref.runnerId!r} jumps {seq - last:,} past its "
+                f"last ({last:,}) after {quiet:.0f}s: more than it could have used",
+            )
+
+    def _progress(self, view: RunnerView, entries: list[FlightEntry], received: str) -> None:
+        """Move the runner's synopsis to the last of `entries` (newer than what it had),
+        received at `received` (no entry counts as later than that)."""
         if not entries:
             return
         last = entries[-1]
@@ -221,8 +264,8 @@ class ClusterState:
         while run > 0 and entries[run - 1].phase is last.phase:
             run -= 1
         if run > 0 or last.phase is not view.phase:
-            view.phase, view.phase_since = last.phase, entries[run].at
-        view.phase_detail, view.last_at = last.detail, last.at
+            view.phase, view.phase_since = last.phase, min(entries[run].at, received)
+        view.phase_detail, view.last_at = last.detail, min(last.at, received)
         view.waiting_in = _site(last) if last.event == Breadcrumb.COLLECTIVE_WAIT else None
         for entry in entries:
             if entry.event in _GAVE_UP:

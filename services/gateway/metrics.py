@@ -95,6 +95,11 @@ def cluster_lines(
                     f'rankscope_mlx_memory_bytes{{runner="{_label(runner.runnerId)}",'
                     f'rank="{runner.deviceRank}",kind="{kind}"}} {amount.inBytes}'
                 )
+    out.append("# HELP rankscope_node_clock_offset_seconds How far a node's clock is ahead of "
+               "the NATS server's (by its heartbeat; negative: behind).")  # fmt: skip
+    out.append("# TYPE rankscope_node_clock_offset_seconds gauge")
+    for node, offset in sorted(health.get("clockOffsets", {}).items()):
+        out.append(f'rankscope_node_clock_offset_seconds{{node="{_label(node)}"}} {offset}')
     out += [
         "# TYPE rankscope_aggregator_entries gauge",
         f"rankscope_aggregator_entries {health.get('entries', 0)}",

@@ -28,6 +28,7 @@ from services.ranktable.specs import PlacementSpec, SpecError, validate
 from services.ranktable.state import PlacementState, Readiness, apply_placement, apply_status
 from services.ranktable.tables import rank_table
 from shared.deadletter import DeadLetters
+from shared.inputs import BadInputError, parse_telemetry
 from shared.jetstream import Layout
 from shared.replay import Follower, follow, follow_bucket
 from shared.subjects import token, untoken
@@ -43,7 +44,6 @@ from shared.wire import (
     RunnerMetrics,
     RunnerSpecStatus,
     RunnerStatusChanged,
-    RunnerTelemetry,
     WireError,
     decode,
     encode,
@@ -178,9 +178,11 @@ class RankTableService:
         await follower.stop()
 
     async def _on_status(self, msg: Msg) -> None:
-        event: RunnerTelemetry | None = self.dead_letters.decoded(
-            msg, RunnerTelemetry, "status_undecodable"
-        )
+        try:
+            event = parse_telemetry(msg.data, msg.subject, self._layout.subjects)
+        except BadInputError as exc:  # undecodable, or a node speaking for another's runner
+            self.dead_letters.reject(msg.subject, msg.data, exc.kind, exc)
+            return
         if isinstance(event, RunnerStatusChanged):
             self._readiness = apply_status(self._readiness, event)
             self._dirty.set()

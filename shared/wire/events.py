@@ -11,6 +11,7 @@ from typing import Annotated
 
 import msgspec
 
+from shared.timestamps import check_ts
 from shared.wire.base import CamelStruct
 from shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
 from shared.wire.memory import MlxMemorySnapshot
@@ -51,6 +52,15 @@ class RunnerRef(CamelStruct, kw_only=True, frozen=True):
     worldSize: Positive
 
 
+class _Stamped(CamelStruct, kw_only=True, frozen=True):
+    """An event of a moment, `at`: checked as it is made or decoded."""
+
+    at: str
+
+    def __post_init__(self) -> None:
+        check_ts(self.at)
+
+
 class FlightEntry(CamelStruct, kw_only=True, frozen=True):
     """One phase transition as the runner recorded it (seed 001 `timeline[]` minus the
     runner's identity, which travels once per batch in `RunnerRef`)."""
@@ -64,6 +74,9 @@ class FlightEntry(CamelStruct, kw_only=True, frozen=True):
     taskId: str | None = None
     commandId: str | None = None
     mlxMemory: MlxMemorySnapshot | None = None
+
+    def __post_init__(self) -> None:
+        check_ts(self.at)  # a bad time is refused with its message, not carried into views
 
 
 class _Telemetry(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
@@ -95,6 +108,9 @@ class RunnerStatusChanged(_Telemetry, kw_only=True, frozen=True):
     exitCode: int | None = None
     signal: str | None = None
 
+    def __post_init__(self) -> None:
+        check_ts(self.at)
+
 
 RunnerTelemetry = PhaseEntries | MemorySampled | RunnerStatusChanged
 
@@ -113,8 +129,7 @@ class RunnerAssignment(CamelStruct, kw_only=True, frozen=True):
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
-class _Placement(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
-    at: str
+class _Placement(_Stamped, kw_only=True, frozen=True, tag_field="type", tag=True):
     instanceId: str
 
 
@@ -169,8 +184,7 @@ class GenerationRequest(CamelStruct, kw_only=True, frozen=True):
     temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
-class _Task(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
-    at: str
+class _Task(_Stamped, kw_only=True, frozen=True, tag_field="type", tag=True):
     taskId: str
     instanceId: str
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shared.timestamps import check_ts
 from shared.wire.base import CamelStruct
 
 __all__ = ["NodeInfo"]
@@ -24,3 +25,6 @@ class NodeInfo(CamelStruct, kw_only=True, frozen=True):
     nodepool: str = ""
     agentVersion: str = ""
     lastHeartbeat: str
+
+    def __post_init__(self) -> None:
+        check_ts(self.lastHeartbeat)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
@@ -18,6 +19,7 @@ from services.aggregator.service import ERROR_HEADER, AggregatorService
 from services.aggregator.store import EntryStore
 from shared.jetstream import Layout, ensure
 from shared.subjects import token
+from shared.timestamps import format_ts, now
 from shared.wire import (
     ClusterTimeline,
     Diagnosis,
@@ -195,6 +197,49 @@ async def test_a_node_cannot_speak_for_another_node_s_runner(nc: Client, js_read
         assert kept == honest
 
 
+async def test_a_node_cannot_pin_its_own_runner_with_an_implausible_seq(
+    nc: Client, js_ready: Layout
+) -> None:
+    js = nc.jetstream()
+    subject = js_ready.subjects.runner("node-1", "i", 1, "status")
+    await publish(nc, js_ready, placed())
+    await js.publish(subject, encode(status(rank(1), 0, RunnerStatusKind.READY)))
+    jump = status(rank(1), 900_000_000, RunnerStatusKind.FAILED, alive=False, detail="jump")
+    await js.publish(subject, encode(jump))
+    later = status(rank(1), 1, RunnerStatusKind.RUNNING)
+    await js.publish(subject, encode(later))
+    async with aggregator(nc, js_ready) as running:
+        assert running.service.dead_letters.counts == {"telemetry_seq_jump": 1}
+        assert running.service.state.runners["i-r1"].status == later
+
+
+def _stamped(ref: Any, seq: int, moment: str, phase: Phase) -> bytes:
+    batch = json.loads(encode(entries(ref, (seq, 0, phase, None))))
+    batch["entries"][0]["at"] = moment
+    return json.dumps(batch).encode()
+
+
+async def test_a_clock_far_ahead_freezes_no_view_and_bad_times_are_dead_lettered(
+    nc: Client, js_ready: Layout
+) -> None:
+    js = nc.jetstream()
+    subject = js_ready.subjects.runner("node-0", "i", 0, "phase")
+    await publish(nc, js_ready, placed())
+    async with aggregator(nc, js_ready) as running:
+        state = running.service.state
+        for bad in ("not-a-time", "2026-02-30T10:00:00.000000Z", "2026-11-21T12:00:00Z", ""):
+            await js.publish(subject, _stamped(rank(0), 0, bad, Phase.CREATED))
+        await js.publish(subject, _stamped(rank(0), 0, "9999-12-31T23:59:59.000000Z", Phase.IDLE))
+        await until(lambda: state.store.size == 1)
+        await js.publish(subject, _stamped(rank(0), 1, now(), Phase.DECODE_STREAM))
+        await until(lambda: state.store.size == 2)
+        assert running.service.dead_letters.counts == {"telemetry_undecodable": 4}
+        view = state.runners["i-r0"]
+        assert view.phase is Phase.DECODE_STREAM  # the newest by seq, not by its clock
+        newest = decode((await query(nc, js_ready, "timeline", {"limit": 1})).data, ClusterTimeline)
+        assert [e.phase for e in newest.timeline] == [Phase.DECODE_STREAM]
+
+
 async def test_query_errors_say_what_is_wrong(nc: Client, js_ready: Layout) -> None:
     async with aggregator(nc, js_ready):
         unknown = await query(nc, js_ready, "nonsense")
@@ -239,6 +284,26 @@ async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
         assert unreachable["node-1"].error.startswith("no heartbeat")
         timeline = decode((await query(nc, js_ready, "timeline")).data, ClusterTimeline)
         assert {u.nodeId for u in timeline.unreachableNodes} == {"node-0", "node-1"}
+
+
+async def test_a_node_whose_clock_is_off_is_flagged_and_a_bad_heartbeat_dead_lettered(
+    nc: Client, js_ready: Layout, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
+    ahead = format_ts(datetime.now(UTC) + timedelta(seconds=30))
+    await kv.put(token("node-0"), encode(node_info("node-0", 8, lastHeartbeat=ahead)))
+    await kv.put(token("node-1"), encode(node_info("node-1", 8)))
+    bad = json.loads(encode(node_info("node-2", 8)))
+    await kv.put(token("node-2"), json.dumps({**bad, "lastHeartbeat": "yesterday"}).encode())
+    async with aggregator(nc, js_ready) as running:
+        offsets = running.service.clock_offsets
+        await until(lambda: len(offsets) == 2)
+        assert 29 < offsets["node-0"] < 31
+        assert abs(offsets["node-1"]) < 2
+        assert running.service.dead_letters.counts == {"node_undecodable": 1}
+        health = json.loads((await query(nc, js_ready, "health")).data)
+        assert set(health["clockOffsets"]) == {"node-0", "node-1"}
+    assert "the clock of node node-0 is 30.0s ahead of the NATS server's" in caplog.text
 
 
 async def test_identical_timeline_queries_share_an_answer_until_something_changes(

@@ -97,7 +97,14 @@ class Stack:
             await asyncio.sleep(0.05)
         raise AssertionError(f"the status of {spec_id!r} never got there")
 
-    async def report(self, instance: InstanceCreated, kind: RunnerStatusKind, seq: int = 1) -> None:
+    async def report(
+        self,
+        instance: InstanceCreated,
+        kind: RunnerStatusKind,
+        seq: int = 1,
+        publisher: str | None = None,
+    ) -> None:
+        """Every rank's status, each on its node's subject (or all on `publisher`'s)."""
         for a in instance.assignments:
             ref = RunnerRef(
                 runnerId=a.runnerId,
@@ -116,7 +123,7 @@ class Stack:
                 pid=1000 + a.deviceRank,
             )
             subject = self.layout.subjects.runner(
-                a.nodeId, instance.instanceId, a.deviceRank, "status"
+                publisher or a.nodeId, instance.instanceId, a.deviceRank, "status"
             )
             await self.js.publish(subject, encode(event))
 
@@ -251,6 +258,29 @@ async def test_nats_and_grpc_subscribers_see_initializing_then_completed(stack: 
         call.cancel()
     running = await stack.status("llm", until=lambda s: s.runner_metrics.pods_running > 0)
     assert running.runner_metrics.pods_running == 2
+
+
+async def test_a_node_cannot_report_another_node_s_rank_ready(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    tables = await _tables(stack, "llm-0")
+    await stack.put_spec(runner())
+    _table(await _next(tables))
+    placed = stack.service.placements["llm-0"]
+    assert placed is not None
+    await stack.report(placed, RunnerStatusKind.READY, publisher="node-a")
+    for _ in range(int(WAIT / 0.05)):
+        if stack.service.dead_letters.counts:
+            break
+        await asyncio.sleep(0.05)
+    assert stack.service.dead_letters.counts == {"telemetry_identity": 1}
+    await asyncio.sleep(0.2)
+    latest = stack.hub.latest("llm-0")
+    assert latest is not None
+    assert json.loads(latest[1].rankTable)["status"] == "initializing"
+    await stack.report(placed, RunnerStatusKind.READY, seq=3)
+    await _until(stack, "llm-0", lambda _, t: json.loads(t.rankTable)["status"] == "completed")
 
 
 async def test_identical_tables_are_not_sent_again(stack: Stack) -> None:

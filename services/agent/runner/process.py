@@ -23,6 +23,7 @@ from services.agent.runner.recorder import Recorder
 from services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from services.agent.runner.watchdog import Watchdog
 from shared.processes import die_with_parent
+from shared.timestamps import now
 from shared.wire import (
     Breadcrumb,
     GenerationRequest,
@@ -102,7 +103,7 @@ class _Runner:
             cancelled=self.is_cancelled,
         )
         warm = TaskCreated(
-            at="",
+            at=now(),
             taskId="warmup",
             instanceId=config.runner.instanceId,
             taskKind=TaskKind.START_WARMUP,

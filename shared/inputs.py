@@ -1,4 +1,4 @@
-"""Decode what the aggregator consumes and refuse nonsense, with a reason per kind."""
+"""Decode what the services consume from the bus and refuse nonsense, with a reason per kind."""
 
 from __future__ import annotations
 
