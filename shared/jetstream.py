@@ -94,18 +94,26 @@ class BucketSpec:
         )
 
     def differs_from(self, current: StreamConfig) -> bool:
-        """Whether the bucket's stream lacks this spec's history or TTL."""
+        """Whether the bucket's stream lacks this spec's history or TTL, or takes rollups."""
         return (
-            current.max_msgs_per_subject != self.history or (current.max_age or 0.0) != self.ttl_s
+            current.max_msgs_per_subject != self.history
+            or (current.max_age or 0.0) != self.ttl_s
+            or bool(current.allow_rollup_hdrs)
         )
 
     def applied_to(self, current: StreamConfig) -> StreamConfig:
-        """`current` with this spec's history and TTL (the dedupe window may not exceed it)."""
+        """`current` with this spec's history and TTL (the dedupe window may not exceed it),
+        refusing `Nats-Rollup` headers: with them, one writer of a single key could purge
+        every key of the bucket (nats-py creates buckets allowing them; rankscope purges
+        no key)."""
         window = current.duplicate_window
         if self.ttl_s:
             window = min(window or DUPLICATE_WINDOW_S, self.ttl_s)
         return current.evolve(
-            max_msgs_per_subject=self.history, max_age=self.ttl_s, duplicate_window=window
+            max_msgs_per_subject=self.history,
+            max_age=self.ttl_s,
+            duplicate_window=window,
+            allow_rollup_hdrs=False,
         )
 
 
@@ -251,7 +259,7 @@ async def ensure(js: JetStreamContext, layout: Layout) -> None:
         except NotFoundError:
             await js.create_key_value(bucket.config())
             log.info("created bucket %s", bucket.bucket)
-            continue
+            info = await js.stream_info(bucket.stream_name)
         if bucket.differs_from(info.config):
             await js.update_stream(bucket.applied_to(info.config))
             log.info("updated bucket %s", bucket.bucket)

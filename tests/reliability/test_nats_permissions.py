@@ -98,6 +98,21 @@ async def test_an_agent_publishes_only_under_its_own_node(server: EmbeddedNats) 
     await close(aggregator.nc)
 
 
+async def test_no_agent_can_roll_up_the_node_bucket(server: EmbeddedNats) -> None:
+    bucket = LAYOUT.nodes_bucket
+    other = await _login(server, agent_user("node-b"))
+    await other.js.publish(f"$KV.{bucket.bucket}.node-b", b"{}")
+    await close(other.nc)
+    agent = await _login(server, agent_user("node-a"))
+    with pytest.raises(NatsError, match=r"(?i)rollup"):
+        await agent.js.publish(f"$KV.{bucket.bucket}.node-a", b"{}", headers={"Nats-Rollup": "all"})
+    await close(agent.nc)
+    aggregator = await _login(server, "aggregator")
+    kept = await aggregator.js.get_last_msg(bucket.stream_name, f"$KV.{bucket.bucket}.node-b")
+    assert kept.data == b"{}"
+    await close(aggregator.nc)
+
+
 async def test_an_agent_reads_no_other_node_s_telemetry(server: EmbeddedNats) -> None:
     agent = await _login(server, agent_user("node-b"))
     await agent.js.publish(SUBJECTS.runner("node-b", "i", 1, "memory"), b"{}")
