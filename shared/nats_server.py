@@ -80,6 +80,7 @@ class EmbeddedNats:
         self.monitor_url: str | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._ports_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._monitor_port = -1
 
     @property
     def url(self) -> str:
@@ -128,7 +129,7 @@ class EmbeddedNats:
             str(self.log_path),
         ]
         if self.monitor:
-            args += ["--http_port", "-1"]
+            args += ["--http_port", str(self._monitor_port)]
         args += self.extra_args
         self._process = subprocess.Popen(
             args,
@@ -185,6 +186,26 @@ class EmbeddedNats:
                 if self._process.poll() is not None:
                     lines = self._process.stderr.read().decode(errors="replace").splitlines()
         return " | ".join(lines[-3:]) or "no output"
+
+    def exit_code(self) -> int | None:
+        """How the server ended (a negative signal number when killed), reaping it; None
+        while it runs or before it started."""
+        return self._process.poll() if self._process is not None else None
+
+    def restart(self) -> EmbeddedNats:
+        """Start the server again on the same store and ports, so that clients reconnect
+        to it where they left off.
+
+        Raises:
+            NatsServerError: as `start`.
+        """
+        url, monitor = self.client_url, self.monitor_url
+        self.stop()
+        if url is not None:
+            self.port = int(url.rpartition(":")[2])
+        if monitor is not None:
+            self._monitor_port = int(monitor.rstrip("/").rpartition(":")[2])
+        return self.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the server: SIGTERM, then SIGKILL if it has not exited within `timeout`."""

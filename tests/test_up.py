@@ -198,6 +198,25 @@ async def test_a_crashed_service_is_restarted_and_reported(
     assert second != first
 
 
+async def test_a_killed_nats_server_is_started_again_and_the_stack_recovers(
+    stack: tuple[subprocess.Popen[str], dict[str, str]],
+) -> None:
+    process, shown = stack
+    web = shown["web"].split()[0].rstrip("/")
+    assert "timeline" in await asyncio.to_thread(_get, f"{web}/v1/cluster/timeline")
+    (first,) = _children_running("nats-server", process.pid)
+    os.kill(first, signal.SIGKILL)
+    assert process.stderr is not None
+    for line in process.stderr:
+        if "nats-server running again on" in line:
+            break
+    (second,) = _children_running("nats-server", process.pid)
+    assert second != first
+    assert not await asyncio.to_thread(Path(f"/proc/{first}").exists), "not reaped"
+    assert await _aggregator_ready(Settings(nats_url=shown["NATS"].split()[0]))
+    assert "ready" in await asyncio.to_thread(_get, f"{web}/readyz")  # reconnected
+
+
 def test_sigterm_stops_everything(stack: tuple[subprocess.Popen[str], dict[str, str]]) -> None:
     process, _ = stack
     children = _children(process.pid)

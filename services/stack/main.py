@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from services.stack.demo import drive
-from services.stack.supervisor import ChildSpec, Supervisor
+from services.stack.supervisor import ChildSpec, Supervisor, keep_nats
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.nats_auth import agent_user, render
@@ -109,6 +109,7 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
                 config=config,
             ).start()
             stack.callback(server.stop)
+            stack.callback(asyncio.create_task(keep_nats(server, stop)).cancel)
             servers = [server.url]
             settings = replace(settings, nats_url=server.url)
         elif nats_auth:

@@ -1,5 +1,6 @@
 """Run rankscope services as child processes: restart a crashed one (with backoff) and
-say so, stop them all on the way out (SIGTERM, then SIGKILL)."""
+say so, stop them all on the way out (SIGTERM, then SIGKILL); likewise keep the embedded
+NATS server running."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from shared.nats_server import EmbeddedNats, NatsServerError
 from shared.processes import die_with_parent, signal_name
 
-__all__ = ["ChildSpec", "Supervisor"]
+__all__ = ["ChildSpec", "Supervisor", "keep_nats"]
 
 log = logging.getLogger("rankscope.up")
 
@@ -23,6 +25,7 @@ _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _STABLE_AFTER_S = 60.0
 _GRACE_S = 8.0  # within `up`'s promise: everything stopped in 10 s
+_NATS_CHECK_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +128,31 @@ class Supervisor:
             if child.process is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(child.process.pid, signal.SIGKILL)
+
+
+async def keep_nats(server: EmbeddedNats, stop: asyncio.Event) -> None:
+    """Start `server` again whenever it ends before `stop`, on the same store and port, so
+    that the services reconnect to it and find their streams where they were (from the
+    main thread: the server is tied to the thread that starts it)."""
+    backoff = _BACKOFF_START_S
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), _NATS_CHECK_S)
+        if stop.is_set():
+            return
+        code = server.exit_code()
+        if server.pid is not None and code is None:
+            continue
+        if code is not None:
+            cause = signal_name(code) or f"exit code {code}"
+            log.error("nats-server stopped (%s); starting it again on %s", cause, server.store_dir)
+        try:
+            server.restart()
+        except NatsServerError as exc:
+            log.error("nats-server did not start again (%s); next try in %.1fs", exc, backoff)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+        else:
+            log.info("nats-server running again on %s", server.url)
+            backoff = _BACKOFF_START_S
