@@ -10,6 +10,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from shared.connection import ConnectionLostError
+from shared.jetstream import LayoutError
 from shared.settings import Settings
 
 __all__ = ["SHUTDOWN_GRACE_S", "run_until_signalled"]
@@ -48,4 +49,7 @@ def run_until_signalled(
         asyncio.run(main())
     except ConnectionLostError:
         return 1  # logged when it closed
+    except LayoutError as exc:
+        log.error("%s", exc)
+        return 1
     return 0

@@ -8,7 +8,7 @@ import logging
 import ssl
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -25,6 +25,7 @@ __all__ = [
     "Reachability",
     "close",
     "connect",
+    "keep_checking",
     "slow_consumer_drops",
 ]
 
@@ -61,10 +62,6 @@ async def _error(error: Exception) -> None:
         log.error("NATS dropped a message for a slow subscription (%d so far)", _drops[0])
         return
     log.warning("NATS: %s", error or type(error).__name__)
-
-
-async def _disconnected() -> None:
-    log.warning("NATS disconnected; reconnecting")
 
 
 async def _reconnected() -> None:
@@ -135,6 +132,10 @@ async def connect(
     nc = Client()
     connected = False
 
+    async def disconnected() -> None:
+        if nc not in _closing:
+            log.warning("NATS disconnected; reconnecting")
+
     async def closed() -> None:
         if on_lost is None or not connected or nc in _closing:
             return  # a first connect that failed raises instead
@@ -143,7 +144,7 @@ async def connect(
         on_lost(reason)
 
     options.setdefault("error_cb", _error)
-    options.setdefault("disconnected_cb", _disconnected)
+    options.setdefault("disconnected_cb", disconnected)
     options.setdefault("reconnected_cb", _reconnected)
     options.setdefault("closed_cb", closed)
     if settings.nats_user:
@@ -250,13 +251,16 @@ class Reachability:
             f"ping within {self._timeout:g}s for {self._clock() - self.down_since:.0f}s"
         )
 
-    async def watch(self, stop: asyncio.Event, every: float) -> None:
-        """Check every `every` seconds until `stop` is set."""
-        while not stop.is_set():
-            await self.check()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(every):
-                    await stop.wait()
+
+async def keep_checking(
+    check: Callable[[], Awaitable[object]], stop: asyncio.Event, every: float
+) -> None:
+    """Call `check` every `every` seconds until `stop` is set."""
+    while not stop.is_set():
+        await check()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(every):
+                await stop.wait()
 
 
 async def close(nc: Client) -> None:

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from shared.settings import Settings
 from shared.subjects import Subjects
 
-__all__ = ["DUPLICATE_WINDOW_S", "Layout", "StreamSpec", "ensure"]
+__all__ = ["DUPLICATE_WINDOW_S", "Layout", "LayoutError", "StreamSpec", "ensure"]
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,15 @@ class Layout:
         )
 
     @property
+    def canary_stream(self) -> StreamSpec:
+        """One tiny message per writer, rewritten to learn whether JetStream stores now. It
+        reserves no space on purpose: it fails when the unreserved store (the buckets',
+        heartbeats among them) runs out, or the disk does, first."""
+        return StreamSpec(
+            self._name("CANARY"), (self.subjects.canary_all(),), max_msgs_per_subject=1
+        )
+
+    @property
     def streams(self) -> tuple[StreamSpec, ...]:
         """All streams."""
         return (
@@ -215,6 +224,7 @@ class Layout:
             self.ranktable_stream,
             self.diagnosis_stream,
             self.deadletter_stream,
+            self.canary_stream,
         )
 
     @property
@@ -238,20 +248,41 @@ class Layout:
         return (self.runners_bucket, self.runner_status_bucket, self.nodes_bucket)
 
 
+class LayoutError(RuntimeError):
+    """JetStream refused a stream rankscope needs (its store is too small for it)."""
+
+
+def _refused(stream: StreamSpec, error: APIError) -> LayoutError:
+    size = f"reserving {stream.max_bytes:,} bytes" if stream.max_bytes > 0 else "no reservation"
+    return LayoutError(
+        f"JetStream refused stream {stream.name} ({size}): {error.description}; free space "
+        "in the server's store, or lower --telemetry-max-bytes"
+    )
+
+
 async def ensure(js: JetStreamContext, layout: Layout) -> None:
     """Create every stream and bucket of `layout`, or update those whose limits differ.
 
     Safe to call from every service at start-up, concurrently and repeatedly.
+
+    Raises:
+        LayoutError: the server refused a stream (a store too small for its limits).
     """
     for stream in layout.streams:
         try:
             info = await js.stream_info(stream.name)
         except NotFoundError:
-            await js.add_stream(stream.config())
+            try:
+                await js.add_stream(stream.config())
+            except APIError as exc:
+                raise _refused(stream, exc) from None
             log.info("created stream %s", stream.name)
             continue
         if stream.differs_from(info.config):
-            await js.update_stream(stream.applied_to(info.config))
+            try:
+                await js.update_stream(stream.applied_to(info.config))
+            except APIError as exc:
+                raise _refused(stream, exc) from None
             log.info("updated stream %s", stream.name)
     for bucket in layout.buckets:
         try:

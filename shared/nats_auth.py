@@ -125,6 +125,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
             publish=(
                 f"{p}.diagnosis.>",
                 subjects.deadletter(),
+                subjects.canary("aggregator"),
                 f"{p}.node.*.diagnostics",
                 f"{p}.node.*.evidence",
                 *api.everyone(),
@@ -140,6 +141,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
             publish=(
                 f"{p}.placement.>",
                 f"{p}.ranktable.>",
+                subjects.canary("ranktable"),
                 f"$KV.{layout.runner_status_bucket.bucket}.>",
                 # a deleted job's rank table goes with it
                 f"$JS.API.STREAM.PURGE.{api.stream('RANKTABLE')}",

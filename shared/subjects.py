@@ -145,3 +145,11 @@ class Subjects:
     def deadletter(self) -> str:
         """Copies of messages that could not be applied."""
         return f"{self.prefix}.deadletter"
+
+    def canary(self, service: str) -> str:
+        """Where `service` writes to learn whether JetStream stores messages now."""
+        return f"{self.prefix}.canary.{token(service)}"
+
+    def canary_all(self) -> str:
+        """Every service's canary."""
+        return f"{self.prefix}.canary.*"

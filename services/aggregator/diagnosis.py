@@ -264,10 +264,11 @@ def diagnose(
     incidents: Mapping[str, Incident],
     placed_at: Callable[[str], float],
     thresholds: Thresholds = Thresholds(),
-    outage: tuple[str, str] | None = None,
+    outage: tuple[FindingKind, str, str] | None = None,
 ) -> dict[str, Incident]:
     """The open incident of every live instance that has one, by instance id; during an
-    outage of NATS, that outage (under the empty id) and the incidents open before it.
+    outage of NATS or JetStream, that outage (under the empty id) and the incidents open
+    before it.
 
     Args:
         state: the cluster state.
@@ -276,15 +277,16 @@ def diagnose(
         incidents: what the last call returned.
         placed_at: monotonic time the aggregator learnt of an instance's placement.
         thresholds: how long is too long.
-        outage: (since, why) when the aggregator cannot reach NATS: what it holds is stale,
-            so no incident opens or clears meanwhile.
+        outage: (kind, since, why) when the aggregator cannot reach NATS or JetStream
+            does not store: what it holds is stale, so no incident opens or clears
+            meanwhile.
     """
     if outage is not None:
-        since, why = outage
+        kind, since, why = outage
         previous = incidents.get("")
         bus = Finding(
             instanceId="",
-            kind=FindingKind.NATS_UNREACHABLE,
+            kind=kind,
             culpritRanks=[],
             culpritRunnerIds=[],
             summary=why,

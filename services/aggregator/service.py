@@ -32,12 +32,14 @@ from shared.inputs import (
 )
 from shared.jetstream import Layout
 from shared.replay import Follower, follow, follow_bucket, stored_ns
+from shared.storage import Storage
 from shared.subjects import untoken
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     Diagnosis,
     EvidenceRequest,
     Finding,
+    FindingKind,
     NodeDiagnostics,
     NodeEvidence,
     NodeInfo,
@@ -138,6 +140,9 @@ class AggregatorService:
             js=js, subject=layout.subjects.deadletter(), service="aggregator"
         )
         self.reach = Reachability(nc, timeout=probe_timeout, clock=clock)
+        self.storage = Storage(
+            js, layout.subjects.canary("aggregator"), timeout=probe_timeout, clock=clock
+        )
         self._placed_at: dict[str, float] = {}
         self._heartbeats: dict[str, float] = {}
         self.clock_offsets: dict[str, float] = {}
@@ -349,6 +354,14 @@ class AggregatorService:
 
     # Findings
 
+    def _outage(self) -> tuple[FindingKind, str, str] | None:
+        if not self.reach.reachable:
+            return FindingKind.NATS_UNREACHABLE, self.reach.down_since_wall or "", self.reach.why()
+        if not self.storage.storing:
+            storage = self.storage
+            return FindingKind.JETSTREAM_STORAGE, storage.failing_since_wall or "", storage.why()
+        return None
+
     def evaluate(self) -> tuple[list[Finding], list[Finding]]:
         """Diagnose now; returns (findings opened or changed, findings that cleared)."""
         found = diagnose(
@@ -358,9 +371,7 @@ class AggregatorService:
             incidents=self._incidents,
             placed_at=lambda i: self._placed_at.get(i, self._clock()),
             thresholds=self._thresholds,
-            outage=(self.reach.down_since_wall or "", self.reach.why())
-            if not self.reach.reachable
-            else None,
+            outage=self._outage(),
         )
         before = self._incidents
         opened = [
@@ -489,8 +500,8 @@ class AggregatorService:
         Only while NATS answers, before and after the round: when the bus itself is out,
         silence says nothing of the nodes, and once it is back every rank starts afresh.
         """
-        was_out = not self.reach.reachable
-        if not await self.reach.check():
+        was_out = not (self.reach.reachable and self.storage.storing)
+        if not await self.reach.check() or not await self.storage.check():
             return
         if was_out:
             self._after_outage()
@@ -674,7 +685,8 @@ class AggregatorService:
     def health(self) -> dict[str, Any]:
         """Readiness and counters, for /readyz and /metrics."""
         return {
-            "ready": self.ready.is_set() and self.reach.reachable,
+            "ready": self.ready.is_set() and self.reach.reachable and self.storage.storing,
+            "storageProblem": self.storage.why(),
             "natsReachable": self.reach.reachable,
             "natsOutages": self.reach.outages,
             "entries": self.state.store.size,

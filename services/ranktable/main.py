@@ -10,9 +10,17 @@ from services.lifecycle import run_until_signalled
 from services.ranktable.grpc_server import serve
 from services.ranktable.hub import TableHub
 from services.ranktable.service import RankTableService
-from shared.connection import REACH_CHECK_S, Lifeline, Reachability, close, connect
+from shared.connection import (
+    REACH_CHECK_S,
+    Lifeline,
+    Reachability,
+    close,
+    connect,
+    keep_checking,
+)
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
+from shared.storage import STORAGE_CHECK_S, Storage
 
 __all__ = ["run", "serve_until"]
 
@@ -32,16 +40,19 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         server, port = await serve(hub, settings.grpc_host, settings.grpc_port)
         stack.push_async_callback(server.stop, 1.0)
         reach = Reachability(nc, timeout=REACH_CHECK_S)
+        storage = Storage(js, layout.subjects.canary("ranktable"), timeout=REACH_CHECK_S)
         service = RankTableService(
             js=js,
             layout=layout,
             hub=hub,
             port_base=settings.ring_port_base,
-            connected=lambda: reach.reachable,
+            # heartbeats that JetStream did not store are no sign of lost nodes
+            connected=lambda: reach.reachable and storage.storing,
         )
         log.info("rank-table service up; gRPC config.Config on port %d", port)
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(reach.watch(stop, every=REACH_CHECK_S))
+            tasks.create_task(keep_checking(reach.check, stop, every=REACH_CHECK_S))
+            tasks.create_task(keep_checking(storage.check, stop, every=STORAGE_CHECK_S))
             await service.run(stop)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from services.stack.demo import drive
 from services.stack.supervisor import ChildSpec, Supervisor, keep_nats
 from shared.connection import close, connect
-from shared.jetstream import Layout, ensure
+from shared.jetstream import Layout, LayoutError, ensure
 from shared.nats_auth import agent_user, render
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, to_environ
@@ -116,7 +116,10 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
             raise SystemExit("--nats-auth configures the embedded NATS: leave --nats-url unset")
         nc = await connect(settings, "rankscope-up")
         stack.push_async_callback(close, nc)
-        await ensure(nc.jetstream(), Layout.from_settings(settings))
+        try:
+            await ensure(nc.jetstream(), Layout.from_settings(settings))
+        except LayoutError as exc:
+            raise SystemExit(f"rankscope up: {exc}") from None
         users = " (one user per role)" if nats_auth else ""
         print(f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready){users}")
         model = demo_model(settings) if demo else None

@@ -37,6 +37,9 @@ class FindingKind(StrEnum):
     NATS_UNREACHABLE = "nats_unreachable"
     """The aggregator cannot reach NATS: nothing can be said of any rank meanwhile (the
     finding of the whole installation, `instanceId` empty)."""
+    JETSTREAM_STORAGE = "jetstream_storage"
+    """NATS answers but JetStream does not store (its store or disk is full, or it is
+    disabled): telemetry is lost meanwhile, so likewise nothing is said of any rank."""
 
 
 class RankRole(StrEnum):

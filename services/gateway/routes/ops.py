@@ -44,6 +44,8 @@ async def readyz(nats: Nats) -> Json:
             {"status": "unavailable", "reason": "the aggregator cannot reach NATS"},
             status_code=503,
         )
+    if health.get("storageProblem"):
+        return Json({"status": "unavailable", "reason": health["storageProblem"]}, status_code=503)
     if not health.get("ready"):
         return Json(
             {"status": "unavailable", "reason": "the aggregator is rebuilding its views"},

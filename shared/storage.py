@@ -1,0 +1,92 @@
+"""Whether JetStream stores messages now: a canary write, told apart from NATS outages.
+
+On a full disk or store, NATS still answers pings while JetStream refuses or never
+acknowledges writes: the telemetry stops with nothing but timeouts on the agents. A
+service that writes its canary now and then learns it, with the server's reason when it
+gives one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from shared.timestamps import now
+
+__all__ = ["STORAGE_CHECK_S", "Storage"]
+
+log = logging.getLogger(__name__)
+
+STORAGE_CHECK_S = 2.0
+"""Seconds between canary writes of a service watching JetStream."""
+
+
+def _reason(error: Exception, timeout: float) -> str:
+    if isinstance(error, APIError):
+        return f"the server refused a write: {error.description} (error {error.err_code})"
+    if isinstance(error, NoRespondersError):
+        return "JetStream is not running on the server (disabled, e.g. after its disk filled)"
+    if isinstance(error, TimeoutError):
+        return f"no write acknowledged within {timeout:g}s"
+    return f"a write failed: {error or type(error).__name__}"
+
+
+class Storage:
+    """Whether a canary write was stored, as of the last `check`.
+
+    Args:
+        js: the JetStream context.
+        subject: the canary subject (see `Layout.canary_stream`).
+        timeout: seconds to wait for the acknowledgement.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        subject: str,
+        *,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._js = js
+        self._subject = subject
+        self._timeout = timeout
+        self._clock = clock
+        self.failing_since: float | None = None
+        self.failing_since_wall: str | None = None
+        self.reason = ""
+        """Why the last write was not stored (empty when it was)."""
+
+    @property
+    def storing(self) -> bool:
+        """Whether the last canary write was stored."""
+        return self.failing_since is None
+
+    async def check(self) -> bool:
+        """Write the canary now; returns whether JetStream stored it."""
+        try:
+            await self._js.publish(self._subject, now().encode(), timeout=self._timeout)
+        except (NatsError, APIError, TimeoutError) as exc:
+            self.reason = _reason(exc, self._timeout)
+            if self.failing_since is None:
+                self.failing_since, self.failing_since_wall = self._clock(), now()
+                log.error("JetStream is not storing: %s", self.reason)
+            return False
+        if self.failing_since is not None:
+            log.info("JetStream stores again after %.0fs", self._clock() - self.failing_since)
+            self.failing_since = self.failing_since_wall = None
+            self.reason = ""
+        return True
+
+    def why(self) -> str:
+        """The failure in words (empty while writes are stored)."""
+        if self.failing_since is None:
+            return ""
+        return f"JetStream not storing since {self.failing_since_wall}: {self.reason}"
