@@ -9,7 +9,9 @@
 - the rank-table service reads specs, nodes, placements and runner status, and writes
   placements, rank tables, spec status and dead letters;
 - the gateway asks queries, writes specs and tasks, and reads rank tables, output, task
-  status and the buckets; it can never publish runner telemetry, task status or output.
+  status and the buckets; it can never publish runner telemetry, task status or output;
+- the operator (a person, with the `nats` CLI) reads every stream and bucket, the dead
+  letters among them, and watches every subject, but writes nothing.
 
 Only the aggregator and the rank-table service may create or update streams; nobody may
 delete or purge them. Each user receives replies only under its own inbox prefix
@@ -25,9 +27,19 @@ from dataclasses import dataclass
 from shared.jetstream import Layout
 from shared.subjects import token
 
-__all__ = ["ROLES", "Permissions", "agent_user", "inbox_prefix", "password_variable", "render"]
+__all__ = [
+    "OPERATOR",
+    "ROLES",
+    "Permissions",
+    "agent_user",
+    "inbox_prefix",
+    "password_variable",
+    "render",
+]
 
 ROLES = ("aggregator", "ranktable", "gateway")
+OPERATOR = "operator"
+"""The user people read streams with (the `nats` CLI): every stream, no write."""
 """The service roles; every agent is a user of its own (`agent_user`)."""
 
 
@@ -177,7 +189,18 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
             ),
             subscribe=(*inbox, f"{p}.ranktable.>", f"{p}.output.>", f"{p}.tasks.*.status.*"),
         )
-    raise ValueError(f"no role {user!r}; roles are {', '.join(ROLES)} and agent-<node>")
+    if user == OPERATOR:
+        return Permissions(
+            publish=(
+                *api.everyone(),
+                "$JS.API.STREAM.LIST",
+                "$JS.API.CONSUMER.LIST.*",
+                "$JS.API.CONSUMER.NAMES.*",
+                *api.read(*api.all_streams),
+            ),
+            subscribe=(*inbox, "_INBOX.>", f"{p}.>"),  # the nats CLI's own inbox too
+        )
+    raise ValueError(f"no role {user!r}; roles are {', '.join(ROLES)}, {OPERATOR} and agent-<node>")
 
 
 def render(layout: Layout, nodes: Sequence[str], passwords: Mapping[str, str] | None = None) -> str:
@@ -186,7 +209,7 @@ def render(layout: Layout, nodes: Sequence[str], passwords: Mapping[str, str] | 
     Passwords are written as given, or, when `passwords` is None, as references to
     environment variables of the server (`password_variable`), so the file holds no secret.
     """
-    users = [(role, permissions(layout, role)) for role in ROLES]
+    users = [(role, permissions(layout, role)) for role in (*ROLES, OPERATOR)]
     users += [(agent_user(n), permissions(layout, agent_user(n), n)) for n in nodes]
     lines = [
         "# rankscope's NATS server config with one user per role (`rankscope nats-config`).",

@@ -164,7 +164,11 @@ async def test_with_nats_auth_every_service_works_and_no_secret_shows(tmp_path: 
         assert "one user per role" in shown["NATS"]
         config = (tmp_path / "data" / "nats" / "nats.conf").read_text()
         passwords = re.findall(r'password: "([^"]+)"', config)
-        assert len(passwords) == 3, "aggregator, rank-table service, gateway"
+        assert len(passwords) == 4, "aggregator, rank-table service, gateway, operator"
+        secret = tmp_path / "data" / "operator.password"
+        assert secret.read_text().strip() == passwords[3]
+        assert secret.stat().st_mode & 0o777 == 0o600
+        assert f'--user operator --password "$(cat {secret})"' in shown["watch"]
         url = shown["NATS"].split()[0]
         gateway = Settings(nats_url=url, nats_user="gateway", nats_password=passwords[2])
         assert await _aggregator_ready(gateway)

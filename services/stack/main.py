@@ -17,7 +17,7 @@ from services.stack.demo import drive
 from services.stack.supervisor import ChildSpec, Supervisor, keep_nats
 from shared.connection import close, connect
 from shared.jetstream import Layout, LayoutError, ensure
-from shared.nats_auth import agent_user, render
+from shared.nats_auth import OPERATOR, agent_user, render
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, to_environ
 from shared.tiny_model import TinyModelSpec, write_tiny_model
@@ -84,6 +84,15 @@ def demo_model(settings: Settings) -> Path:
     return directory
 
 
+def _keep_secret(path: Path, secret: str) -> Path:
+    """Write `secret` to `path`, readable by this user alone; returns the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(secret + "\n")
+    return path
+
+
 async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -92,10 +101,14 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
     children = SERVICES + (demo_agents(settings) if demo else ())
     async with contextlib.AsyncExitStack() as stack:
         servers = settings.nats_servers
+        watch = f"nats sub '{settings.subject_prefix}.>'"
         if settings.nats_url is None:
             config = None
             if nats_auth:
                 passwords, children = with_users(children)
+                passwords[OPERATOR] = secrets.token_urlsafe(24)
+                secret = _keep_secret(settings.data_dir / "operator.password", passwords[OPERATOR])
+                watch += f' --user {OPERATOR} --password "$(cat {secret})"'
                 config = render(
                     Layout.from_settings(settings), DEMO_NODES if demo else (), passwords
                 )
@@ -131,7 +144,7 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
         web = f"http://{settings.gateway_host}:{settings.gateway_port}"
         print(f"web         {web}/  (API docs {web}/docs)")
         print(f"ranktable   gRPC config.Config on {settings.grpc_host}:{settings.grpc_port}")
-        print(f"watch       nats sub '{settings.subject_prefix}.>' --server {servers[0]}")
+        print(f"watch       {watch} --server {servers[0]}")
         print("try         rankscope timeline --url " + web)
         print(f"            curl -s {web}/v1/cluster/diagnosis")
         print("Ctrl-C stops everything.", flush=True)

@@ -263,18 +263,18 @@ async def test_nats_and_grpc_subscribers_see_initializing_then_completed(stack: 
 async def test_a_node_cannot_report_another_node_s_rank_ready(stack: Stack) -> None:
     await stack.put_node(node_info("node-a", 24))
     await stack.put_node(node_info("node-b", 8))
-    await stack.start()
+    service = await stack.start()
     tables = await _tables(stack, "llm-0")
     await stack.put_spec(runner())
     _table(await _next(tables))
-    placed = stack.service.placements["llm-0"]
+    placed = service.placements["llm-0"]
     assert placed is not None
     await stack.report(placed, RunnerStatusKind.READY, publisher="node-a")
     for _ in range(int(WAIT / 0.05)):
-        if stack.service.dead_letters.counts:
+        if service.dead_letters.counts:
             break
         await asyncio.sleep(0.05)
-    assert stack.service.dead_letters.counts == {"telemetry_identity": 1}
+    assert service.dead_letters.counts == {"telemetry_identity": 1}
     await asyncio.sleep(0.2)
     latest = stack.hub.latest("llm-0")
     assert latest is not None

@@ -19,7 +19,7 @@ import pytest
 
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
-from shared.nats_auth import ROLES, agent_user, render
+from shared.nats_auth import OPERATOR, ROLES, agent_user, render
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, to_environ
 
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
 
 LAYOUT = Layout()
 NODES = ("node-a",)
-PASSWORDS = {user: f"pw-{user}" for user in (*ROLES, *(agent_user(n) for n in NODES))}
+PASSWORDS = {user: f"pw-{user}" for user in (*ROLES, OPERATOR, *(agent_user(n) for n in NODES))}
 EXIT_WITHIN_S = 30.0
 
 

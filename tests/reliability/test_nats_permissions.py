@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
-from shared.nats_auth import ROLES, agent_user, render
+from shared.nats_auth import OPERATOR, ROLES, agent_user, render
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
 NODES = ("node-a", "node-b")
 LAYOUT = Layout()
 SUBJECTS = LAYOUT.subjects
-PASSWORDS = {user: f"pw-{user}" for user in (*ROLES, *(agent_user(n) for n in NODES))}
+PASSWORDS = {user: f"pw-{user}" for user in (*ROLES, OPERATOR, *(agent_user(n) for n in NODES))}
 
 
 class _Session:
@@ -184,6 +184,27 @@ async def test_only_owners_change_streams_and_nobody_deletes_them(server: Embedd
             await session.js.delete_stream(LAYOUT.runner_stream.name)
         await session.refused("STREAM.DELETE")
         await close(session.nc)
+
+
+async def test_the_operator_reads_every_stream_the_dead_letters_too_and_writes_nothing(
+    server: EmbeddedNats,
+) -> None:
+    aggregator = await _login(server, "aggregator")
+    await aggregator.js.publish(SUBJECTS.deadletter(), b"bad input")
+    await close(aggregator.nc)
+    operator = await _login(server, OPERATOR)
+    kept = await operator.js.get_last_msg(LAYOUT.deadletter_stream.name, SUBJECTS.deadletter())
+    assert kept.data == b"bad input"
+    names = await operator.js.streams_info()
+    assert {s.config.name for s in names} >= {s.name for s in LAYOUT.streams}
+    watched = await operator.nc.subscribe(f"{SUBJECTS.prefix}.>")
+    await operator.publish_refused(SUBJECTS.deadletter())
+    await operator.publish_refused(SUBJECTS.runner("node-a", "i", 0, "memory"))
+    with pytest.raises((TimeoutError, NatsError)):
+        await operator.js.purge_stream(LAYOUT.deadletter_stream.name)
+    await operator.refused("STREAM.PURGE")
+    await watched.unsubscribe()
+    await close(operator.nc)
 
 
 async def test_a_wrong_password_is_refused(server: EmbeddedNats) -> None:
