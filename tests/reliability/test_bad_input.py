@@ -66,6 +66,13 @@ def _mutated(field: str, value: Any) -> bytes:
     return json.dumps(broken).encode()
 
 
+def _timed(at: str) -> bytes:
+    """A valid batch but for its entry's time."""
+    broken = json.loads(json.dumps(VALID_RUNNER))
+    broken["entries"][0]["at"] = at
+    return json.dumps(broken).encode()
+
+
 _not_text = st.one_of(st.none(), st.booleans(), st.integers(), st.lists(st.integers(), max_size=2))
 _not_rank = st.one_of(
     st.none(), st.text(), st.integers(max_value=-1), st.lists(st.integers(), max_size=2)
@@ -87,6 +94,7 @@ bad_payloads = st.one_of(
     json_values.map(lambda v: json.dumps(v).encode()),
     st.integers(min_value=10_000, max_value=500_000).map(lambda n: json.dumps("x" * n).encode()),
     st.integers(min_value=50, max_value=200).map(lambda d: json.dumps(_deep(d)).encode()),
+    st.text(max_size=40).map(_timed),  # no time of the wire form, which is 27 characters
     st.one_of(
         *(
             st.tuples(st.just(field), wrong).map(lambda p: _mutated(*p))
