@@ -127,6 +127,11 @@ def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
     """
     if not runner.id:
         raise SpecError("id is required")
+    if "/" in runner.id or any(c < " " or c == "\x7f" for c in runner.id):
+        raise SpecError(
+            f"id {runner.id[:40]!r} holds '/' or a control character: it must name the "
+            "runner in a URL path"
+        )
     model = runner.worker.model if runner.worker else None
     if model is None or not model.id:
         raise SpecError("worker.model.id is required: it names the model to serve")
