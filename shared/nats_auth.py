@@ -130,7 +130,12 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 # a restarted runner resumes its seq from its last stored message
                 f"$JS.API.DIRECT.GET.{api.stream('RUNNER')}.{p}.runner.{node}.>",
             ),
-            subscribe=(*inbox, subjects.node_diagnostics(node_id), subjects.node_evidence(node_id)),
+            subscribe=(
+                *inbox,
+                subjects.node_diagnostics(node_id),
+                subjects.node_evidence(node_id),
+                subjects.node_model(node_id),
+            ),
         )
     if user == "aggregator":
         return Permissions(
@@ -153,6 +158,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
             publish=(
                 f"{p}.placement.>",
                 f"{p}.ranktable.>",
+                f"{p}.node.*.model",
                 subjects.canary("ranktable"),
                 f"$KV.{layout.runner_status_bucket.bucket}.>",
                 # a deleted job's rank table goes with it

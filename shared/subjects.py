@@ -133,6 +133,10 @@ class Subjects:
         """Request to one agent to capture its runners' stacks and memory now."""
         return f"{self.prefix}.node.{token(node_id)}.evidence"
 
+    def node_model(self, node_id: str) -> str:
+        """Request to one agent to read a model's shape (layers, weight bytes) on its node."""
+        return f"{self.prefix}.node.{token(node_id)}.model"
+
     def query(self, view: str) -> str:
         """Request to the aggregator for one view."""
         return f"{self.prefix}.query.{token(view)}"

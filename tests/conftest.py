@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -39,19 +40,36 @@ def _docker_engine_answers() -> bool:
 
 
 @pytest.fixture(scope="session")
-def shared_nats_url() -> Iterator[str | None]:
+def shared_nats_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
     """A server every test may share: `RANKSCOPE_TEST_NATS_URL`, else a NATS container
-    when a Docker engine answers, else None (each test gets an embedded server)."""
+    when a Docker engine answers and can start one, else None (each test gets an embedded
+    server; one line says why when the engine could not start the container)."""
     given = os.environ.get("RANKSCOPE_TEST_NATS_URL")
     if given:
         yield given
-    elif _docker_engine_answers():
-        from testcontainers.community.nats import NatsContainer
-
-        with NatsContainer("nats:2.11", jetstream=True) as container:
-            yield container.nats_uri()
-    else:
+        return
+    if not _docker_engine_answers():
         yield None
+        return
+    try:
+        with warnings.catch_warnings():  # testcontainers' own deprecations
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from testcontainers.community.nats import NatsContainer
+
+            container = NatsContainer("nats:2.11", jetstream=True).start()
+    except Exception as exc:  # an engine without the images or a registry to pull them
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if capture is not None and reporter is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(f"NATS container not started ({why}): embedded servers")
+        yield None
+        return
+    try:
+        yield container.nats_uri()
+    finally:
+        container.stop()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -22,6 +23,7 @@ from services.agent.runner.config import RunnerConfig, Timeouts
 from services.agent.supervisor import RunnerSupervisor
 from shared.deadletter import DeadLetters
 from shared.jetstream import Layout
+from shared.model_shape import UnreadableModelError, read_shape
 from shared.replay import Follower, follow
 from shared.subjects import token
 from shared.timestamps import now
@@ -29,6 +31,8 @@ from shared.wire import (
     EvidenceRequest,
     InstanceCreated,
     InstanceReleased,
+    ModelShapeAnswer,
+    ModelShapeRequest,
     NodeDiagnostics,
     NodeEvidence,
     NodeInfo,
@@ -275,6 +279,25 @@ class Agent:
         ]
         captured = await asyncio.gather(*(s.capture() for s in here))
         await msg.respond(encode(NodeEvidence(nodeId=self._node_id, runners=list(captured))))
+
+    async def model(self, msg: Msg) -> None:
+        """Reply to a model-shape request with the layers and weight bytes of the model at
+        the path given, as this node reads it, or why it cannot."""
+        try:
+            asked = decode(msg.data or b"{}", ModelShapeRequest)
+        except WireError as exc:
+            await msg.respond(encode(QueryError(status=422, error=str(exc))))
+            return
+        answer = ModelShapeAnswer(nodeId=self._node_id, modelPath=asked.modelPath)
+        try:
+            shape = await asyncio.to_thread(read_shape, Path(asked.modelPath))
+        except UnreadableModelError as exc:
+            answer = msgspec.structs.replace(answer, error=f"{asked.modelPath!r}: {exc}")
+        else:
+            answer = msgspec.structs.replace(
+                answer, nLayers=shape.n_layers, modelBytes=shape.model_bytes
+            )
+        await msg.respond(encode(answer))
 
     async def shutdown(self) -> None:
         """Release every runner and stop following tasks."""

@@ -87,6 +87,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             layout.subjects.node_diagnostics(identity), cb=agent.answer
         )
         evidence = await nc.subscribe(layout.subjects.node_evidence(identity), cb=agent.evidence)
+        models = await nc.subscribe(layout.subjects.node_model(identity), cb=agent.model)
         placements = await follow(js, layout.subjects.placement_all(), agent.on_placement)
         await placements.caught_up.wait()
         await agent.catch_up()
@@ -95,6 +96,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         await placements.stop()
         await diagnostics.unsubscribe()
         await evidence.unsubscribe()
+        await models.unsubscribe()
         await agent.shutdown()
         _reap_runners()
         beat_stop.set()

@@ -170,10 +170,22 @@ def _runners(args: argparse.Namespace, gateway: Gateway) -> None:
     elif args.action == "create":
         with open(args.file) as spec:
             body = json.load(spec)
-        found = gateway.call(
-            "POST", "/v1/runners", body if "runners" in body else {"runners": [body]}
-        )
-        _out(args, found, "created " + ", ".join(r["id"] for r in found["runners"]))
+        if not args.if_missing:
+            found = gateway.call(
+                "POST", "/v1/runners", body if "runners" in body else {"runners": [body]}
+            )
+            _out(args, found, "created " + ", ".join(r["id"] for r in found["runners"]))
+            return
+        said: dict[str, str] = {}
+        for runner in body.get("runners", [body]):
+            try:
+                gateway.call("POST", "/v1/runners", {"runners": [runner]})
+                said[runner.get("id")] = "created"
+            except ClientError as error:
+                if error.status != 409:
+                    raise
+                said[runner.get("id")] = "exists"
+        _out(args, said, "\n".join(f"{how} {runner_id}" for runner_id, how in said.items()))
     else:
         found = gateway.call("DELETE", f"/v1/runners/{quote(args.id, safe='')}")
         _out(args, found, f"deleted {args.id}")
@@ -241,6 +253,10 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
     listing = actions.add_parser("list", help="list Runner specs")
     listing.add_argument("--page", type=int, default=1)
     listing.add_argument("--per-page", type=int, default=128)
-    actions.add_parser("create", help="create from a JSON file").add_argument("file")
+    create = actions.add_parser("create", help="create from a JSON file")
+    create.add_argument("file")
+    create.add_argument(
+        "--if-missing", action="store_true", help="one that exists already is fine (exit 0)"
+    )
     actions.add_parser("delete", help="delete one").add_argument("id", type=identifier)
     return made

@@ -13,7 +13,12 @@ __all__ = ["ClientError", "Gateway"]
 
 
 class ClientError(Exception):
-    """A request that failed; the message is one line for the terminal."""
+    """A request that failed; the message is one line for the terminal, `status` the HTTP
+    status when the gateway answered."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Gateway:
@@ -41,7 +46,7 @@ class Gateway:
                 return json.loads(r.read() or b"null")
         except urllib.error.HTTPError as error:
             detail = json.loads(error.read() or b"{}").get("detail", error.reason)
-            raise ClientError(f"{error.code}: {detail}") from None
+            raise ClientError(f"{error.code}: {detail}", error.code) from None
         except (urllib.error.URLError, OSError) as error:
             raise ClientError(f"cannot reach {self.url}: {error}") from None
 

@@ -9,6 +9,7 @@ import logging
 from services.lifecycle import run_until_signalled
 from services.ranktable.grpc_server import serve
 from services.ranktable.hub import TableHub
+from services.ranktable.models import ModelShapes
 from services.ranktable.service import RankTableService
 from shared.connection import (
     REACH_CHECK_S,
@@ -46,6 +47,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             layout=layout,
             hub=hub,
             port_base=settings.ring_port_base,
+            shapes=ModelShapes(nc, layout.subjects),
             # heartbeats that JetStream did not store are no sign of lost nodes
             connected=lambda: reach.reachable and storage.storing,
         )

@@ -179,7 +179,7 @@ def _place(
     weights = [
         max(capacity.free[n.node_id], 0) / count for n, count in chosen for _ in range(count)
     ]
-    layers = largest_remainder(spec.model.n_layers, weights)
+    layers = largest_remainder(spec.shape.n_layers, weights)
     assignments: list[RunnerAssignment] = []
     start = 0
     for node, count in chosen:
@@ -196,7 +196,7 @@ def _place(
                     worldSize=spec.ranks,
                     startLayer=start,
                     endLayer=start + layers[rank],
-                    nLayers=spec.model.n_layers,
+                    nLayers=spec.shape.n_layers,
                     host=node.address,
                     port=port,
                 )

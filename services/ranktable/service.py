@@ -23,6 +23,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from services.ranktable.hub import TableHub
+from services.ranktable.models import ModelShapes
 from services.ranktable.placement import NodeView, Plan, plan
 from services.ranktable.specs import PlacementSpec, SpecError, validate
 from services.ranktable.state import PlacementState, Readiness, apply_placement, apply_status
@@ -30,6 +31,7 @@ from services.ranktable.tables import rank_table
 from shared.deadletter import DeadLetters
 from shared.inputs import BadInputError, parse_telemetry
 from shared.jetstream import Layout
+from shared.model_shape import ModelShape
 from shared.replay import Follower, follow, follow_bucket
 from shared.subjects import token, untoken
 from shared.timestamps import now, to_epoch
@@ -53,6 +55,14 @@ __all__ = ["VERSION_HEADER", "RankTableService"]
 
 log = logging.getLogger(__name__)
 
+SHAPE_RETRY_S = 5.0
+"""Seconds between asking the nodes again for a model's shape none could tell."""
+
+
+async def _no_shapes() -> str:
+    return "this rank-table service asks no node"
+
+
 VERSION_HEADER = "Rankscope-Table-Version"
 """Header carrying a job's rank-table version, bumped on every change."""
 
@@ -66,6 +76,8 @@ class RankTableService:
         hub: where in-process subscribers (gRPC) follow rank tables.
         port_base: first ring port handed out per node.
         clock: monotonic seconds, for node expiry.
+        shapes: where the shapes of models given by path are asked (the nodes); without
+            it, such specs wait.
         connected: whether NATS is reachable. While it is not, or while every node (of two
             or more) is silent at once, silence proves nothing: no node expires, and every
             node gets a whole TTL once heartbeats are back.
@@ -79,9 +91,15 @@ class RankTableService:
         hub: TableHub,
         port_base: int,
         clock: Callable[[], float] = time.monotonic,
+        shapes: ModelShapes | None = None,
         connected: Callable[[], bool] = lambda: True,
     ) -> None:
         self._js = js
+        self._shapes = shapes
+        self._pending: dict[str, PlacementSpec] = {}
+        """Specs whose model's shape no node has told yet (an older revision runs on)."""
+        self._unshaped: dict[str, str] = {}
+        self._asked: dict[str, float] = {}
         self._connected = connected
         self._layout = layout
         self._hub = hub
@@ -149,6 +167,10 @@ class RankTableService:
                 self._state = apply_placement(self._state, event, msg.metadata.sequence.stream)
 
         await self._drain(follow(self._js, self._layout.subjects.placement_all(), handle))
+        for instance in self._state.instances.values():
+            if self._shapes and instance.modelPath and instance.modelBytes:
+                layers = instance.assignments[0].nLayers
+                self._shapes.learn(instance.modelPath, ModelShape(layers, instance.modelBytes))
 
     async def _replay_tables(self) -> None:
         async def handle(msg: Msg) -> None:
@@ -200,9 +222,12 @@ class RankTableService:
 
     def _on_spec(self, entry: KeyValue.Entry) -> None:
         spec_id = untoken(entry.key)
-        self._specs.pop(spec_id, None)
         self._refused.pop(spec_id, None)
+        self._pending.pop(spec_id, None)
+        self._unshaped.pop(spec_id, None)
+        self._asked.pop(spec_id, None)
         if entry.operation is not None:  # deleted or purged
+            self._specs.pop(spec_id, None)
             return
         revision = entry.revision or 0
         try:
@@ -210,11 +235,54 @@ class RankTableService:
             if runner.id and runner.id != spec_id:
                 raise SpecError(f"id {runner.id!r} does not match its key {spec_id!r}")
             spec = validate(msgspec.structs.replace(runner, id=spec_id), revision)
+            known = self._shapes.known(spec.model_path or "") if self._shapes else None
+            if spec.model is None and known is not None:
+                spec = spec.shaped(known)
         except (WireError, SpecError) as exc:
+            self._specs.pop(spec_id, None)
             self._refused[spec_id] = (revision, f"rejected: {exc}")
             log.warning("Runner spec rejected: %s", exc, extra={"runnerId": spec_id})
             return
-        self._specs[spec_id] = spec
+        if spec.model is None:
+            self._pending[spec_id] = spec
+        else:
+            self._specs[spec_id] = spec
+
+    async def _shape_pending(self) -> None:
+        """Ask the live nodes for the shapes of the pending specs' models, each spec at
+        most every `SHAPE_RETRY_S`; a spec whose shape is told joins the placeable ones."""
+        moment = self._clock()
+        due = {
+            spec_id: spec
+            for spec_id, spec in self._pending.items()
+            if self._asked.get(spec_id, -SHAPE_RETRY_S) + SHAPE_RETRY_S <= moment
+        }
+        if not due:
+            return
+        nodes = sorted(self._nodes)
+        asked = [
+            self._shapes.ask(spec.model_path or "", nodes) if self._shapes else _no_shapes()
+            for spec in due.values()
+        ]
+        for (spec_id, spec), found in zip(due.items(), await asyncio.gather(*asked), strict=True):
+            self._asked[spec_id] = moment
+            if self._pending.get(spec_id) is not spec:
+                continue  # changed while the nodes were asked
+            if isinstance(found, str):
+                self._unshaped[spec_id] = (
+                    f"waiting for its model's shape: no node could read metadata.modelPath "
+                    f"{spec.model_path!r} ({found})"
+                )
+                continue
+            del self._pending[spec_id]
+            self._unshaped.pop(spec_id, None)
+            try:
+                self._specs[spec_id] = spec.shaped(found)
+            except SpecError as exc:
+                self._specs.pop(spec_id, None)
+                self._refused[spec_id] = (spec.revision, f"rejected: {exc}")
+        if self._pending:
+            asyncio.get_running_loop().call_later(SHAPE_RETRY_S, self._dirty.set)
 
     def _on_node(self, entry: KeyValue.Entry) -> None:
         node_id = untoken(entry.key)
@@ -312,6 +380,7 @@ class RankTableService:
 
     async def reconcile(self) -> Plan:
         """Place, release, then publish every changed rank table and spec status."""
+        await self._shape_pending()
         decided = plan(
             self._specs.values(),
             self._nodes,
@@ -339,6 +408,7 @@ class RankTableService:
                     runnerSpecId=new.spec.runner_id,
                     modelId=new.spec.model_id,
                     modelPath=new.spec.model_path,
+                    modelBytes=new.spec.shape.model_bytes,
                     attempt=new.attempt,
                     specDigest=new.spec.digest,
                     assignments=list(new.assignments),
@@ -417,7 +487,21 @@ class RankTableService:
                 runner_metrics=self._metrics(spec_id),
                 updated_at="",
             )
+        for spec_id, spec in self._pending.items():
+            statuses[spec_id] = RunnerSpecStatus(
+                runner_id=spec_id,
+                revision=spec.revision,
+                accepted=True,
+                reason=self._unshaped.get(spec_id, "waiting for its model's shape"),
+                instances=sorted(
+                    i for i, p in self._state.instances.items() if p.runnerSpecId == spec_id
+                ),
+                runner_metrics=self._metrics(spec_id),
+                updated_at="",
+            )
         for spec_id, spec in self._specs.items():
+            if spec_id in self._pending:
+                continue  # its new revision waits for a shape: said above
             statuses[spec_id] = RunnerSpecStatus(
                 runner_id=spec_id,
                 revision=spec.revision,

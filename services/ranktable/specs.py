@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from shared.model_shape import ModelShape
 from shared.quantity import parse_bytes, parse_quantity
 from shared.wire import Runner
 
-__all__ = ["ModelShape", "PlacementSpec", "SpecError", "model_shape", "validate"]
+__all__ = ["PlacementSpec", "SpecError", "validate"]
 
 DEFAULT_NODEPOOL = "default"
 
 
 class SpecError(ValueError):
     """A spec that cannot be placed as written; the message is the reason for the user."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """How many layers a model has and how many bytes its weights take."""
-
-    n_layers: int
-    model_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +30,8 @@ class PlacementSpec:
     created_at: str
     model_id: str
     model_path: str | None
-    model: ModelShape
+    model: ModelShape | None
+    """None until a node that holds the model at `model_path` has read its shape."""
     nodepool: str
     labels: frozenset[str]
     ranks: int
@@ -46,6 +40,30 @@ class PlacementSpec:
     priority: int
     rank_bytes: int | None
     max_ranks_per_node: int
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model's shape.
+
+        Raises:
+            SpecError: it is not known yet (only specs with a shape are placed).
+        """
+        if self.model is None:
+            raise SpecError(f"the shape of the model at {self.model_path!r} is not known yet")
+        return self.model
+
+    def shaped(self, shape: ModelShape) -> PlacementSpec:
+        """This spec with its model's shape.
+
+        Raises:
+            SpecError: the model has fewer layers than the spec has ranks.
+        """
+        if shape.n_layers < self.ranks:
+            raise SpecError(
+                f"the model has {shape.n_layers} layers, fewer than the "
+                f"{self.ranks} ranks that must each hold one"
+            )
+        return dataclasses.replace(self, model=shape)
 
     def instance_id(self, replica: int) -> str:
         """The stable id of one replica (= the job id of its rank table)."""
@@ -58,8 +76,8 @@ class PlacementSpec:
         shape = [
             self.model_id,
             self.model_path,
-            self.model.n_layers,
-            self.model.model_bytes,
+            self.shape.n_layers,
+            self.shape.model_bytes,
             self.nodepool,
             sorted(self.labels),
             self.ranks,
@@ -72,31 +90,7 @@ class PlacementSpec:
         """Bytes one rank holding `layers` layers needs."""
         if self.rank_bytes is not None:
             return self.rank_bytes
-        return -(-self.model.model_bytes * layers // self.model.n_layers)
-
-
-def model_shape(directory: Path) -> ModelShape:
-    """Read layer count from `config.json` and weight bytes from the safetensors files.
-
-    Raises:
-        SpecError: the directory is not a readable model.
-    """
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise SpecError(
-            f"metadata.modelPath {str(directory)!r}: no readable config.json ({exc})"
-        ) from None
-    config = config.get("text_config", config)
-    layers = next(
-        (config[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in config), None
-    )
-    if not isinstance(layers, int) or layers < 1:
-        raise SpecError(f"metadata.modelPath {str(directory)!r}: config.json has no layer count")
-    weights = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    if weights == 0:
-        raise SpecError(f"metadata.modelPath {str(directory)!r}: no *.safetensors weights")
-    return ModelShape(n_layers=layers, model_bytes=weights)
+        return -(-self.shape.model_bytes * layers // self.shape.n_layers)
 
 
 def _metadata_shape(metadata: dict[str, Any]) -> ModelShape | None:
@@ -160,26 +154,21 @@ def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
     if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1:
         raise SpecError(f"metadata.maxRanksPerNode must be a positive integer, got {per_node!r}")
     path = runner.metadata.get("modelPath")
-    if path is not None and not isinstance(path, str):
+    if path is not None and (not isinstance(path, str) or not path):
         raise SpecError(f"metadata.modelPath must be a path, got {path!r}")
-    shape = model_shape(Path(path)) if path else _metadata_shape(runner.metadata)
-    if shape is None:
+    shape = _metadata_shape(runner.metadata)
+    if shape is None and path is None:
         raise SpecError(
-            "the model's size is unknown: set metadata.modelPath to a model directory the "
-            "rank-table service can read, or metadata.nLayers and metadata.modelBytes"
+            "the model's size is unknown: set metadata.modelPath to the model's directory "
+            "on the nodes, or metadata.nLayers and metadata.modelBytes"
         )
-    if shape.n_layers < compute.num_accelerators:
-        raise SpecError(
-            f"the model has {shape.n_layers} layers, fewer than the "
-            f"{compute.num_accelerators} ranks that must each hold one"
-        )
-    return PlacementSpec(
+    spec = PlacementSpec(
         runner_id=runner.id,
         revision=revision,
         created_at=runner.created_at or "",
         model_id=model.id,
         model_path=path,
-        model=shape,
+        model=None,
         nodepool=runner.nodepool.id if runner.nodepool else DEFAULT_NODEPOOL,
         labels=frozenset(runner.labels),
         ranks=compute.num_accelerators,
@@ -189,3 +178,4 @@ def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
         rank_bytes=rank_bytes,
         max_ranks_per_node=per_node,
     )
+    return spec if shape is None else spec.shaped(shape)

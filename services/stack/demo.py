@@ -108,7 +108,7 @@ async def drive(
     if status == 404:
         body = {"runners": [spec(model)]}
         status, reply = await _http(f"{base}/v1/runners", "POST", body, token=token)
-        if status != 200:
+        if status not in (200, 409):  # 409: created meanwhile, which is as good
             log.error("could not create the demo runner: %s", reply)
             return
     if not await _progress(base, stop, token):

@@ -37,6 +37,8 @@ from shared.wire.events import (
 from shared.wire.memory import Memory, MlxMemorySnapshot
 from shared.wire.node_diagnostics import (
     EvidenceRequest,
+    ModelShapeAnswer,
+    ModelShapeRequest,
     NodeDiagnostics,
     NodeEvidence,
     ProcessState,
@@ -98,6 +100,8 @@ __all__ = [
     "Memory",
     "MemorySampled",
     "MlxMemorySnapshot",
+    "ModelShapeAnswer",
+    "ModelShapeRequest",
     "ModelVersion",
     "NodeDiagnostics",
     "NodeEvidence",

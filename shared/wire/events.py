@@ -143,6 +143,8 @@ class InstanceCreated(_Placement, kw_only=True, frozen=True):
     runnerSpecId: str
     modelId: str
     modelPath: str | None = None
+    modelBytes: NonNegative | None = None
+    """The weights' size placement went by (a restarted rank-table service reuses it)."""
     attempt: NonNegative = 0
     specDigest: str = ""
     assignments: list[RunnerAssignment]

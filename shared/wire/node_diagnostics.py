@@ -13,6 +13,8 @@ from shared.wire.timeline import TimelineEntry
 
 __all__ = [
     "EvidenceRequest",
+    "ModelShapeAnswer",
+    "ModelShapeRequest",
     "NodeDiagnostics",
     "NodeEvidence",
     "ProcessState",
@@ -64,6 +66,22 @@ class EvidenceRequest(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fie
     """The runners of one node whose evidence to capture now."""
 
     runnerIds: list[str]
+
+
+class ModelShapeRequest(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Ask an agent to read a model's shape where it lives on its node."""
+
+    modelPath: str
+
+
+class ModelShapeAnswer(CamelStruct, kw_only=True, frozen=True):
+    """A model's layer count and weight bytes as one node read them, or why it could not."""
+
+    nodeId: str
+    modelPath: str
+    nLayers: int | None = None
+    modelBytes: int | None = None
+    error: str | None = None
 
 
 class ProcessState(StrEnum):

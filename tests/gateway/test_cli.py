@@ -44,6 +44,10 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
     assert await _cli("runners", "--url", url, "create", str(spec)) == (0, "created llm\n", "")
+    code, _, err = await _cli("runners", "--url", url, "create", str(spec))
+    assert (code, err) == (1, "rankscope: 409: runner 'llm' already exists\n")
+    again = await _cli("runners", "--url", url, "create", "--if-missing", str(spec))
+    assert again == (0, "exists llm\n", "")  # as compose's demo service runs it on every up
     code, out, _ = await _cli("runners", "--url", url, "list")
     assert code == 0
     assert out.splitlines()[0].split() == [

@@ -8,23 +8,29 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import grpc
 import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from services.agent.agent import Agent
+from services.agent.publisher import TelemetryPublisher
 from services.ranktable.grpc_server import serve
 from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
 from services.ranktable.hub import TableHub
+from services.ranktable.models import ModelShapes
 from services.ranktable.service import VERSION_HEADER, RankTableService
 from shared.heartbeat import Heartbeat
 from shared.jetstream import Layout, ensure
 from shared.subjects import MAX_TOKEN, token
 from shared.timestamps import now
+from shared.tiny_model import TinyModelSpec, write_tiny_model
 from shared.wire import (
     InstanceCreated,
     NodeInfo,
@@ -58,10 +64,10 @@ class Stack:
     stop: asyncio.Event | None = None
     task: asyncio.Task[None] | None = None
 
-    async def start(self) -> RankTableService:
+    async def start(self, shapes: ModelShapes | None = None) -> RankTableService:
         self.stop = asyncio.Event()
         self.service = RankTableService(
-            js=self.js, layout=self.layout, hub=self.hub, port_base=52000
+            js=self.js, layout=self.layout, hub=self.hub, port_base=52000, shapes=shapes
         )
         self.task = asyncio.create_task(self.service.run(self.stop))
         await asyncio.wait_for(self.service.ready.wait(), WAIT)
@@ -295,6 +301,47 @@ async def test_identical_tables_are_not_sent_again(stack: Stack) -> None:
     await stack.service.reconcile()  # type: ignore[union-attr]
     info = await stack.js.stream_info(stack.layout.ranktable_stream.name)
     assert info.state.messages == 2  # initializing, then completed; nothing else
+
+
+async def _agent_reading_models(stack: Stack, node_id: str) -> Subscription:
+    """The model-shape answers of a real agent on `node_id` (which runs no runner here)."""
+    agent = Agent(
+        nc=stack.nc,
+        js=stack.js,
+        layout=stack.layout,
+        node=lambda: node_info(node_id, 24),
+        publisher=TelemetryPublisher(js=stack.js),
+    )
+    return await stack.nc.subscribe(stack.layout.subjects.node_model(node_id), cb=agent.model)
+
+
+async def test_a_model_given_by_path_is_shaped_by_a_node_that_holds_it(
+    stack: Stack, tmp_path: Path
+) -> None:
+    model = write_tiny_model(tmp_path / "tiny", TinyModelSpec(layers=6, hidden=32))
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    answering = await _agent_reading_models(stack, "node-a")  # node-b's agent is not up
+    await stack.start(ModelShapes(stack.nc, stack.layout.subjects, timeout=1.0))
+    by_path = runner(metadata={"modelPath": str(model)})
+    placed = await _place(stack, by_path)
+    assert {a.nLayers for a in placed.assignments} == {6}
+    assert placed.modelBytes == (model / "model.safetensors").stat().st_size
+    await stack.put_spec(runner("lost", metadata={"modelPath": "/not/on/any/node"}))
+    waiting = await stack.status("lost", until=lambda s: "no node could read" in (s.reason or ""))
+    assert waiting.accepted
+    assert waiting.instances == []
+    assert waiting.reason == (
+        "waiting for its model's shape: no node could read metadata.modelPath "
+        "'/not/on/any/node' (node-a: '/not/on/any/node': no readable config.json ([Errno 2] "
+        "No such file or directory: '/not/on/any/node/config.json'); node-b: no agent "
+        "listening)"
+    )
+    await answering.unsubscribe()  # the restarted service asks no node: it knows the shape
+    await stack.halt()
+    service = await stack.start(ModelShapes(stack.nc, stack.layout.subjects, timeout=1.0))
+    await service.reconcile()
+    assert service.placements == {"llm-0": placed}
 
 
 async def test_restart_keeps_placements(stack: Stack) -> None:

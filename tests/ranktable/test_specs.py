@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from services.ranktable.specs import SpecError, model_shape, validate
+from services.ranktable.specs import SpecError, validate
+from shared.model_shape import ModelShape, UnreadableModelError, read_shape
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 from shared.wire import ComputeInfo, Nodepool, Worker
 from tests.ranktable.builders import GiB, runner
@@ -16,18 +17,40 @@ from tests.ranktable.builders import GiB, runner
 def test_valid_spec_from_metadata() -> None:
     spec = validate(runner(labels=["ultra"]), revision=3)
     assert (spec.ranks, spec.replicas, spec.revision) == (2, 1, 3)
-    assert (spec.model.n_layers, spec.model.model_bytes) == (32, 8 * GiB)
+    assert (spec.shape.n_layers, spec.shape.model_bytes) == (32, 8 * GiB)
     assert spec.labels == frozenset({"ultra"})
     assert spec.instance_id(0) == "llm-0"
 
 
-def test_model_shape_is_read_from_the_model_directory(tmp_path: Path) -> None:
+def test_a_spec_naming_a_model_path_waits_for_its_shape_from_the_nodes(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "m", TinyModelSpec(layers=6, hidden=32))
-    spec = validate(runner(metadata={"modelPath": str(model)}))
-    assert spec.model.n_layers == 6
-    assert spec.model.model_bytes == (model / "model.safetensors").stat().st_size
-    assert spec.model_path == str(model)
-    assert model_shape(model) == spec.model
+    spec = validate(runner(metadata={"modelPath": "/on/the/nodes/only"}))
+    assert spec.model is None  # the rank-table service does not read it
+    with pytest.raises(SpecError, match="not known yet"):
+        _ = spec.digest
+    shape = read_shape(model)
+    assert shape == ModelShape(6, (model / "model.safetensors").stat().st_size)
+    assert spec.shaped(shape).model == shape
+    with pytest.raises(SpecError, match="the model has 1 layers, fewer than the 2 ranks"):
+        spec.shaped(ModelShape(1, 10))
+
+
+@pytest.mark.parametrize(
+    ("files", "reason"),
+    [
+        ({}, "no readable config.json"),
+        ({"config.json": "[1]"}, "config.json is not an object"),
+        ({"config.json": '{"num_hidden_layers": true}'}, "config.json has no layer count"),
+        ({"config.json": '{"num_hidden_layers": 4}'}, "no \\*.safetensors weights"),
+    ],
+)
+def test_an_unreadable_model_says_what_is_missing(
+    tmp_path: Path, files: dict[str, str], reason: str
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(UnreadableModelError, match=reason):
+        read_shape(tmp_path)
 
 
 def test_accelerator_memory_is_the_per_rank_demand() -> None:
@@ -74,7 +97,7 @@ def test_unknown_nodepool_is_accepted() -> None:
             {"metadata": {"nLayers": 1, "modelBytes": 1}},
             "the model has 1 layers, fewer than the 2 ranks",
         ),
-        ({"metadata": {"modelPath": "/nonexistent"}}, "no readable config.json"),
+        ({"metadata": {"modelPath": 7}}, "metadata.modelPath must be a path"),
         ({"metadata": {"nLayers": 32, "modelBytes": 9, "maxRanksPerNode": 0}}, "maxRanksPerNode"),
     ],
 )
