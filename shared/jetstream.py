@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.settings import Settings
 from shared.subjects import Subjects
@@ -248,6 +248,10 @@ class Layout:
         return (self.runners_bucket, self.runner_status_bucket, self.nodes_bucket)
 
 
+_STREAM_NAME_IN_USE = 10058
+"""JetStream's error for a stream made again with another configuration."""
+
+
 class LayoutError(RuntimeError):
     """JetStream refused a stream rankscope needs (its store is too small for it)."""
 
@@ -288,8 +292,13 @@ async def ensure(js: JetStreamContext, layout: Layout) -> None:
         try:
             info = await js.stream_info(bucket.stream_name)
         except NotFoundError:
-            await js.create_key_value(bucket.config())
-            log.info("created bucket %s", bucket.bucket)
+            try:
+                await js.create_key_value(bucket.config())
+                log.info("created bucket %s", bucket.bucket)
+            except BadRequestError as exc:
+                if exc.err_code != _STREAM_NAME_IN_USE:
+                    raise
+                # another service made it meanwhile, and already refused rollups on it
             info = await js.stream_info(bucket.stream_name)
         if bucket.differs_from(info.config):
             await js.update_stream(bucket.applied_to(info.config))

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import StreamInfo
+from nats.js.errors import NotFoundError
 
+from shared.connection import close, connect
 from shared.jetstream import DUPLICATE_WINDOW_S, Layout, ensure
+from shared.settings import Settings
 from shared.subjects import Subjects
 
 pytestmark = pytest.mark.nats
@@ -35,13 +41,47 @@ def test_names_follow_the_prefix() -> None:
     assert Layout().runners_bucket.bucket == "rankscope_runners"
 
 
-async def test_is_idempotent_and_safe_to_run_concurrently(nc: Client, layout: Layout) -> None:
+async def test_is_idempotent_and_safe_to_run_concurrently(
+    nc: Client, layout: Layout, settings: Settings
+) -> None:
     js = nc.jetstream()
-    await asyncio.gather(ensure(js, layout), ensure(js, layout), ensure(js, layout))
+    # every service runs it at start, each on its own connection, at the same moment
+    services = [await connect(settings, f"service-{n}") for n in range(6)]
+    await asyncio.gather(*(ensure(s.jetstream(), layout) for s in services))
+    for service in services:
+        await close(service)
     before = {s.name: (await js.stream_info(s.name)).config for s in layout.streams}
     await ensure(js, layout)
     after = {s.name: (await js.stream_info(s.name)).config for s in layout.streams}
     assert before == after
+
+
+class _LookedTooEarly:
+    """A service's JetStream context that found no bucket just before another service
+    made them all (and refused rollups on them)."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self._missed: set[str] = set()
+
+    async def stream_info(self, name: str) -> StreamInfo:
+        if name.startswith("KV_") and name not in self._missed:
+            self._missed.add(name)
+            raise NotFoundError
+        return await self._js.stream_info(name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+
+async def test_a_bucket_made_meanwhile_by_another_service_is_fine(
+    nc: Client, layout: Layout
+) -> None:
+    js = nc.jetstream()
+    await ensure(js, layout)
+    await ensure(_LookedTooEarly(js), layout)  # type: ignore[arg-type]
+    for bucket in layout.buckets:
+        assert not (await js.stream_info(bucket.stream_name)).config.allow_rollup_hdrs
 
 
 async def test_changed_limits_are_applied_without_losing_data(nc: Client, layout: Layout) -> None:
