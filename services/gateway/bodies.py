@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
+from msgspec import inspect
 
 from services.gateway.responses import fail
 
@@ -13,25 +14,36 @@ __all__ = ["strict"]
 T = TypeVar("T")
 
 
-def _unknown(given: Any, known: Any, path: str) -> str | None:
-    if isinstance(given, dict) and isinstance(known, dict):
+def _unknown(given: Any, info: inspect.Type, path: str) -> str | None:
+    """The JSON path of the first key in `given` that type `info` has no field for (free
+    dicts, such as `metadata`, take any key)."""
+    if isinstance(info, inspect.UnionType):
+        for member in info.types:
+            if isinstance(given, dict) and isinstance(
+                member, inspect.StructType | inspect.DictType
+            ):
+                return _unknown(given, member, path)
+            if isinstance(given, list) and isinstance(member, inspect.ListType):
+                return _unknown(given, member, path)
+        return None
+    if isinstance(info, inspect.StructType) and isinstance(given, dict):
+        fields = {f.encode_name: f.type for f in info.fields}
         for key, value in given.items():
-            if key not in known:
+            if key == info.tag_field:
+                continue
+            if key not in fields:
                 return f"{path}.{key}"
-            found = _unknown(value, known[key], f"{path}.{key}")
-            if found:
+            if found := _unknown(value, fields[key], f"{path}.{key}"):
                 return found
-    elif isinstance(given, list) and isinstance(known, list):
-        for index, (item, kept) in enumerate(zip(given, known, strict=False)):
-            found = _unknown(item, kept, f"{path}[{index}]")
-            if found:
+    elif isinstance(info, inspect.ListType) and isinstance(given, list):
+        for index, item in enumerate(given):
+            if found := _unknown(item, info.item_type, f"{path}[{index}]"):
                 return found
     return None
 
 
-def strict(data: bytes, tp: type[T], *, free: frozenset[str] = frozenset({"metadata"})) -> T:
-    """Decode a body as `tp`; 422 naming the JSON path on a bad value or an unknown field
-    (fields named in `free`, free-form by design, are not checked inside).
+def strict(data: bytes, tp: type[T]) -> T:
+    """Decode a body as `tp`; 422 naming the JSON path on a bad value or an unknown field.
 
     Raises:
         HTTPException: 422.
@@ -41,21 +53,7 @@ def strict(data: bytes, tp: type[T], *, free: frozenset[str] = frozenset({"metad
         raw = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
         raise fail(422, f"invalid body: {exc}") from None
-    known = msgspec.to_builtins(value)
-    for name in free:
-        _drop(raw, name)
-        _drop(known, name)
-    unknown = _unknown(raw, known, "$")
+    unknown = _unknown(raw, inspect.type_info(tp), "$")
     if unknown:
         raise fail(422, f"invalid body: unknown field `{unknown}`")
     return value
-
-
-def _drop(tree: Any, name: str) -> None:
-    if isinstance(tree, dict):
-        tree.pop(name, None)
-        for value in tree.values():
-            _drop(value, name)
-    elif isinstance(tree, list):
-        for value in tree:
-            _drop(value, name)

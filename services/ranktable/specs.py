@@ -93,16 +93,30 @@ class PlacementSpec:
         return -(-self.shape.model_bytes * layers // self.shape.n_layers)
 
 
+def _positive(value: Any) -> int | None:
+    """`value` as a positive whole number, or None. Metadata is a protobuf `Struct`, whose
+    numbers are doubles: proto JSON writes 8 as `8.0`."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
 def _metadata_shape(metadata: dict[str, Any]) -> ModelShape | None:
     if "nLayers" not in metadata and "modelBytes" not in metadata:
         return None
-    layers, size = metadata.get("nLayers"), metadata.get("modelBytes")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-        raise SpecError(f"metadata.nLayers must be a positive integer, got {layers!r}")
-    if isinstance(size, str):
-        size = _bytes("metadata.modelBytes", size)
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise SpecError(f"metadata.modelBytes must be a positive size, got {size!r}")
+    given_layers, given_size = metadata.get("nLayers"), metadata.get("modelBytes")
+    layers = _positive(given_layers)
+    if layers is None:
+        raise SpecError(f"metadata.nLayers must be a positive integer, got {given_layers!r}")
+    size = (
+        _bytes("metadata.modelBytes", given_size)
+        if isinstance(given_size, str)
+        else _positive(given_size)
+    )
+    if size is None or size < 1:
+        raise SpecError(f"metadata.modelBytes must be a positive size, got {given_size!r}")
     return ModelShape(n_layers=layers, model_bytes=size)
 
 
@@ -121,10 +135,14 @@ def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
     """
     if not runner.id:
         raise SpecError("id is required")
-    if "/" in runner.id or any(c < " " or c == "\x7f" for c in runner.id):
+    if (
+        runner.id in (".", "..")
+        or "/" in runner.id
+        or any(c < " " or c == "\x7f" for c in runner.id)
+    ):
         raise SpecError(
-            f"id {runner.id[:40]!r} holds '/' or a control character: it must name the "
-            "runner in a URL path"
+            f"id {runner.id[:40]!r} is '.' or '..' or holds '/' or a control character: it "
+            "must name the runner in a URL path"
         )
     model = runner.worker.model if runner.worker else None
     if model is None or not model.id:
@@ -150,9 +168,12 @@ def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
         if compute.accelerator_memory
         else None
     )
-    per_node = runner.metadata.get("maxRanksPerNode", 1)
-    if not isinstance(per_node, int) or isinstance(per_node, bool) or per_node < 1:
-        raise SpecError(f"metadata.maxRanksPerNode must be a positive integer, got {per_node!r}")
+    given_per_node = runner.metadata.get("maxRanksPerNode", 1)
+    per_node = _positive(given_per_node)
+    if per_node is None:
+        raise SpecError(
+            f"metadata.maxRanksPerNode must be a positive integer, got {given_per_node!r}"
+        )
     path = runner.metadata.get("modelPath")
     if path is not None and (not isinstance(path, str) or not path):
         raise SpecError(f"metadata.modelPath must be a path, got {path!r}")

@@ -1,18 +1,22 @@
 """Runner specs in the Clarifai `apiRunner` shape (seed 002), snake_case as published.
 
 A Runner spec declares one model deployment: `num_replicas` instances, each sharded over
-`compute_info.num_accelerators` ranks on nodes of `nodepool`.
+`compute_info.num_accelerators` ranks on nodes of `nodepool`. What is served parses
+strictly as `clarifai_grpc` `resources_pb2.Runner` proto JSON; what the seed writes
+differently (a nodepool's `user_id`, an empty `accelerator_topology` or `reason` string) is
+accepted and served the proto's way.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from shared.wire.base import SnakeStruct
 
 __all__ = [
+    "ComputeCluster",
     "ComputeInfo",
     "ModelVersion",
     "Nodepool",
@@ -51,11 +55,29 @@ class Worker(SnakeStruct, kw_only=True, frozen=True):
     model: WorkerModel | None = None
 
 
-class Nodepool(SnakeStruct, kw_only=True, frozen=True):
+class ComputeCluster(SnakeStruct, kw_only=True, frozen=True, omit_defaults=True):
+    """The compute cluster a nodepool belongs to; `user_id` owns them."""
+
+    id: str = ""
+    user_id: str = ""
+
+
+class Nodepool(SnakeStruct, kw_only=True, frozen=True, omit_defaults=True):
     """The group of nodes the runner is placed in."""
 
     id: str
     user_id: str = ""
+    """Accepted as the seed writes it; served as `compute_cluster.user_id`, where the
+    proto carries the owner."""
+    compute_cluster: ComputeCluster | None = None
+
+    def __post_init__(self) -> None:
+        if self.user_id:
+            cluster = self.compute_cluster or ComputeCluster()
+            if not cluster.user_id:
+                cluster = msgspec.structs.replace(cluster, user_id=self.user_id)
+            msgspec.structs.force_setattr(self, "compute_cluster", cluster)
+            msgspec.structs.force_setattr(self, "user_id", "")
 
 
 class ComputeInfo(SnakeStruct, kw_only=True, frozen=True):
@@ -68,15 +90,28 @@ class ComputeInfo(SnakeStruct, kw_only=True, frozen=True):
     num_accelerators: Count = 0
     accelerator_memory: Quantity = ""
     accelerator_type: list[str] = []
-    accelerator_topology: str = ""
+    accelerator_topology: list[str] | str = []
+    """A list in the proto; a string (the seed's `""`) is taken as one entry or none."""
+
+    def __post_init__(self) -> None:
+        topology = self.accelerator_topology
+        if isinstance(topology, str):
+            msgspec.structs.force_setattr(
+                self, "accelerator_topology", [topology] if topology else []
+            )
 
 
-class SpecialHandling(SnakeStruct, kw_only=True, frozen=True):
+class SpecialHandling(SnakeStruct, kw_only=True, frozen=True, omit_defaults=True):
     """A special handling instruction and whether it was carried out."""
 
     id: str = ""
-    reason: str = ""
+    reason: Literal["", "REASON_NOT_SET", "CONTACT_SALES", "INTERNAL_ONLY"] | None = None
+    """The proto's enum, left out when unset (`""` is taken as unset)."""
     done: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reason == "":
+            msgspec.structs.force_setattr(self, "reason", None)
 
 
 class RunnerMetrics(SnakeStruct, kw_only=True, frozen=True):

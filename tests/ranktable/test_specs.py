@@ -72,6 +72,7 @@ def test_unknown_nodepool_is_accepted() -> None:
         ({"id": ""}, "id is required"),
         ({"id": "a/b"}, "holds '/' or a control character"),
         ({"id": "a\tb"}, "holds '/' or a control character"),
+        ({"id": ".."}, "is '.' or '..'"),
         ({"worker": Worker()}, "worker.model.id is required"),
         ({"compute_info": ComputeInfo(num_accelerators=0)}, "num_accelerators must be at least 1"),
         ({"num_replicas": 1, "min_replicas": 2}, r"min_replicas \(2\) exceeds num_replicas \(1\)"),

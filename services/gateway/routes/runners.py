@@ -46,6 +46,14 @@ class PatchRunnerRequest(SnakeStruct, kw_only=True, frozen=True):
     action: PatchAction = PatchAction.MERGE
 
 
+class PatchRunnersRequest(SnakeStruct, kw_only=True, frozen=True):
+    """Change runners (Clarifai `PatchRunnersRequest`): each of `runners` names its `id`
+    and holds the fields to apply as `action` says."""
+
+    runners: list[dict[str, Any]]
+    action: PatchAction = PatchAction.MERGE
+
+
 async def _body(request: Request) -> bytes:
     return await request.body()
 
@@ -158,6 +166,29 @@ def _remove(base: Any, change: Any) -> Any:
     return base
 
 
+async def _patched(
+    nats: Bus, runner_id: str, change: dict[str, Any], action: PatchAction
+) -> Runner:
+    """The runner `runner_id` with `change` applied as `action` says, checked, not stored.
+
+    Raises:
+        HTTPException: 404 for an unknown runner, 422 for a change that breaks it.
+    """
+    if "id" in change and change["id"] != runner_id:
+        raise fail(422, f"invalid body: the id of {runner_id!r} cannot change")
+    current = msgspec.to_builtins(await _load(nats, runner_id))
+    if action is PatchAction.MERGE:
+        changed = _merge(current, change)
+    elif action is PatchAction.OVERWRITE:
+        changed = {**current, **change}
+    else:
+        changed = _remove(current, change)
+    changed.update(id=runner_id, created_at=current.get("created_at"), modified_at=now())
+    runner = strict(msgspec.json.encode(changed), Runner)
+    _check(runner)
+    return runner
+
+
 @router.patch(
     "/v1/runners/{runner_id}",
     response_class=Json,
@@ -168,20 +199,32 @@ async def patch_runner(runner_id: str, nats: Nats, body: Annotated[bytes, Depend
     """Change a Runner spec: `merge` (dicts merged, lists extended), `overwrite` (given
     fields replaced), or `remove` (given keys and list items taken out)."""
     request = strict(body, PatchRunnerRequest)
-    if "id" in request.runner and request.runner["id"] != runner_id:
-        raise fail(422, "invalid body: `$.runner.id` cannot change")
-    current = msgspec.to_builtins(await _load(nats, runner_id))
-    if request.action is PatchAction.MERGE:
-        changed = _merge(current, request.runner)
-    elif request.action is PatchAction.OVERWRITE:
-        changed = {**current, **request.runner}
-    else:
-        changed = _remove(current, request.runner)
-    changed.update(id=runner_id, created_at=current.get("created_at"), modified_at=now())
-    runner = strict(msgspec.json.encode(changed), Runner)
-    _check(runner)
+    runner = await _patched(nats, runner_id, request.runner, request.action)
     await nats.put(nats.layout.runners_bucket.bucket, runner_id, encode(runner))
     return Json({"status": OK, "runner": runner})
+
+
+@router.patch(
+    "/v1/runners",
+    response_class=Json,
+    dependencies=[Depends(writer)],
+    openapi_extra={"requestBody": schema_ref(PatchRunnersRequest)},
+)
+async def patch_runners(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> Json:
+    """Change several Runner specs as Clarifai's `PatchRunners` does; each is checked
+    before any is written."""
+    request = strict(body, PatchRunnersRequest)
+    if not request.runners:
+        raise fail(422, "invalid body: `$.runners` is empty")
+    changed = []
+    for index, change in enumerate(request.runners):
+        runner_id = change.get("id")
+        if not isinstance(runner_id, str) or not runner_id:
+            raise fail(422, f"invalid body: `$.runners[{index}].id` names no runner")
+        changed.append(await _patched(nats, runner_id, change, request.action))
+    for runner in changed:
+        await nats.put(nats.layout.runners_bucket.bucket, runner.id, encode(runner))
+    return Json({"status": OK, "runners": changed})
 
 
 @router.delete("/v1/runners/{runner_id}", response_class=Json, dependencies=[Depends(writer)])
