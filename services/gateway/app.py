@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.bus import Bus, BusError
 from services.gateway.metrics import RequestMetrics
 from services.gateway.responses import ERRORS, Json, openapi_components
-from services.gateway.routes import chat, cluster, jobs, ops, runners
+from services.gateway.routes import chat, cluster, jobs, models, ops, runners
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
@@ -103,7 +103,7 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
     )
     app.state.settings = settings
     app.state.metrics = RequestMetrics()
-    for module in (cluster, runners, jobs, chat, ops):
+    for module in (cluster, runners, jobs, chat, models, ops):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=WEB), name="static")
 
