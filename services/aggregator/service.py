@@ -587,7 +587,7 @@ class AggregatorService:
     async def _timeline_in_slices(self, query: TimelineQuery) -> bytes:
         """The timeline's JSON, its entries encoded a slice at a time between turns of the
         other queries and of ingest (the plan holds what it needs of evicted entries)."""
-        plan = self.state.timeline_plan(query, local_node_id=self._node_id)
+        plan = self.state.timeline_plan(query, local_node_id=query.localNodeId or self._node_id)
         before, after = encode(plan.head).split(b'"timeline":[]', 1)
         pieces = [before, b'"timeline":[']
         for start in range(0, plan.size, SLICE_ENTRIES):
@@ -626,8 +626,9 @@ class AggregatorService:
             if view == "timeline":
                 return self._timeline(data)
             if view == "placement":
-                wanted = decode(data, PlacementQuery).runnerId
-                found = self.state.placement(local_node_id=self._node_id)
+                asked = decode(data, PlacementQuery)
+                wanted = asked.runnerId
+                found = self.state.placement(local_node_id=asked.localNodeId or self._node_id)
                 if wanted is None:
                     return encode(found)
                 for item in found:
@@ -657,7 +658,8 @@ class AggregatorService:
         answer = self._cached(data)
         if answer is None:
             query = decode(data, TimelineQuery)
-            answer = encode(self.state.timeline(query, local_node_id=self._node_id))
+            local = query.localNodeId or self._node_id
+            answer = encode(self.state.timeline(query, local_node_id=local))
             self._remember(data, self.state.version, answer)
         return answer
 

@@ -20,8 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.bus import Bus, BusError
 from services.gateway.metrics import RequestMetrics
 from services.gateway.responses import ERRORS, Json, openapi_components
-from services.gateway.routes import chat, cluster, jobs, models, ops, runners
+from services.gateway.routes import chat, cluster, jobs, models, ops, runners, skulk
 from shared.connection import close, connect
+from shared.host import hostname
 from shared.jetstream import Layout, ensure
 from shared.settings import Settings
 from shared.subjects import IdTooLongError
@@ -90,7 +91,12 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
         nc = await connect(settings, "rankscope-gateway", on_lost=lost)
         layout = Layout.from_settings(settings)
         await ensure(nc.jetstream(), layout)
-        app.state.bus = Bus(nc=nc, layout=layout, timeout=settings.request_timeout)
+        app.state.bus = Bus(
+            nc=nc,
+            layout=layout,
+            timeout=settings.request_timeout,
+            local_node=settings.node_id or hostname(),
+        )
         yield
         await close(nc)
 
@@ -103,7 +109,7 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
     )
     app.state.settings = settings
     app.state.metrics = RequestMetrics()
-    for module in (cluster, runners, jobs, chat, models, ops):
+    for module in (cluster, runners, jobs, chat, models, skulk, ops):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=WEB), name="static")
 

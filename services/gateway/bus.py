@@ -37,8 +37,10 @@ class BusError(Exception):
 class Bus:
     """The gateway's NATS connection and the buckets and streams it reads and writes."""
 
-    def __init__(self, *, nc: Client, layout: Layout, timeout: float) -> None:
+    def __init__(self, *, nc: Client, layout: Layout, timeout: float, local_node: str) -> None:
         self.nc = nc
+        self.local_node = local_node
+        """The node this gateway runs on: `localNodeId` of its answers (there is no master)."""
         self.js: JetStreamContext = nc.jetstream(timeout=timeout)
         self.layout = layout
         self.timeout = timeout

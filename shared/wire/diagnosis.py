@@ -160,7 +160,8 @@ class RunnerHistory(CamelStruct, kw_only=True, frozen=True):
 
 
 class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Filters of the timeline; `limit` keeps the newest entries, still in `at` order."""
+    """Filters of the timeline; `limit` keeps the newest entries, still in `at` order;
+    `localNodeId` is the node of whoever asks (the answering gateway's)."""
 
     instanceId: str | None = None
     nodeId: str | None = None
@@ -168,12 +169,15 @@ class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_field
     since: str | None = None
     until: str | None = None
     limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
+    localNodeId: str | None = None
 
 
 class PlacementQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """One runner's placement, or every runner's when `runnerId` is unset."""
+    """One runner's placement, or every runner's when `runnerId` is unset; `isLocal` is
+    relative to `localNodeId` (the asker's node)."""
 
     runnerId: str | None = None
+    localNodeId: str | None = None
 
 
 class QueryError(CamelStruct, kw_only=True, frozen=True):

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from shared.host import hostname
 from shared.timestamps import now
 from shared.wire import (
     Finding,
@@ -314,6 +315,11 @@ async def test_reads_can_be_closed_too(stack_for: Any) -> None:
     assert (await stack.http.get("/metrics")).status_code == 401  # it names every runner
     scraped = await stack.http.get("/metrics", headers={"Authorization": "Bearer s3cret"})
     assert scraped.status_code == 200
+    document = (await stack.http.get("/openapi.json")).json()
+    for path, operations in document["paths"].items():
+        if "get" in operations and path not in ("/healthz", "/readyz"):
+            url = path.replace("{", "x").replace("}", "")  # any id: refused before it is read
+            assert (await stack.http.get(url)).status_code == 401, path
 
 
 async def _serving(stack: Stack) -> str:
@@ -647,3 +653,38 @@ async def test_diagnosis_history_serves_every_incident_open_or_cleared(stack_for
     bad = await stack.http.get("/v1/cluster/diagnosis/history", params={"since": "yesterday"})
     assert bad.status_code == 422
     assert "'since' is not an RFC 3339 timestamp" in bad.json()["detail"]
+
+
+@pytest.mark.parametrize(("node_id", "local"), [("node-a", "node-a"), (None, hostname())])
+async def test_local_means_the_gateway_s_node_and_there_is_no_master(
+    stack_for: Any, node_id: str | None, local: str
+) -> None:
+    stack: Stack = await stack_for(node_id=node_id)  # None: the aggregator says "aggregator"
+    assert (await stack.http.post("/v1/runners", json={"runners": [SPEC]})).is_success
+
+    async def placed() -> list[dict[str, Any]] | None:
+        found: list[dict[str, Any]] = (await stack.http.get("/v1/placement/runners")).json()
+        return found if len(found) == 2 else None
+
+    ranks = await _until(placed)
+    assert {(r["nodeId"], r["isLocal"], r["isMaster"]) for r in ranks} == {
+        ("node-a", local == "node-a", False),
+        ("node-b", False, False),
+    }
+    one = (await stack.http.get(f"/v1/placement/runners/{ranks[0]['runnerId']}")).json()
+    assert one["isLocal"] is (one["nodeId"] == local)
+    ours = (await stack.http.get("/v1/cluster/timeline?limit=1")).json()
+    skulk = (await stack.http.get("/v1/diagnostics/cluster/timeline?limit=1")).json()
+    for answer in (ours, skulk):
+        assert (answer["localNodeId"], answer["masterNodeId"]) == (local, None)
+    assert skulk["runners"] == ours["runners"]
+
+
+async def test_tracing_is_always_on_and_cannot_be_turned_off(stack_for: Any) -> None:
+    http = (await stack_for()).http
+    assert (await http.get("/v1/tracing")).json() == {"enabled": True}
+    assert (await http.put("/v1/tracing", json={"enabled": True})).json() == {"enabled": True}
+    off = await http.put("/v1/tracing", json={"enabled": False})
+    assert off.status_code == 409
+    assert "the diagnosis reads the flight recorder" in off.json()["detail"]
+    assert (await http.put("/v1/tracing", json={"enabled": "no"})).status_code == 422

@@ -21,7 +21,7 @@ from shared.wire import (
     decode,
 )
 
-__all__ = ["router"]
+__all__ = ["Filters", "Nats", "router", "timeline"]
 
 router = APIRouter(dependencies=[Depends(reader)], tags=["cluster"])
 
@@ -65,7 +65,7 @@ Nats = Annotated[Bus, Depends(bus)]
 )
 async def timeline(filters: Filters, nats: Nats) -> Json:
     """Every rank's synopsis and flight-recorder entries, merged and sorted by `at`."""
-    return Json(await nats.query("timeline", filters))
+    return Json(await nats.query("timeline", {**filters, "localNodeId": nats.local_node}))
 
 
 @router.get("/v1/cluster/timeline/trace", response_class=Json)
@@ -132,7 +132,7 @@ async def history(nats: Nats) -> Json:
 )
 async def placement(nats: Nats) -> Json:
     """Where every rank of every live instance runs and which layers it holds."""
-    return Json(await nats.query("placement"))
+    return Json(await nats.query("placement", {"localNodeId": nats.local_node}))
 
 
 @router.get(
@@ -142,4 +142,6 @@ async def placement(nats: Nats) -> Json:
 )
 async def placement_of(runnerId: str, nats: Nats) -> Json:  # noqa: N803
     """One rank's placement."""
-    return Json(await nats.query("placement", {"runnerId": runnerId}))
+    return Json(
+        await nats.query("placement", {"runnerId": runnerId, "localNodeId": nats.local_node})
+    )
