@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-__all__ = ["check_ts", "format_ts", "now", "parse_ts", "to_epoch"]
+__all__ = ["check_ts", "format_ts", "from_micros", "micros", "now", "parse_ts", "to_epoch"]
 
 _FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -64,3 +64,26 @@ def parse_ts(text: str) -> datetime:
 def to_epoch(text: str) -> float:
     """Seconds since the epoch of a wire timestamp."""
     return parse_ts(text).timestamp()
+
+
+_seconds: dict[str, int] = {}
+
+
+def micros(at: str) -> int:
+    """Microseconds since the epoch of a wire timestamp (fast for the fixed-width form;
+    any RFC 3339 form is accepted)."""
+    if len(at) == 27 and at[26] == "Z":
+        whole = _seconds.get(at[:19])
+        if whole is None:
+            if len(_seconds) > 4096:
+                _seconds.clear()
+            whole = _seconds[at[:19]] = int(datetime.fromisoformat(at[:19] + "+00:00").timestamp())
+        return whole * 1_000_000 + int(at[20:26])
+    moment = datetime.fromisoformat(at)
+    return int(moment.timestamp()) * 1_000_000 + moment.microsecond
+
+
+def from_micros(value: int) -> str:
+    """The wire timestamp of microseconds since the epoch."""
+    seconds, fraction = divmod(value, 1_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{fraction:06d}Z"

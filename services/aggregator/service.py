@@ -24,6 +24,7 @@ from services.aggregator.snapshot import Position, SnapshotFile, capture, restor
 from services.aggregator.views import ClusterState, RunnerView
 from shared.connection import Reachability, slow_consumer_drops
 from shared.deadletter import DeadLetters
+from shared.headers import ERROR_HEADER
 from shared.inputs import (
     BadInputError,
     parse_placement,
@@ -53,7 +54,7 @@ from shared.wire import (
     encode,
 )
 
-__all__ = ["ERROR_HEADER", "AggregatorService"]
+__all__ = ["AggregatorService"]
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,6 @@ SLICE_ENTRIES = 2_000
 
 SNAPSHOT_PAUSE_SHARE = 50
 """Snapshots are taken at most once per this many times the last one took to encode."""
-
-ERROR_HEADER = "Rankscope-Error"
-"""Set (to the HTTP-like status) on a query reply that carries a `QueryError`."""
 
 
 EVIDENCE_WAIT_S = 5.0

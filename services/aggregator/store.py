@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import time
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 
 import msgspec
 
+from shared.timestamps import micros
 from shared.wire import FlightEntry, PhaseEntries, decode
 
 __all__ = [
@@ -28,31 +27,7 @@ __all__ = [
     "Selection",
     "SeqTracker",
     "StoreImage",
-    "from_micros",
-    "micros",
 ]
-
-_seconds: dict[str, int] = {}
-
-
-def micros(at: str) -> int:
-    """Microseconds since the epoch of a wire timestamp (fast for the fixed-width form;
-    any RFC 3339 form is accepted)."""
-    if len(at) == 27 and at[26] == "Z":
-        whole = _seconds.get(at[:19])
-        if whole is None:
-            if len(_seconds) > 4096:
-                _seconds.clear()
-            whole = _seconds[at[:19]] = int(datetime.fromisoformat(at[:19] + "+00:00").timestamp())
-        return whole * 1_000_000 + int(at[20:26])
-    moment = datetime.fromisoformat(at)
-    return int(moment.timestamp()) * 1_000_000 + moment.microsecond
-
-
-def from_micros(value: int) -> str:
-    """The wire timestamp of microseconds since the epoch."""
-    seconds, fraction = divmod(value, 1_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{fraction:06d}Z"
 
 
 @dataclass(slots=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.aggregator.store import EntryStore, Selection, SeqTracker, from_micros, micros
+from services.aggregator.store import EntryStore, Selection, SeqTracker
 from shared.inputs import BadInputError
-from shared.timestamps import now, to_epoch
+from shared.timestamps import from_micros, micros, now, to_epoch
 from shared.wire import (
     Breadcrumb,
     ClusterTimeline,

@@ -13,9 +13,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from services.aggregator.service import ERROR_HEADER
-from services.ranktable.service import VERSION_HEADER
 from shared.connection import REACH_CHECK_S, Reachability
+from shared.headers import ERROR_HEADER, VERSION_HEADER
 from shared.jetstream import Layout
 from shared.replay import follow, follow_bucket
 from shared.subjects import token, untoken

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.aggregator.store import micros
+from shared.timestamps import micros
 from shared.wire import ClusterTimeline
 
 __all__ = ["to_trace"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.ranktable.specs import PlacementSpec
+from shared.specs import PlacementSpec
 from shared.wire import InstanceCreated, NodeInfo, ReleaseCause, RunnerAssignment
 
 __all__ = [

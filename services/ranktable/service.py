@@ -25,14 +25,15 @@ from nats.js.kv import KeyValue
 from services.ranktable.hub import TableHub
 from services.ranktable.models import ModelShapes
 from services.ranktable.placement import NodeView, Plan, plan
-from services.ranktable.specs import PlacementSpec, SpecError, validate
 from services.ranktable.state import PlacementState, Readiness, apply_placement, apply_status
 from services.ranktable.tables import rank_table
 from shared.deadletter import DeadLetters
+from shared.headers import VERSION_HEADER
 from shared.inputs import BadInputError, parse_telemetry
 from shared.jetstream import Layout
 from shared.model_shape import ModelShape
 from shared.replay import Follower, follow, follow_bucket
+from shared.specs import PlacementSpec, SpecError, validate
 from shared.subjects import token, untoken
 from shared.timestamps import now, to_epoch
 from shared.wire import (
@@ -51,7 +52,7 @@ from shared.wire import (
     encode,
 )
 
-__all__ = ["VERSION_HEADER", "RankTableService"]
+__all__ = ["RankTableService"]
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,6 @@ SHAPE_RETRY_S = 5.0
 
 async def _no_shapes() -> str:
     return "this rank-table service asks no node"
-
-
-VERSION_HEADER = "Rankscope-Table-Version"
-"""Header carrying a job's rank-table version, bumped on every change."""
 
 
 class RankTableService:

@@ -15,8 +15,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.aggregator.diagnosis import Thresholds
-from services.aggregator.service import ERROR_HEADER, AggregatorService
+from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
+from shared.headers import ERROR_HEADER
 from shared.jetstream import Layout, ensure
 from shared.subjects import token
 from shared.timestamps import format_ts, now

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.aggregator.store import EntryStore, SeqTracker, micros
+from services.aggregator.store import EntryStore, SeqTracker
+from shared.timestamps import micros
 from shared.wire import Phase, encode
 from tests.aggregator.builders import at, entries, rank
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from services.ranktable.placement import NodeView
-from services.ranktable.specs import PlacementSpec
 from shared.model_shape import ModelShape
+from shared.specs import PlacementSpec
 from shared.timestamps import now
 from shared.wire import (
     ComputeInfo,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.ranktable.placement import NewInstance, Plan, largest_remainder, plan
-from services.ranktable.specs import PlacementSpec
+from shared.specs import PlacementSpec
 from shared.timestamps import now
 from shared.wire import InstanceCreated, ReleaseCause
 from tests.ranktable.builders import GiB, node, nodes, spec

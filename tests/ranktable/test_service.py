@@ -25,7 +25,8 @@ from services.ranktable.grpc_server import serve
 from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
 from services.ranktable.hub import TableHub
 from services.ranktable.models import ModelShapes
-from services.ranktable.service import VERSION_HEADER, RankTableService
+from services.ranktable.service import RankTableService
+from shared.headers import VERSION_HEADER
 from shared.heartbeat import Heartbeat
 from shared.jetstream import Layout, ensure
 from shared.subjects import MAX_TOKEN, token

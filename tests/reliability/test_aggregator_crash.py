@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from nats.errors import Error as NatsError
 
-from services.aggregator.service import ERROR_HEADER, AggregatorService
+from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
 from shared.connection import connect
+from shared.headers import ERROR_HEADER
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings

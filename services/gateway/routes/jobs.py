@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 from services.gateway.bus import Bus
 from services.gateway.deps import bus, reader
 from services.gateway.responses import Json, fail, schema_ref
-from services.ranktable.service import VERSION_HEADER
+from shared.headers import VERSION_HEADER
 from shared.wire import RankTable, RankTableStream, decode, encode
 
 __all__ = ["HEARTBEAT_S", "router"]

@@ -13,7 +13,7 @@ from services.gateway.bodies import strict
 from services.gateway.bus import Bus
 from services.gateway.deps import bus, reader, writer
 from services.gateway.responses import Json, fail, schema_ref
-from services.ranktable.specs import SpecError, validate
+from shared.specs import SpecError, validate
 from shared.timestamps import now
 from shared.wire import Runner, RunnerSpecStatus, decode, encode
 from shared.wire.base import SnakeStruct

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from services.ranktable.specs import SpecError, validate
 from shared.model_shape import ModelShape, UnreadableModelError, read_shape
+from shared.specs import SpecError, validate
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 from shared.wire import ComputeInfo, Nodepool, Worker
 from tests.ranktable.builders import GiB, runner
