@@ -234,3 +234,21 @@ def test_sigterm_stops_everything(stack: tuple[subprocess.Popen[str], dict[str, 
     finally:
         for fd in watches:
             os.close(fd)
+
+
+@pytest.mark.parametrize("flag", ["--nats-port", "--gateway-port", "--grpc-port"])
+def test_a_taken_port_stops_up_at_once_with_one_line(tmp_path: Path, flag: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--nats-port": "0", "--gateway-port": "0", "--grpc-port": "0", flag: str(port)}
+        done = subprocess.run(
+            [sys.executable, "-m", "services.cli", "up", "--data-dir", str(tmp_path),
+             *(word for pair in ports.items() for word in pair)],
+            capture_output=True, text=True, cwd=REPO, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"rankscope up: port {port} for ")
+    assert line.endswith(f"set {flag} / RANKSCOPE_{flag[2:].replace('-', '_').upper()}")

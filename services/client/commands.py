@@ -168,8 +168,13 @@ def _runners(args: argparse.Namespace, gateway: Gateway) -> None:
             ),
         )
     elif args.action == "create":
-        with open(args.file) as spec:
-            body = json.load(spec)
+        try:
+            with open(args.file) as spec:
+                body = json.load(spec)
+        except (OSError, ValueError) as exc:
+            raise ClientError(f"cannot read the spec file {args.file}: {exc}") from None
+        if not isinstance(body, dict):
+            raise ClientError(f"the spec file {args.file} holds no Runner object")
         if not args.if_missing:
             found = gateway.call(
                 "POST", "/v1/runners", body if "runners" in body else {"runners": [body]}

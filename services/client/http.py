@@ -43,12 +43,27 @@ class Gateway:
         """
         try:
             with urllib.request.urlopen(self._request(method, path, body), timeout=timeout) as r:
-                return json.loads(r.read() or b"null")
+                return self._json(r.read() or b"null")
         except urllib.error.HTTPError as error:
-            detail = json.loads(error.read() or b"{}").get("detail", error.reason)
-            raise ClientError(f"{error.code}: {detail}", error.code) from None
+            raise self._refused(error) from None
         except (urllib.error.URLError, OSError) as error:
             raise ClientError(f"cannot reach {self.url}: {error}") from None
+
+    def _json(self, data: bytes) -> Any:
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise ClientError(
+                f"{self.url} did not answer as rankscope's gateway does (no JSON)"
+            ) from None
+
+    def _refused(self, error: urllib.error.HTTPError) -> ClientError:
+        """The error of an answer with a failure status, one line."""
+        try:
+            detail = json.loads(error.read() or b"{}").get("detail", error.reason)
+        except (ValueError, AttributeError):
+            detail = f"{error.reason} (not rankscope's gateway at {self.url}?)"
+        return ClientError(f"{error.code}: {detail}", error.code)
 
     def events(self, path: str) -> Iterator[str]:
         """The `data:` lines of a server-sent event stream, as they come.
@@ -63,7 +78,6 @@ class Gateway:
                     if line.startswith("data: "):
                         yield line[len("data: ") :]
         except urllib.error.HTTPError as error:
-            detail = json.loads(error.read() or b"{}").get("detail", error.reason)
-            raise ClientError(f"{error.code}: {detail}") from None
+            raise self._refused(error) from None
         except (urllib.error.URLError, OSError) as error:
             raise ClientError(f"cannot reach {self.url}: {error}") from None

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import secrets
 import signal
+import socket
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -93,7 +94,33 @@ def _keep_secret(path: Path, secret: str) -> Path:
     return path
 
 
+def _busy_port(settings: Settings) -> str | None:
+    """Why `up` cannot start, if a port it needs is taken: one line naming the port and
+    the setting to change (a child that cannot bind would only crash over and over)."""
+    wanted = [
+        ("NATS", "127.0.0.1", settings.nats_port if settings.nats_url is None else 0,
+         "--nats-port / RANKSCOPE_NATS_PORT"),
+        ("the gateway", settings.gateway_host, settings.gateway_port,
+         "--gateway-port / RANKSCOPE_GATEWAY_PORT"),
+        ("gRPC", settings.grpc_host, settings.grpc_port, "--grpc-port / RANKSCOPE_GRPC_PORT"),
+    ]  # fmt: skip
+    for what, host, port, setting in wanted:
+        if not port:
+            continue
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                return (
+                    f"port {port} for {what} on {host} is not free ({exc.strerror}): set {setting}"
+                )
+    return None
+
+
 async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
+    if (busy := _busy_port(settings)) is not None:
+        raise SystemExit(f"rankscope up: {busy}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
 import json
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +115,31 @@ async def test_errors_are_one_line_with_a_non_zero_exit(stack_for: Any) -> None:
     assert code == 1
     assert err.startswith("rankscope: cannot reach http://127.0.0.1:1")
     assert len(err.splitlines()) == 1
+
+
+@contextlib.contextmanager
+def _not_rankscope() -> Iterator[str]:
+    """Some other web server: HTML, and 404 for every API path."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_what_is_not_a_spec_or_not_rankscope_is_one_line_too(tmp_path: Path) -> None:
+    code, out, err = await _cli("runners", "create", str(tmp_path / "missing.json"))
+    assert (code, out) == (1, "")
+    assert err.startswith("rankscope: cannot read the spec file ")
+    assert len(err.splitlines()) == 1
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"id": ')
+    code, _, err = await _cli("runners", "create", str(broken))
+    assert code == 1
+    assert err.startswith(f"rankscope: cannot read the spec file {broken}: Expecting value")
+    with _not_rankscope() as url:
+        code, _, err = await _cli("placement", "--url", url)
+    assert code == 1
+    assert err == f"rankscope: 404: File not found (not rankscope's gateway at {url}?)\n"
