@@ -11,7 +11,7 @@ import msgspec
 
 from shared.timestamps import format_ts
 
-__all__ = ["configure"]
+__all__ = ["configure", "structured"]
 
 _RESERVED = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "message",
@@ -65,3 +65,8 @@ def configure(log_format: str = "text", level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("nats").setLevel(max(root.level, logging.WARNING))
+
+
+def structured() -> bool:
+    """Whether this process logs JSON lines."""
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)

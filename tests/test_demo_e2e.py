@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from tests import skulk_shapes
+
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).parent.parent
@@ -212,6 +214,14 @@ def test_timeline_shows_both_ranks_generating(demo: Demo) -> None:
 
     timeline = demo.until(generated, 60)
     assert [r["deviceRank"] for r in timeline["runners"]] == [0, 1]
+
+
+def test_skulk_s_dashboard_reads_every_node_of_the_demo(demo: Demo) -> None:
+    cluster = skulk_shapes.ClusterDiagnostics.model_validate(demo.get("/v1/diagnostics/cluster"))
+    assert [(n.node_id, n.ok) for n in cluster.nodes] == [("node-a", True), ("node-b", True)]
+    runners = [r for n in cluster.nodes if n.diagnostics for r in n.diagnostics.supervisor_runners]
+    assert sorted(r.device_rank for r in runners) == [0, 1]
+    assert all(r.flight_recorder and r.status_kind for r in runners)
 
 
 def test_placement_covers_every_layer_in_two_shards(demo: Demo) -> None:

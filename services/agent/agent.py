@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -22,7 +23,9 @@ from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import RunnerConfig, Timeouts
 from services.agent.supervisor import RunnerSupervisor
 from shared.deadletter import DeadLetters
+from shared.host import hostname
 from shared.jetstream import Layout
+from shared.logs import structured
 from shared.model_shape import UnreadableModelError, read_shape
 from shared.replay import Follower, follow
 from shared.subjects import token
@@ -264,6 +267,11 @@ class Agent:
             address=node.address,
             generatedAt=now(),
             runners=[s.live() for s in self.supervisors.values()],
+            hostname=hostname(),
+            cwd=os.getcwd(),
+            agentVersion=node.agentVersion,
+            structuredLogging=structured(),
+            pythonUnbuffered=bool(os.environ.get("PYTHONUNBUFFERED")),
         )
         await msg.respond(encode(reply))
 

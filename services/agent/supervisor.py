@@ -144,9 +144,12 @@ class RunnerSupervisor:
         self.gave_up = False
         self.restarts = 0
         self.status = RunnerStatusKind.IDLE
+        self.status_since, self.status_since_at = time.monotonic(), now()
         self.phase: Phase | None = None
         self.phase_detail: str | None = None
-        self.phase_since = time.monotonic()
+        self.phase_since, self.phase_since_at = time.monotonic(), now()
+        self.completed_tasks = 0
+        self.exit_code: int | None = None
         self.last_progress_at: str | None = None
         self.active_task_id: str | None = None
         self.active_command_id: str | None = None
@@ -254,7 +257,9 @@ class RunnerSupervisor:
                 self._victim_exits = 0
             self._set_status(status, item[2])
         elif kind == TASK:
-            self._on_task(item[1], TaskStatus(item[2]), item[3])
+            outcome = TaskStatus(item[2])
+            self.completed_tasks += outcome is TaskStatus.COMPLETE
+            self._on_task(item[1], outcome, item[3])
         elif kind == OUTPUT:
             _, command_id, seq, text, finish, tokens = item
             prompt, completion = tokens if tokens else (None, None)
@@ -272,6 +277,7 @@ class RunnerSupervisor:
     def _record(self, entry: FlightEntry) -> None:
         if entry.phase is not self.phase:
             self.phase, self.phase_since = entry.phase, time.monotonic()
+            self.phase_since_at = entry.at
         self.phase_detail = entry.detail
         self.last_progress_at = entry.at
         if entry.phase is Phase.IDLE:
@@ -306,7 +312,10 @@ class RunnerSupervisor:
         exit_code: int | None = None,
         signal: str | None = None,
     ) -> None:
+        if kind is not self.status:
+            self.status_since, self.status_since_at = time.monotonic(), now()
         self.status = kind
+        self.exit_code = exit_code
         event = RunnerStatusChanged(
             runner=self.config.runner,
             seq=self._next_seq(),
@@ -436,9 +445,14 @@ class RunnerSupervisor:
             pid=self.pid,
             processAlive=self.alive,
             statusKind=self.status.value,
+            statusSince=self.status_since_at,
+            secondsInStatus=round(time.monotonic() - self.status_since, 3),
+            exitCode=self.exit_code,
             phase=self.phase,
+            phaseStartedAt=self.phase_since_at,
             phaseDetail=self.phase_detail,
             secondsInPhase=round(time.monotonic() - self.phase_since, 3),
+            completedTaskCount=self.completed_tasks,
             lastProgressAt=self.last_progress_at,
             activeTaskId=self.active_task_id,
             activeCommandId=self.active_command_id,

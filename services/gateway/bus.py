@@ -19,7 +19,15 @@ from shared.jetstream import Layout
 from shared.replay import follow, follow_bucket
 from shared.subjects import token, untoken
 from shared.timestamps import parse_ts
-from shared.wire import Finding, QueryError, RankTableStream, WireError, decode, encode
+from shared.wire import (
+    Finding,
+    NodeDiagnostics,
+    QueryError,
+    RankTableStream,
+    WireError,
+    decode,
+    encode,
+)
 
 __all__ = ["Bus", "BusError"]
 
@@ -73,6 +81,30 @@ class Bus:
             error = decode(reply.data, QueryError)
             raise BusError(error.status, error.error)
         return bytes(reply.data)
+
+    async def node(self, node_id: str) -> NodeDiagnostics:
+        """One agent's live view of its node.
+
+        Raises:
+            BusError: 404 when no agent of that node listens, 503 when it does not answer
+                in time, 502 when its answer does not decode.
+        """
+        subject = self.layout.subjects.node_diagnostics(node_id)
+        try:
+            reply = await self.nc.request(subject, b"", timeout=self.timeout)
+        except NoRespondersError:
+            raise BusError(404, f"no agent of node {node_id!r} is listening") from None
+        except (NatsError, TimeoutError):
+            if not await self.reach.check():
+                raise BusError(503, self.reach.why()) from None
+            raise BusError(
+                503, f"the agent of node {node_id!r} did not answer within {self.timeout:g}s"
+            ) from None
+        try:
+            answer: NodeDiagnostics = decode(reply.data, NodeDiagnostics)
+        except WireError as exc:
+            raise BusError(502, f"the agent of node {node_id!r} answered nonsense: {exc}") from None
+        return answer
 
     async def kv(self, bucket: str) -> KeyValue:
         """A KV bucket handle (cached)."""

@@ -37,10 +37,15 @@ class RunnerSupervisorDiagnostics(CamelStruct, kw_only=True, frozen=True):
     nLayers: int
     pid: int | None = None
     processAlive: bool
+    exitCode: int | None = None
     statusKind: str
+    statusSince: str | None = None
+    secondsInStatus: float = 0.0
     phase: Phase | None = None
+    phaseStartedAt: str | None = None
     phaseDetail: str | None = None
     secondsInPhase: float = 0.0
+    completedTaskCount: int = 0
     lastProgressAt: str | None = None
     activeTaskId: str | None = None
     activeCommandId: str | None = None
@@ -60,6 +65,12 @@ class NodeDiagnostics(CamelStruct, kw_only=True, frozen=True):
     address: str
     generatedAt: str
     runners: list[RunnerSupervisorDiagnostics] = []
+    hostname: str = ""
+    cwd: str = ""
+    agentVersion: str = ""
+    structuredLogging: bool = False
+    """Whether the agent logs JSON lines."""
+    pythonUnbuffered: bool = False
 
 
 class EvidenceRequest(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,203 @@
+"""Skulk's node and cluster diagnostics bundles (`skulk.shared.types.diagnostics`), so its
+dashboard and scripts read rankscope's nodes unchanged. Built from what rankscope knows:
+the agent's live view and the placements. Parts of Skulk that rankscope does not have
+(its gossip data plane, media lanes, providers, Tailscale) are omitted where Skulk allows
+it and zero where it requires them; rankscope has no master."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from shared.wire.base import CamelStruct
+from shared.wire.enums import Phase
+from shared.wire.memory import MlxMemorySnapshot
+from shared.wire.placement import PlacementRunnerDiagnostics
+from shared.wire.timeline import Attrs
+
+__all__ = [
+    "ClusterDiagnostics",
+    "ClusterNodeDiagnostics",
+    "DataPlaneDiagnostics",
+    "DataPlaneEgressDiagnostics",
+    "InstancePlacementDiagnostics",
+    "NodeResourceDiagnostics",
+    "NodeRuntimeDiagnostics",
+    "RunnerDiagnosticContext",
+    "RunnerFlightRecorderEntry",
+    "SkulkNodeDiagnostics",
+    "SkulkRunnerDiagnostics",
+]
+
+
+class NodeRuntimeDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """The node's agent: where it runs and how it is set up."""
+
+    nodeId: str
+    hostname: str
+    friendlyName: str | None = None
+    isMaster: bool = False
+    masterNodeId: str | None = None
+    cwd: str
+    configPath: str
+    """rankscope is configured by `RANKSCOPE_*` variables: empty, with no file."""
+    configFileExists: bool = False
+    skulkVersion: str
+    """The rankscope agent's version."""
+    skulkCommit: str = ""
+    pythonUnbuffered: bool
+    tracingEnabled: bool = True
+    structuredLoggingConfigured: bool
+    loggingIngestUrl: str | None = None
+
+
+class NodeResourceDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """Resource readings (every one optional in Skulk; rankscope reports its own in the
+    node inventory and the runners' MLX memory)."""
+
+
+class RunnerDiagnosticContext(CamelStruct, kw_only=True, frozen=True):
+    """A runner's identity on each of its flight-recorder entries."""
+
+    nodeId: str
+    runnerId: str
+    pid: int | None = None
+    instanceId: str
+    modelId: str
+    rank: int
+    worldSize: int
+    startLayer: int
+    endLayer: int
+    nLayers: int
+
+
+class RunnerFlightRecorderEntry(CamelStruct, kw_only=True, frozen=True):
+    """One flight-recorder entry a supervisor keeps."""
+
+    at: str
+    phase: Phase
+    event: str
+    detail: str | None = None
+    attrs: Attrs = {}
+    context: RunnerDiagnosticContext
+    taskId: str | None = None
+    commandId: str | None = None
+    mlxMemory: MlxMemorySnapshot | None = None
+
+
+class SkulkRunnerDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """One runner as its supervisor sees it (Skulk's `RunnerSupervisorDiagnostics`)."""
+
+    runnerId: str
+    instanceId: str
+    nodeId: str
+    modelId: str
+    deviceRank: int
+    worldSize: int
+    startLayer: int
+    endLayer: int
+    nLayers: int
+    pid: int | None = None
+    processAlive: bool
+    exitCode: int | None = None
+    statusKind: str
+    statusSince: str
+    secondsInStatus: float
+    phase: Phase
+    phaseStartedAt: str
+    secondsInPhase: float
+    lastProgressAt: str | None = None
+    activeTaskId: str | None = None
+    activeCommandId: str | None = None
+    phaseDetail: str | None = None
+    lastMlxMemory: MlxMemorySnapshot | None = None
+    flightRecorder: list[RunnerFlightRecorderEntry] = []
+    completedTaskCount: int
+
+
+class InstancePlacementDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """Where one instance's ranks are, as seen from the answering node."""
+
+    instanceId: str
+    modelId: str
+    masterNodeId: str | None = None
+    masterIsPlacementNode: bool = False
+    localNodeIsPlacementNode: bool
+    placementNodeIds: list[str] = []
+    runners: list[PlacementRunnerDiagnostics] = []
+    warnings: list[str] = []
+
+
+class DataPlaneEgressDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """Skulk's router egress counters: rankscope has no such router, so all zero."""
+
+    activeStreamQueues: int = 0
+    queueDepth: int = 0
+    maxQueueDepth: int = 0
+    localShortCircuits: int = 0
+    remoteFramesEnqueued: int = 0
+    remoteFramesPublished: int = 0
+    remoteFramesDropped: int = 0
+    remotePublishFailures: int = 0
+    remoteBytesPublished: int = 0
+    enqueueLatencySamples: int = 0
+    publishLatencySamples: int = 0
+
+
+class DataPlaneDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """Skulk's DATA plane: `disabled` (generated text travels on NATS), all zero."""
+
+    transport: Literal["disabled"] = "disabled"
+    reorderBufferEnabled: bool = False
+    activeStreams: int = 0
+    framesReceived: int = 0
+    framesDispatched: int = 0
+    startedFrames: int = 0
+    chunkFrames: int = 0
+    completedFrames: int = 0
+    failedFrames: int = 0
+    cancelledFrames: int = 0
+    duplicateFrames: int = 0
+    outOfOrderFrames: int = 0
+    skippedSequences: int = 0
+    lateFrames: int = 0
+    missingStartedStreams: int = 0
+    missingTerminalStreams: int = 0
+    idleTimeouts: int = 0
+    transportFailures: int = 0
+    firstByteSamples: int = 0
+    streamSpanSamples: int = 0
+    egress: DataPlaneEgressDiagnostics = DataPlaneEgressDiagnostics()
+
+
+class SkulkNodeDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """One node's bundle (Skulk's `NodeDiagnostics`)."""
+
+    generatedAt: str
+    runtime: NodeRuntimeDiagnostics
+    resources: NodeResourceDiagnostics = NodeResourceDiagnostics()
+    supervisorRunners: list[SkulkRunnerDiagnostics] = []
+    placements: list[InstancePlacementDiagnostics] = []
+    dataPlane: DataPlaneDiagnostics = DataPlaneDiagnostics()
+    warnings: list[str] = []
+
+
+class ClusterNodeDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """One node's result in the cluster bundle: its diagnostics, or why not."""
+
+    nodeId: str
+    url: str | None = None
+    ok: bool
+    versionStatus: Literal["current", "version_mismatch", "unknown"] = "unknown"
+    diagnostics: SkulkNodeDiagnostics | None = None
+    error: str | None = None
+
+
+class ClusterDiagnostics(CamelStruct, kw_only=True, frozen=True):
+    """Every expected node's bundle, asked at once under one deadline (Skulk's
+    `ClusterDiagnostics`)."""
+
+    generatedAt: str
+    localNodeId: str
+    masterNodeId: str | None = None
+    versionStatus: Literal["consistent", "mixed", "unknown"] = "unknown"
+    nodes: list[ClusterNodeDiagnostics] = []
