@@ -183,6 +183,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 f"{p}.query.*",
                 f"{p}.tasks.*",
                 f"{p}.node.*.diagnostics",
+                f"{p}.node.*.evidence",  # Skulk's capture route
                 f"$KV.{layout.runners_bucket.bucket}.>",
                 *api.everyone(),
                 *api.read(

@@ -9,7 +9,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-__all__ = ["ClusterDiagnostics", "NodeDiagnostics"]
+__all__ = [
+    "ClusterDiagnostics",
+    "DiagnosticCaptureResponse",
+    "NodeDiagnostics",
+    "RunnerTaskCancelResponse",
+]
 
 Phase = Literal[
     "created", "idle", "connect_group", "load_model", "warmup", "task_submission",
@@ -243,3 +248,33 @@ class ClusterDiagnostics(Camel):
     master_node_id: str | None = None
     version_status: Literal["consistent", "mixed", "unknown"] = "unknown"
     nodes: list[ClusterNodeDiagnostics] = Field(default_factory=list)
+
+
+class RunnerTaskCancelResponse(Camel):
+    node_id: str
+    runner_id: str
+    task_id: str
+    status: Literal["cancel_requested", "already_cancelled", "already_completed"]
+    message: str
+
+
+class DiagnosticProcessSample(Camel):
+    name: str
+    command: list[str]
+    ok: bool
+    exit_code: int | None = None
+    duration_seconds: float
+    stdout: str | None = None
+    stderr: str | None = None
+    error: str | None = None
+
+
+class DiagnosticCaptureResponse(Camel):
+    generated_at: str
+    node_id: str
+    node_diagnostics: NodeDiagnostics
+    runner: RunnerSupervisorDiagnostics | None = None
+    flight_recorder: list[RunnerFlightRecorderEntry] = Field(default_factory=list)
+    mlx_memory: MlxMemorySnapshot | None = None
+    process_samples: list[DiagnosticProcessSample] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)

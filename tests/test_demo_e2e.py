@@ -224,6 +224,60 @@ def test_skulk_s_dashboard_reads_every_node_of_the_demo(demo: Demo) -> None:
     assert all(r.flight_recorder and r.status_kind for r in runners)
 
 
+def test_skulk_s_capture_has_each_runner_s_stacks_twice(demo: Demo) -> None:
+    runner = demo.get("/v1/placement/runners")[0]
+    body = {"runnerId": runner["runnerId"], "sampleDurationSeconds": 1}
+    captured = skulk_shapes.DiagnosticCaptureResponse.model_validate(
+        demo.post(f"/v1/diagnostics/cluster/{runner['nodeId']}/capture", body)
+    )
+    assert captured.runner is not None
+    assert captured.runner.runner_id == runner["runnerId"]
+    assert captured.flight_recorder
+    assert [s.name for s in captured.process_samples] == [
+        f"stacks of {runner['runnerId']} at the start",
+        f"stacks of {runner['runnerId']} after 1s",
+    ]
+    assert all(s.ok and s.stdout and "File " in s.stdout for s in captured.process_samples)
+
+
+def test_skulk_s_cancel_stops_a_long_generation(demo: Demo) -> None:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000}
+    answers: list[int] = []
+
+    def ask() -> None:
+        try:
+            demo.post("/v1/chat/completions", body)
+            answers.append(200)
+        except urllib.error.HTTPError as error:
+            answers.append(error.code)
+
+    threading.Thread(target=ask, daemon=True).start()
+
+    def active() -> Any:
+        for node in demo.get("/v1/diagnostics/cluster")["nodes"]:
+            for runner in node["diagnostics"]["supervisorRunners"]:
+                if runner["activeTaskId"] and runner["phase"] == "decode_stream":
+                    return node["nodeId"], runner["runnerId"], runner["activeTaskId"]
+        return None
+
+    node_id, runner_id, task_id = demo.until(active, 60)
+    path = f"/v1/diagnostics/cluster/{node_id}/runners/{runner_id}/cancel"
+    first = skulk_shapes.RunnerTaskCancelResponse.model_validate(
+        demo.post(path, {"taskId": task_id})
+    )
+    assert first.status == "cancel_requested"
+    demo.until(lambda: answers, 60)  # the chat ends long before its 4000 tokens
+    again = skulk_shapes.RunnerTaskCancelResponse.model_validate(
+        demo.until(lambda: _settled_cancel(demo, path, task_id), 30)
+    )
+    assert again.status == "already_cancelled"
+
+
+def _settled_cancel(demo: Demo, path: str, task_id: str) -> Any:
+    answer = demo.post(path, {"taskId": task_id})
+    return answer if answer["status"] != "cancel_requested" else None
+
+
 def test_placement_covers_every_layer_in_two_shards(demo: Demo) -> None:
     ranks = demo.get("/v1/placement/runners")
     assert [r["deviceRank"] for r in ranks] == [0, 1]

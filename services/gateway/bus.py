@@ -18,18 +18,25 @@ from shared.headers import ERROR_HEADER, VERSION_HEADER
 from shared.jetstream import Layout
 from shared.replay import follow, follow_bucket
 from shared.subjects import token, untoken
-from shared.timestamps import parse_ts
+from shared.timestamps import now, parse_ts
 from shared.wire import (
+    EvidenceRequest,
     Finding,
     NodeDiagnostics,
+    NodeEvidence,
     QueryError,
     RankTableStream,
+    TaskCreated,
+    TaskKind,
     WireError,
     decode,
     encode,
 )
 
-__all__ = ["Bus", "BusError"]
+__all__ = ["EVIDENCE_WAIT_S", "Bus", "BusError"]
+
+EVIDENCE_WAIT_S = 5.0
+"""How long an agent may take to capture its runners' stacks and memory."""
 
 
 class BusError(Exception):
@@ -105,6 +112,43 @@ class Bus:
         except WireError as exc:
             raise BusError(502, f"the agent of node {node_id!r} answered nonsense: {exc}") from None
         return answer
+
+    async def evidence(self, node_id: str, runner_ids: list[str]) -> NodeEvidence:
+        """The stacks, process state and memory of runners of one node, captured now
+        (within `EVIDENCE_WAIT_S`).
+
+        Raises:
+            BusError: as `node`.
+        """
+        subject = self.layout.subjects.node_evidence(node_id)
+        asked = encode(EvidenceRequest(runnerIds=runner_ids))
+        try:
+            reply = await self.nc.request(subject, asked, timeout=EVIDENCE_WAIT_S)
+            captured: NodeEvidence = decode(reply.data, NodeEvidence)
+        except NoRespondersError:
+            raise BusError(404, f"no agent of node {node_id!r} is listening") from None
+        except (NatsError, TimeoutError):
+            raise BusError(
+                503, f"the agent of node {node_id!r} captured nothing within {EVIDENCE_WAIT_S:g}s"
+            ) from None
+        except WireError as exc:
+            raise BusError(502, f"the agent of node {node_id!r} answered nonsense: {exc}") from None
+        return captured
+
+    async def cancel(self, instance_id: str, task_id: str) -> None:
+        """Ask every rank of an instance to stop a task.
+
+        Raises:
+            BusError: 503 when JetStream did not take the request.
+        """
+        cancel = TaskCreated(
+            at=now(),
+            taskId=f"cancel-{task_id}",
+            instanceId=instance_id,
+            taskKind=TaskKind.CANCEL_TASK,
+            targetTaskId=task_id,
+        )
+        await self.publish(self.layout.subjects.tasks(instance_id), encode(cancel), cancel.taskId)
 
     async def kv(self, bucket: str) -> KeyValue:
         """A KV bucket handle (cached)."""

@@ -6,7 +6,9 @@ it and zero where it requires them; rankscope has no master."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from shared.wire.base import CamelStruct
 from shared.wire.enums import Phase
@@ -19,11 +21,16 @@ __all__ = [
     "ClusterNodeDiagnostics",
     "DataPlaneDiagnostics",
     "DataPlaneEgressDiagnostics",
+    "DiagnosticCaptureRequest",
+    "DiagnosticCaptureResponse",
+    "DiagnosticProcessSample",
     "InstancePlacementDiagnostics",
     "NodeResourceDiagnostics",
     "NodeRuntimeDiagnostics",
     "RunnerDiagnosticContext",
     "RunnerFlightRecorderEntry",
+    "RunnerTaskCancelRequest",
+    "RunnerTaskCancelResponse",
     "SkulkNodeDiagnostics",
     "SkulkRunnerDiagnostics",
 ]
@@ -201,3 +208,55 @@ class ClusterDiagnostics(CamelStruct, kw_only=True, frozen=True):
     masterNodeId: str | None = None
     versionStatus: Literal["consistent", "mixed", "unknown"] = "unknown"
     nodes: list[ClusterNodeDiagnostics] = []
+
+
+class RunnerTaskCancelRequest(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Stop one task of one runner (its whole instance stops it)."""
+
+    taskId: str
+
+
+class RunnerTaskCancelResponse(CamelStruct, kw_only=True, frozen=True):
+    """What became of a cancel request."""
+
+    nodeId: str
+    runnerId: str
+    taskId: str
+    status: Literal["cancel_requested", "already_cancelled", "already_completed"]
+    message: str
+
+
+class DiagnosticCaptureRequest(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What to capture of one node: one runner (by id, or by a task it runs), or all."""
+
+    runnerId: str | None = None
+    taskId: str | None = None
+    includeProcessSamples: bool = True
+    sampleDurationSeconds: Annotated[float, msgspec.Meta(ge=1.0, le=10.0)] = 3.0
+
+
+class DiagnosticProcessSample(CamelStruct, kw_only=True, frozen=True):
+    """One capture of a runner's Python stacks (every thread, via `faulthandler`)."""
+
+    name: str
+    command: list[str]
+    ok: bool
+    exitCode: int | None = None
+    durationSeconds: float
+    stdout: str | None = None
+    stderr: str | None = None
+    error: str | None = None
+
+
+class DiagnosticCaptureResponse(CamelStruct, kw_only=True, frozen=True):
+    """A node's bundle with the runner asked for and its stacks at the start and the end
+    of the sample duration."""
+
+    generatedAt: str
+    nodeId: str
+    nodeDiagnostics: SkulkNodeDiagnostics
+    runner: SkulkRunnerDiagnostics | None = None
+    flightRecorder: list[RunnerFlightRecorderEntry] = []
+    mlxMemory: MlxMemorySnapshot | None = None
+    processSamples: list[DiagnosticProcessSample] = []
+    warnings: list[str] = []

@@ -176,17 +176,7 @@ _cancelling: set[asyncio.Task[None]] = set()
 def _cancel(nats: Bus, task: TaskCreated) -> None:
     """Ask every rank to stop `task`, in a task of its own: a closing stream must not wait
     for it, nor be able to cancel it half way."""
-    cancel = TaskCreated(
-        at=now(),
-        taskId=f"cancel-{task.taskId}",
-        instanceId=task.instanceId,
-        taskKind=TaskKind.CANCEL_TASK,
-        targetTaskId=task.taskId,
-    )
-    subject = nats.layout.subjects.tasks(task.instanceId)
-    sending = asyncio.get_running_loop().create_task(
-        nats.publish(subject, encode(cancel), cancel.taskId)
-    )
+    sending = asyncio.get_running_loop().create_task(nats.cancel(task.instanceId, task.taskId))
     _cancelling.add(sending)
     sending.add_done_callback(_settled)
 

@@ -5,6 +5,7 @@ cluster's diagnostics bundles, and the tracing switch."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated, Literal
 
 import msgspec
@@ -17,8 +18,26 @@ from services.gateway.responses import Json, fail, schema_ref
 from services.gateway.routes.cluster import Filters, Nats, timeline
 from services.gateway.skulk import node_bundle
 from shared.timestamps import now
-from shared.wire import ClusterTimeline, InstanceState, PlacementRunnerDiagnostics, decode
-from shared.wire.skulk import ClusterDiagnostics, ClusterNodeDiagnostics, SkulkNodeDiagnostics
+from shared.wire import (
+    ClusterTimeline,
+    InstanceState,
+    PlacementRunnerDiagnostics,
+    TaskStatus,
+    decode,
+)
+from shared.wire.skulk import (
+    ClusterDiagnostics,
+    ClusterNodeDiagnostics,
+    DiagnosticCaptureRequest,
+    DiagnosticCaptureResponse,
+    DiagnosticProcessSample,
+    RunnerTaskCancelRequest,
+    RunnerTaskCancelResponse,
+    SkulkNodeDiagnostics,
+)
+
+CancelStatus = Literal["cancel_requested", "already_cancelled", "already_completed"]
+TASK_STATUSES = frozenset(TaskStatus)
 
 __all__ = ["router"]
 
@@ -98,6 +117,119 @@ async def cluster_diagnostics(nats: Nats) -> Json:
             generatedAt=now(), localNodeId=nats.local_node, versionStatus=status, nodes=nodes
         )
     )
+
+
+@router.post(
+    "/v1/diagnostics/cluster/{nodeId}/runners/{runnerId}/cancel",
+    response_class=Json,
+    dependencies=[Depends(writer)],
+    openapi_extra={"requestBody": schema_ref(RunnerTaskCancelRequest)},
+    responses={200: schema_ref(RunnerTaskCancelResponse)},
+)
+async def cancel_runner_task(
+    nodeId: str,  # noqa: N803 - Skulk's names
+    runnerId: str,  # noqa: N803
+    nats: Nats,
+    body: Annotated[bytes, Depends(_body)],
+) -> Json:
+    """Stop a task of a runner (every rank of its instance stops it, as a chat's cancel
+    does); what became of it, if it had ended already."""
+    task_id = strict(body, RunnerTaskCancelRequest).taskId
+    live = next((r for r in (await nats.node(nodeId)).runners if r.runnerId == runnerId), None)
+    if live is None:
+        raise fail(404, f"node {nodeId!r} supervises no runner {runnerId!r}")
+    placed = decode(
+        await nats.query("placement", {"runnerId": runnerId}), PlacementRunnerDiagnostics
+    )
+    known = next((t for t in placed.tasks if t.taskId == task_id), None)
+    if live.activeTaskId != task_id and known is None:
+        raise fail(404, f"runner {runnerId!r} knows no task {task_id!r}")
+    ended = TaskStatus(known.taskStatus) if known and known.taskStatus in TASK_STATUSES else None
+    if ended is TaskStatus.CANCELLED:
+        status: CancelStatus = "already_cancelled"
+        message = f"task {task_id!r} was cancelled already"
+    elif ended is not None and ended.is_final and live.activeTaskId != task_id:
+        status, message = "already_completed", f"task {task_id!r} ended: {ended.value}"
+    else:
+        await nats.cancel(live.instanceId, task_id)
+        status = "cancel_requested"
+        message = f"every rank of {live.instanceId!r} was asked to stop task {task_id!r}"
+    answer = RunnerTaskCancelResponse(
+        nodeId=nodeId, runnerId=runnerId, taskId=task_id, status=status, message=message
+    )
+    return Json(answer)
+
+
+@router.post(
+    "/v1/diagnostics/cluster/{nodeId}/capture",
+    response_class=Json,
+    dependencies=[Depends(reader)],
+    openapi_extra={"requestBody": schema_ref(DiagnosticCaptureRequest)},
+    responses={200: schema_ref(DiagnosticCaptureResponse)},
+)
+async def capture(
+    nodeId: str,  # noqa: N803 - Skulk's name
+    nats: Nats,
+    body: Annotated[bytes, Depends(_body)],
+) -> Json:
+    """A node's bundle, the runner asked for (by id or by a task it runs) and, unless
+    told not to, every runner's Python stacks at the start and the end of the sample
+    duration (or the matched runner's alone): where each thread stood, and whether it
+    moved."""
+    asked = strict(body or b"{}", DiagnosticCaptureRequest)
+    bundle = await _bundle(nats, nodeId)
+    warnings: list[str] = []
+    matched = next(
+        (
+            r
+            for r in bundle.supervisorRunners
+            if r.runnerId == asked.runnerId
+            or (asked.taskId is not None and r.activeTaskId == asked.taskId)
+        ),
+        None,
+    )
+    if (asked.runnerId or asked.taskId) and matched is None:
+        warnings.append(
+            f"no runner of node {nodeId!r} matches runnerId {asked.runnerId!r} or taskId "
+            f"{asked.taskId!r}: stacks of every runner instead"
+        )
+    samples: list[DiagnosticProcessSample] = []
+    if asked.includeProcessSamples:
+        wanted = [matched.runnerId] if matched else [r.runnerId for r in bundle.supervisorRunners]
+        samples += await _stacks(nats, nodeId, wanted, "at the start")
+        await asyncio.sleep(asked.sampleDurationSeconds)
+        samples += await _stacks(nats, nodeId, wanted, f"after {asked.sampleDurationSeconds:g}s")
+    answer = DiagnosticCaptureResponse(
+        generatedAt=now(),
+        nodeId=nodeId,
+        nodeDiagnostics=bundle,
+        runner=matched,
+        flightRecorder=matched.flightRecorder if matched else [],
+        mlxMemory=matched.lastMlxMemory if matched else None,
+        processSamples=samples,
+        warnings=warnings,
+    )
+    return Json(answer)
+
+
+async def _stacks(
+    nats: Bus, node_id: str, runner_ids: list[str], when: str
+) -> list[DiagnosticProcessSample]:
+    """One capture of the runners' stacks, a sample each."""
+    started = time.monotonic()
+    captured = await nats.evidence(node_id, runner_ids)
+    took = round(time.monotonic() - started, 3)
+    return [
+        DiagnosticProcessSample(
+            name=f"stacks of {runner.runnerId} {when}",
+            command=["kill", "-USR1", str(runner.pid)],  # faulthandler writes every thread
+            ok=runner.stack is not None,
+            durationSeconds=took,
+            stdout=runner.stack,
+            error=None if runner.stack else f"no stack: the process is {runner.process.value}",
+        )
+        for runner in captured.runners
+    ]
 
 
 def _why(error: BaseException) -> str:
