@@ -42,7 +42,8 @@ async def test_every_runner_served_parses_as_clarifai_s_proto(stack_for: Any) ->
     stack: Stack = await stack_for()
     http = stack.http
     created = (await http.post("/v1/runners", json={"runners": [SEED_STYLE]})).json()
-    (runner,) = _ok(created, service_pb2.MultiRunnerResponse).runners
+    _ok(created, service_pb2.MultiRunnerResponse)
+    runner = _runner(created["runners"][0])
     assert runner.nodepool.compute_cluster.user_id == "me"  # where the proto carries it
     assert list(runner.compute_info.accelerator_topology) == []
     assert not runner.special_handling[0].reason  # unset, not ""
@@ -98,7 +99,8 @@ async def test_a_runner_built_with_the_proto_goes_through_create_get_patch_delet
         "/v1/runners", json=MessageToDict(change, preserving_proto_field_name=True)
     )
     assert patched.status_code == 200, patched.text
-    (after,) = _ok(patched.json(), service_pb2.MultiRunnerResponse).runners
+    _ok(patched.json(), service_pb2.MultiRunnerResponse)
+    after = _runner(patched.json()["runners"][0])
     assert (after.num_replicas, after.compute_info) == (2, built.compute_info)
     assert (await http.delete("/v1/runners/proto-llm")).status_code == 200
     assert (await http.get("/v1/runners/proto-llm")).status_code == 404
