@@ -111,7 +111,6 @@ class _Api:
 def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permissions:
     """What `user` (a role of `ROLES`, or an agent with its `node_id`) may do."""
     api, subjects = _Api(layout), layout.subjects
-    p = subjects.prefix
     nodes_kv = layout.nodes_bucket.stream_name
     runners_kv = layout.runners_bucket.stream_name
     status_kv = layout.runner_status_bucket.stream_name
@@ -120,15 +119,15 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
         node = token(node_id)
         return Permissions(
             publish=(
-                f"{p}.runner.{node}.>",
+                subjects.runner_of_node(node_id),
                 f"$KV.{layout.nodes_bucket.bucket}.{node}",
-                f"{p}.tasks.*.status.{node}",
-                f"{p}.output.*.{node}",
+                subjects.task_status_of_node(node_id),
+                subjects.output_of_node(node_id),
                 subjects.deadletter(),
                 *api.everyone(),
                 *api.read(api.stream("PLACEMENT"), api.stream("TASKS")),
                 # a restarted runner resumes its seq from its last stored message
-                f"$JS.API.DIRECT.GET.{api.stream('RUNNER')}.{p}.runner.{node}.>",
+                f"$JS.API.DIRECT.GET.{api.stream('RUNNER')}.{subjects.runner_of_node(node_id)}",
             ),
             subscribe=(
                 *inbox,
@@ -140,25 +139,25 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
     if user == "aggregator":
         return Permissions(
             publish=(
-                f"{p}.diagnosis.>",
+                subjects.diagnosis_all(),
                 subjects.deadletter(),
                 subjects.canary("aggregator"),
-                f"{p}.node.*.diagnostics",
-                f"{p}.node.*.evidence",
+                subjects.node_request_all("diagnostics"),
+                subjects.node_request_all("evidence"),
                 *api.everyone(),
                 *api.own(),
                 *api.read(
                     api.stream("RUNNER"), api.stream("PLACEMENT"), api.stream("TASKS"), nodes_kv
                 ),
             ),
-            subscribe=(*inbox, f"{p}.query.*"),
+            subscribe=(*inbox, subjects.query_all()),
         )
     if user == "ranktable":
         return Permissions(
             publish=(
-                f"{p}.placement.>",
-                f"{p}.ranktable.>",
-                f"{p}.node.*.model",
+                subjects.placement_all(),
+                subjects.ranktable_all(),
+                subjects.node_request_all("model"),
                 subjects.canary("ranktable"),
                 f"$KV.{layout.runner_status_bucket.bucket}.>",
                 # a deleted job's rank table goes with it
@@ -180,10 +179,10 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
     if user == "gateway":
         return Permissions(
             publish=(
-                f"{p}.query.*",
-                f"{p}.tasks.*",
-                f"{p}.node.*.diagnostics",
-                f"{p}.node.*.evidence",  # Skulk's capture route
+                subjects.query_all(),
+                subjects.tasks_of_any(),
+                subjects.node_request_all("diagnostics"),
+                subjects.node_request_all("evidence"),  # Skulk's capture route
                 f"$KV.{layout.runners_bucket.bucket}.>",
                 *api.everyone(),
                 *api.read(
@@ -194,7 +193,12 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                     status_kv,
                 ),
             ),
-            subscribe=(*inbox, f"{p}.ranktable.>", f"{p}.output.>", f"{p}.tasks.*.status.*"),
+            subscribe=(
+                *inbox,
+                subjects.ranktable_all(),
+                subjects.output_all(),
+                subjects.task_status_all(),
+            ),
         )
     if user == OPERATOR:
         return Permissions(
@@ -205,7 +209,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 "$JS.API.CONSUMER.NAMES.*",
                 *api.read(*api.all_streams),
             ),
-            subscribe=(*inbox, "_INBOX.>", f"{p}.>"),  # the nats CLI's own inbox too
+            subscribe=(*inbox, "_INBOX.>", subjects.everything()),  # the nats CLI's own inbox too
         )
     raise ValueError(f"no role {user!r}; roles are {', '.join(ROLES)}, {OPERATOR} and agent-<node>")
 

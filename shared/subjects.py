@@ -83,6 +83,14 @@ class Subjects:
         """Every rank's telemetry."""
         return f"{self.prefix}.runner.>"
 
+    def runner_of_node(self, node_id: str) -> str:
+        """The telemetry of every rank of one node."""
+        return f"{self.prefix}.runner.{token(node_id)}.>"
+
+    def runner_status_all(self) -> str:
+        """Every rank's status changes."""
+        return f"{self.prefix}.runner.*.*.*.status"
+
     def placement(self, instance_id: str) -> str:
         """Placement decisions of one instance."""
         return f"{self.prefix}.placement.{token(instance_id)}"
@@ -107,6 +115,18 @@ class Subjects:
     def tasks_all(self) -> str:
         """Tasks and task status of every instance."""
         return f"{self.prefix}.tasks.>"
+
+    def tasks_of_any(self) -> str:
+        """Tasks asked of any instance (not their status)."""
+        return f"{self.prefix}.tasks.*"
+
+    def task_status_of_node(self, node_id: str) -> str:
+        """Status of every instance's tasks as one node's ranks report it."""
+        return f"{self.prefix}.tasks.*.status.{token(node_id)}"
+
+    def task_status_all(self) -> str:
+        """Status of every instance's tasks from every node."""
+        return f"{self.prefix}.tasks.*.status.*"
 
     def ranktable(self, job_id: str) -> str:
         """The rank table of one job (= instance)."""
@@ -137,14 +157,34 @@ class Subjects:
         """Request to one agent to read a model's shape (layers, weight bytes) on its node."""
         return f"{self.prefix}.node.{token(node_id)}.model"
 
+    def node_request_all(self, kind: Literal["diagnostics", "evidence", "model"]) -> str:
+        """Requests of one kind to every agent."""
+        return f"{self.prefix}.node.*.{kind}"
+
     def query(self, view: str) -> str:
         """Request to the aggregator for one view."""
         return f"{self.prefix}.query.{token(view)}"
+
+    def query_all(self) -> str:
+        """Requests to the aggregator for any view."""
+        return f"{self.prefix}.query.*"
 
     def output(self, command_id: str, node_id: str) -> str:
         """Generated token chunks of one command (core NATS), from the node of its
         instance's last rank: `<prefix>.output.<commandId>.<nodeId>`."""
         return f"{self.prefix}.output.{token(command_id)}.{token(node_id)}"
+
+    def output_of_node(self, node_id: str) -> str:
+        """Generated chunks of every command whose last rank is on one node."""
+        return f"{self.prefix}.output.*.{token(node_id)}"
+
+    def output_all(self) -> str:
+        """Generated chunks of every command."""
+        return f"{self.prefix}.output.>"
+
+    def everything(self) -> str:
+        """Every subject of this installation."""
+        return f"{self.prefix}.>"
 
     def deadletter(self) -> str:
         """Copies of messages that could not be applied."""

@@ -5,6 +5,7 @@ CLI and `rankscope up` compose services."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,23 @@ def test_no_service_imports_another(service: str) -> None:
         if any(imported == other or imported.startswith(other + ".") for other in others)
     )
     assert crossing == []
+
+
+SUBJECT_BUILT = re.compile(
+    r"\{[\w.]*\b(?:prefix|p|subject_prefix)\}\."
+    r"(?:runner|placement|tasks|ranktable|diagnosis|node|query|output|deadletter|canary|>|\*)"
+    r"|_all\(\)\["
+)
+"""A subject made by hand: a prefix and a subject root, or a builder's pattern cut up."""
+
+
+def test_every_subject_is_built_in_shared_subjects() -> None:
+    built_elsewhere = sorted(
+        f"{module.relative_to(SERVICES.parent)}:{number}"
+        for root in (SERVICES, SERVICES.parent / "shared")
+        for module in root.rglob("*.py")
+        if module.name != "subjects.py"
+        for number, line in enumerate(module.read_text().splitlines(), 1)
+        if re.search(SUBJECT_BUILT, line)
+    )
+    assert built_elsewhere == []

@@ -188,7 +188,7 @@ class AggregatorService:
     async def run(self, stop: asyncio.Event) -> None:
         """Rebuild from the streams, then follow them until `stop` is set."""
         subjects = self._layout.subjects
-        queries = await self._nc.subscribe(f"{subjects.prefix}.query.*", cb=self._answer)
+        queries = await self._nc.subscribe(subjects.query_all(), cb=self._answer)
         after = await self._restore()
         folded = {
             self._layout.placement_stream.name: (subjects.placement_all(), self._on_placement),

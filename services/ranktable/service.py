@@ -129,7 +129,7 @@ class RankTableService:
         await self._replay_tables()
         status = await follow(
             self._js,
-            f"{subjects.runner_all()[:-1]}*.*.*.status",
+            subjects.runner_status_all(),
             self._on_status,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         )

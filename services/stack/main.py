@@ -21,6 +21,7 @@ from shared.jetstream import Layout, LayoutError, ensure
 from shared.nats_auth import OPERATOR, agent_user, render
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, to_environ
+from shared.subjects import Subjects
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 
 __all__ = ["demo_model", "run"]
@@ -128,7 +129,7 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
     children = SERVICES + (demo_agents(settings) if demo else ())
     async with contextlib.AsyncExitStack() as stack:
         servers = settings.nats_servers
-        watch = f"nats sub '{settings.subject_prefix}.>'"
+        watch = f"nats sub '{Subjects(settings.subject_prefix).everything()}'"
         if settings.nats_url is None:
             config = None
             if nats_auth:
