@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import FileResponse
@@ -100,7 +101,7 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
         yield
         await close(nc)
 
-    app = FastAPI(
+    app = FastAPIOffline(  # /docs from packaged Swagger UI assets: no CDN
         responses=ERRORS,
         title="rankscope",
         version="0.1.0",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -61,7 +62,11 @@ async def test_health_readiness_docs_and_metrics(stack_for: Any) -> None:
     stack: Stack = await stack_for()
     assert (await stack.http.get("/healthz")).json() == {"status": "ok"}
     assert (await stack.http.get("/readyz")).json() == {"status": "ready"}
-    assert (await stack.http.get("/docs")).status_code == 200
+    docs = await stack.http.get("/docs")
+    assert docs.status_code == 200
+    assert "cdn" not in docs.text  # works offline: every asset from the gateway itself
+    for asset in re.findall(r'(?:src|href)="(/[^"]+)"', docs.text):
+        assert (await stack.http.get(asset)).status_code == 200, asset
     schemas = (await stack.http.get("/openapi.json")).json()["components"]["schemas"]
     assert {"secondsInPhase", "lastMlxMemory"} <= set(schemas["RunnerSynopsis"]["properties"])
     assert "startLayer" in schemas["PlacementRunnerDiagnostics"]["properties"]
