@@ -1,128 +1,157 @@
-"""Prometheus metrics of the gateway itself, and cluster gauges read from the aggregator."""
+"""Prometheus metrics of the gateway itself, and cluster gauges read from the aggregator,
+on `prometheus-client` (registry, metric families, exposition)."""
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from shared.wire import ClusterTimeline, Diagnosis, RunnerHistory
 
-__all__ = ["RequestMetrics", "cluster_lines"]
+__all__ = ["RequestMetrics", "cluster_families", "exposition", "gauge"]
+
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
 
 
 class RequestMetrics:
     """Requests by route, method and status, and a latency histogram per route."""
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[str, str, int], int] = defaultdict(int)
-        self._buckets: dict[str, list[int]] = defaultdict(lambda: [0] * (len(_BUCKETS) + 1))
-        self._sums: dict[str, float] = defaultdict(float)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter(
+            "rankscope_http_requests",
+            "HTTP requests served.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "rankscope_http_request_seconds",
+            "HTTP request latency.",
+            ["route"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
 
     def observe(self, route: str, method: str, status: int, seconds: float) -> None:
         """Count one request."""
-        self._counts[(route, method, status)] += 1
-        self._buckets[route][bisect.bisect_left(_BUCKETS, seconds)] += 1
-        self._sums[route] += seconds
-
-    def lines(self) -> list[str]:
-        """Exposition lines."""
-        out = [
-            "# HELP rankscope_http_requests_total HTTP requests served.",
-            "# TYPE rankscope_http_requests_total counter",
-        ]
-        for (route, method, status), count in sorted(self._counts.items()):
-            out.append(
-                f'rankscope_http_requests_total{{route="{_label(route)}",'
-                f'method="{method}",status="{status}"}} {count}'
-            )
-        out += [
-            "# HELP rankscope_http_request_seconds HTTP request latency.",
-            "# TYPE rankscope_http_request_seconds histogram",
-        ]
-        for route, counts in sorted(self._buckets.items()):
-            running = 0
-            for bound, count in zip((*map(str, _BUCKETS), "+Inf"), counts, strict=True):
-                running += count
-                out.append(
-                    f'rankscope_http_request_seconds_bucket{{route="{_label(route)}",'
-                    f'le="{bound}"}} {running}'
-                )
-            out.append(
-                f'rankscope_http_request_seconds_sum{{route="{_label(route)}"}} '
-                f"{self._sums[route]:.6f}"
-            )
-            out.append(f'rankscope_http_request_seconds_count{{route="{_label(route)}"}} {running}')
-        return out
+        self._requests.labels(route, method, str(status)).inc()
+        self._latency.labels(route).observe(seconds)
 
 
-def cluster_lines(
+class _Families(Collector):
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+
+
+def exposition(requests: RequestMetrics, families: Iterable[Metric]) -> bytes:
+    """The text exposition of the gateway's own metrics and `families`."""
+    scraped = CollectorRegistry(auto_describe=False)
+    scraped.register(_Families(families))
+    return generate_latest(requests.registry) + generate_latest(scraped)
+
+
+def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    """A gauge of one unlabelled value."""
+    return GaugeMetricFamily(name, help_text, value=value)
+
+
+def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help_text, value=value)
+
+
+def cluster_families(
     health: dict[str, Any],
     timeline: ClusterTimeline,
     diagnosis: Diagnosis,
     history: list[RunnerHistory],
-) -> list[str]:
+) -> list[Metric]:
     """Gauges of the cluster: runners by phase, findings by kind, MLX memory per runner,
     how much history each runner has, and the aggregator's own counters."""
-    out = ["# TYPE rankscope_runners gauge"]
+    runners = GaugeMetricFamily(
+        "rankscope_runners", "Runners by phase and status.", labels=["phase", "status"]
+    )
     phases: dict[tuple[str, str], int] = defaultdict(int)
     for runner in timeline.runners:
         phases[(runner.phase.value, runner.statusKind)] += 1
     for (phase, status), count in sorted(phases.items()):
-        out.append(f'rankscope_runners{{phase="{phase}",status="{status}"}} {count}')
-    out.append("# TYPE rankscope_findings gauge")
+        runners.add_metric([phase, status], count)
+    findings = GaugeMetricFamily("rankscope_findings", "Open findings by kind.", labels=["kind"])
     kinds: dict[str, int] = defaultdict(int)
     for finding in diagnosis.findings:
         kinds[finding.kind.value] += 1
     for kind, count in sorted(kinds.items()):
-        out.append(f'rankscope_findings{{kind="{kind}"}} {count}')
-    out.append("# TYPE rankscope_mlx_memory_bytes gauge")
+        findings.add_metric([kind], count)
+    memory = GaugeMetricFamily(
+        "rankscope_mlx_memory_bytes",
+        "MLX memory of a runner by kind, as last sampled.",
+        labels=["runner", "rank", "kind"],
+    )
     for runner in timeline.runners:
-        memory = runner.lastMlxMemory
+        sampled = runner.lastMlxMemory
         for kind, amount in (
-            ("active", memory.active if memory else None),
-            ("cache", memory.cache if memory else None),
-            ("peak", memory.peak if memory else None),
+            ("active", sampled.active if sampled else None),
+            ("cache", sampled.cache if sampled else None),
+            ("peak", sampled.peak if sampled else None),
         ):
             if amount is not None:
-                out.append(
-                    f'rankscope_mlx_memory_bytes{{runner="{_label(runner.runnerId)}",'
-                    f'rank="{runner.deviceRank}",kind="{kind}"}} {amount.inBytes}'
-                )
-    out.append("# HELP rankscope_node_clock_offset_seconds How far a node's clock is ahead of "
-               "the NATS server's (by its heartbeat; negative: behind).")  # fmt: skip
-    out.append("# TYPE rankscope_node_clock_offset_seconds gauge")
+                memory.add_metric([runner.runnerId, str(runner.deviceRank), kind], amount.inBytes)
+    clocks = GaugeMetricFamily(
+        "rankscope_node_clock_offset_seconds",
+        "How far a node's clock is ahead of the NATS server's (by its heartbeat; "
+        "negative: behind).",
+        labels=["node"],
+    )
     for node, offset in sorted(health.get("clockOffsets", {}).items()):
-        out.append(f'rankscope_node_clock_offset_seconds{{node="{_label(node)}"}} {offset}')
-    out += [
-        "# TYPE rankscope_aggregator_entries gauge",
-        f"rankscope_aggregator_entries {health.get('entries', 0)}",
-        "# TYPE rankscope_aggregator_duplicates_total counter",
-        f"rankscope_aggregator_duplicates_total {health.get('duplicates', 0)}",
-        "# HELP rankscope_aggregator_slow_consumer_drops_total Messages the aggregator's "
-        "NATS client dropped (always 0 unless something is wrong).",
-        "# TYPE rankscope_aggregator_slow_consumer_drops_total counter",
-        f"rankscope_aggregator_slow_consumer_drops_total {health.get('slowConsumerDrops', 0)}",
-        "# HELP rankscope_aggregator_follower_restarts_total Stream consumers replaced after "
-        "a gap, a stall or a lost consumer (nothing is lost: each resumes after its last "
-        "handled message).",
-        "# TYPE rankscope_aggregator_follower_restarts_total counter",
-        f"rankscope_aggregator_follower_restarts_total {health.get('followerRestarts', 0)}",
-        "# HELP rankscope_instance_queued_tasks Generations of an instance not yet over on "
-        "every rank (waiting or running).",
-        "# TYPE rankscope_instance_queued_tasks gauge",
-    ]
+        clocks.add_metric([node], offset)
+    queued = GaugeMetricFamily(
+        "rankscope_instance_queued_tasks",
+        "Generations of an instance not yet over on every rank (waiting or running).",
+        labels=["instance"],
+    )
     for instance, depth in sorted(health.get("queuedTasks", {}).items()):
-        out.append(f'rankscope_instance_queued_tasks{{instance="{_label(instance)}"}} {depth}')
-    out.append("# TYPE rankscope_aggregator_bad_messages_total counter")
+        queued.add_metric([instance], depth)
+    bad = CounterMetricFamily(
+        "rankscope_aggregator_bad_messages",
+        "Messages the aggregator could not apply, dead-lettered, by kind.",
+        labels=["kind"],
+    )
     for kind, count in sorted(health.get("badMessages", {}).items()):
-        out.append(f'rankscope_aggregator_bad_messages_total{{kind="{kind}"}} {count}')
+        bad.add_metric([kind], count)
+    return [
+        runners,
+        findings,
+        memory,
+        clocks,
+        gauge("rankscope_aggregator_entries", "Entries the aggregator holds.",
+              health.get("entries", 0)),
+        _counter("rankscope_aggregator_duplicates", "Telemetry received twice and ignored.",
+                 health.get("duplicates", 0)),
+        _counter("rankscope_aggregator_slow_consumer_drops",
+                 "Messages the aggregator's NATS client dropped (always 0 unless something "
+                 "is wrong).", health.get("slowConsumerDrops", 0)),
+        _counter("rankscope_aggregator_follower_restarts",
+                 "Stream consumers replaced after a gap, a stall or a lost consumer (nothing "
+                 "is lost: each resumes after its last handled message).",
+                 health.get("followerRestarts", 0)),
+        queued,
+        bad,
+        *_telemetry(history),
+    ]  # fmt: skip
+
+
+def _telemetry(history: list[RunnerHistory]) -> Iterator[Metric]:
+    """Per-runner gaps in its telemetry; a series appears when something is lacking."""
     for name, field, help_text in (
         (
             "missing_seqs",
@@ -147,13 +176,8 @@ def cluster_lines(
             "aggregator received, as of the last probe.",
         ),
     ):
-        out += [
-            f"# HELP rankscope_telemetry_{name} {help_text}",
-            f"# TYPE rankscope_telemetry_{name} gauge",
-        ]
+        family = GaugeMetricFamily(f"rankscope_telemetry_{name}", help_text, labels=["runner"])
         for held in history:
-            if amount := getattr(held, field):  # a series appears when something is lacking
-                out.append(
-                    f'rankscope_telemetry_{name}{{runner="{_label(held.runnerId)}"}} {amount}'
-                )
-    return out
+            if amount := getattr(held, field):
+                family.add_metric([held.runnerId], amount)
+        yield family

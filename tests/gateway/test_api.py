@@ -73,7 +73,9 @@ async def test_health_readiness_docs_and_metrics(stack_for: Any) -> None:
     metrics = (await stack.http.get("/metrics")).text
     assert "rankscope_nats_connected 1" in metrics
     assert "rankscope_nats_reachable 1" in metrics
-    assert 'rankscope_http_requests_total{route="/healthz",method="GET",status="200"} 1' in metrics
+    assert (
+        'rankscope_http_requests_total{method="GET",route="/healthz",status="200"} 1.0' in metrics
+    )
     assert "rankscope_aggregator_up 1" in metrics
 
 

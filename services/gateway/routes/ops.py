@@ -6,11 +6,13 @@ import json
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from starlette.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, Metric
+from starlette.responses import PlainTextResponse, Response
 
 from services.gateway.bus import Bus, BusError
 from services.gateway.deps import bus, reader
-from services.gateway.metrics import cluster_lines
+from services.gateway.metrics import cluster_families, exposition, gauge
 from services.gateway.responses import Json
 from shared.connection import slow_consumer_drops
 from shared.wire import ClusterTimeline, Diagnosis, RunnerHistory, decode
@@ -55,17 +57,21 @@ async def readyz(nats: Nats) -> Json:
 
 
 @router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(reader)])
-async def metrics(request: Request, nats: Nats) -> PlainTextResponse:
+async def metrics(request: Request, nats: Nats) -> Response:
     """Prometheus text: requests and latencies, NATS state, and cluster gauges (runner,
     instance and node ids among them: closed like every read when reads need the token)."""
-    lines = request.app.state.metrics.lines()
-    lines += [
-        "# TYPE rankscope_nats_connected gauge",
-        f"rankscope_nats_connected {int(nats.connected)}",
-        "# TYPE rankscope_nats_reachable gauge",
-        f"rankscope_nats_reachable {int(nats.reach.reachable)}",
-        "# TYPE rankscope_gateway_slow_consumer_drops_total counter",
-        f"rankscope_gateway_slow_consumer_drops_total {slow_consumer_drops()}",
+    families: list[Metric] = [
+        gauge("rankscope_nats_connected", "Whether the gateway's NATS link is up.", nats.connected),
+        gauge(
+            "rankscope_nats_reachable",
+            "Whether NATS answered the gateway's last ping.",
+            nats.reach.reachable,
+        ),
+        CounterMetricFamily(
+            "rankscope_gateway_slow_consumer_drops",
+            "Messages the gateway's NATS client dropped (always 0 unless something is wrong).",
+            value=slow_consumer_drops(),
+        ),
     ]
     try:
         health = json.loads(await nats.query("health"))
@@ -73,10 +79,8 @@ async def metrics(request: Request, nats: Nats) -> PlainTextResponse:
         diagnosis = decode(await nats.query("diagnosis"), Diagnosis)
         history = decode(await nats.query("history"), list[RunnerHistory])
     except BusError:
-        lines += ["# TYPE rankscope_aggregator_up gauge", "rankscope_aggregator_up 0"]
+        families.append(gauge("rankscope_aggregator_up", "Whether the aggregator answered.", 0))
     else:
-        lines += ["# TYPE rankscope_aggregator_up gauge", "rankscope_aggregator_up 1"]
-        lines += cluster_lines(health, timeline, diagnosis, history)
-    return PlainTextResponse(
-        "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"
-    )
+        families.append(gauge("rankscope_aggregator_up", "Whether the aggregator answered.", 1))
+        families += cluster_families(health, timeline, diagnosis, history)
+    return Response(exposition(request.app.state.metrics, families), media_type=CONTENT_TYPE_LATEST)
