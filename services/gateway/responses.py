@@ -8,7 +8,10 @@ import msgspec
 from fastapi import HTTPException
 from starlette.responses import JSONResponse
 
-__all__ = ["ERRORS", "ErrorBody", "Json", "fail", "openapi_components", "schema_ref"]
+__all__ = ["ERRORS", "SSE_PING_S", "ErrorBody", "Json", "fail", "openapi_components", "schema_ref"]
+
+SSE_PING_S = 15.0
+"""Seconds between comment lines on an idle event stream, so proxies keep it open."""
 
 _encoder = msgspec.json.Encoder()
 

@@ -15,12 +15,12 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from nats.aio.msg import Msg
-from starlette.responses import StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from services.gateway.bodies import strict
 from services.gateway.bus import Bus, BusError
 from services.gateway.deps import bus, writer
-from services.gateway.responses import Json, fail, schema_ref
+from services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
 from shared.settings import Settings
 from shared.timestamps import now
 from shared.wire import (
@@ -255,8 +255,8 @@ async def chat_completions(
     created = int(time.time())
     speaker = max(instance.ranks, key=lambda rank: rank.deviceRank).nodeId
     if request.stream:
-        return StreamingResponse(
-            _stream(nats, task, speaker, request.model, created), media_type="text/event-stream"
+        return EventSourceResponse(
+            _stream(nats, task, speaker, request.model, created), ping=SSE_PING_S, sep="\n"
         )
     answer = asyncio.create_task(_collect(_chunks(nats, task, speaker)))
     while not answer.done():
@@ -324,7 +324,7 @@ async def _collect(chunks: AsyncGenerator[TokenChunk, None]) -> tuple[str, Token
 
 async def _stream(
     nats: Bus, task: TaskCreated, speaker: str, model: str, created: int
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[ServerSentEvent]:
     base = {
         "id": task.commandId,
         "object": "chat.completion.chunk",
@@ -337,7 +337,7 @@ async def _stream(
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         ],
     }
-    yield b"data: " + encode(first) + b"\n\n"
+    yield ServerSentEvent(data=encode(first).decode())
     chunks = _chunks(nats, task, speaker)
     try:
         async for chunk in chunks:
@@ -346,11 +346,11 @@ async def _stream(
                 **base,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": chunk.finishReason}],
             }
-            yield b"data: " + encode(piece) + b"\n\n"
+            yield ServerSentEvent(data=encode(piece).decode())
     except HTTPException as exc:  # the status line is sent: the error goes in the stream
         error = {"message": exc.detail, "type": "server_error", "code": exc.status_code}
-        yield b"data: " + encode({"error": error}) + b"\n\n"
+        yield ServerSentEvent(data=encode({"error": error}).decode())
         return
     finally:
         await chunks.aclose()  # a client gone mid-stream cancels the task on every rank
-    yield b"data: [DONE]\n\n"
+    yield ServerSentEvent(data="[DONE]")

@@ -9,19 +9,18 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from nats.aio.msg import Msg
-from starlette.responses import StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from services.gateway.bus import Bus
 from services.gateway.deps import bus, reader
-from services.gateway.responses import Json, fail, schema_ref
+from services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
 from shared.headers import VERSION_HEADER
 from shared.wire import RankTable, RankTableStream, decode, encode
 
-__all__ = ["HEARTBEAT_S", "router"]
+__all__ = ["router"]
 
 router = APIRouter(dependencies=[Depends(reader)], tags=["jobs"])
 Nats = Annotated[Bus, Depends(bus)]
-HEARTBEAT_S = 15.0
 
 
 @router.get("/v1/jobs", response_class=Json)
@@ -54,30 +53,26 @@ async def ranktable(jobId: str, nats: Nats) -> Json:  # noqa: N803
     return Json(wire, headers={"ETag": f'"{version}"'})
 
 
-def _event(version: int, wire: RankTableStream) -> bytes:
-    return b"event: ranktable\nid: %d\ndata: %s\n\n" % (version, encode(wire))
+def _event(version: int, wire: RankTableStream) -> ServerSentEvent:
+    return ServerSentEvent(data=encode(wire).decode(), event="ranktable", id=str(version))
 
 
 @router.get("/v1/jobs/{jobId}/ranktable/stream")
-async def ranktable_stream(jobId: str, nats: Nats) -> StreamingResponse:  # noqa: N803
+async def ranktable_stream(jobId: str, nats: Nats) -> EventSourceResponse:  # noqa: N803
     """Server-sent events: the current table on connect (when there is one), then every
     change, with a comment line as heartbeat every 15 s."""
     changes: asyncio.Queue[Msg] = asyncio.Queue()
     subscription = await nats.nc.subscribe(nats.layout.subjects.ranktable(jobId), cb=changes.put)
     latest = await nats.ranktable(jobId)
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events() -> AsyncIterator[ServerSentEvent]:
         seen = 0
         try:
             if latest is not None:
                 seen = latest[0]
                 yield _event(*latest)
             while True:
-                try:
-                    msg = await asyncio.wait_for(changes.get(), HEARTBEAT_S)
-                except TimeoutError:
-                    yield b": heartbeat\n\n"
-                    continue
+                msg = await changes.get()
                 version = int((msg.headers or {}).get(VERSION_HEADER, "0"))
                 if version > seen:
                     seen = version
@@ -86,6 +81,4 @@ async def ranktable_stream(jobId: str, nats: Nats) -> StreamingResponse:  # noqa
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
 
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    return EventSourceResponse(events(), ping=SSE_PING_S, sep="\n")
