@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,6 +132,8 @@ async def test_the_aggregator_answers_queries(
 ) -> None:
     _, shown = stack
     assert await _aggregator_ready(Settings(nats_url=shown["NATS"].split()[0]))
+    command = shown["try"].split()[0]  # runs as printed, on the PATH or not
+    assert shutil.which(command) is not None, command
 
 
 async def _aggregator_ready(settings: Settings) -> bool:

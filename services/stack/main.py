@@ -8,8 +8,10 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import shutil
 import signal
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -95,6 +97,15 @@ def _keep_secret(path: Path, secret: str) -> Path:
     return path
 
 
+def _command() -> str:
+    """How to run `rankscope` from here: by name when it is on the PATH, else by path (as
+    after `make demo`, which leaves it in the project's virtualenv)."""
+    beside = Path(sys.executable).parent / "rankscope"
+    if shutil.which("rankscope") == str(beside) or not beside.exists():
+        return "rankscope"
+    return str(beside)
+
+
 def _busy_port(settings: Settings) -> str | None:
     """Why `up` cannot start, if a port it needs is taken: one line naming the port and
     the setting to change (a child that cannot bind would only crash over and over)."""
@@ -173,7 +184,7 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
         print(f"web         {web}/  (API docs {web}/docs)")
         print(f"ranktable   gRPC config.Config on {settings.grpc_host}:{settings.grpc_port}")
         print(f"watch       {watch} --server {servers[0]}")
-        print("try         rankscope timeline --url " + web)
+        print(f"try         {_command()} timeline --url {web}")
         print(f"            curl -s {web}/v1/cluster/diagnosis")
         print("Ctrl-C stops everything.", flush=True)
         driving = (
