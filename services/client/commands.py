@@ -136,6 +136,17 @@ def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
 
 def _ranktable(args: argparse.Namespace, gateway: Gateway) -> None:
     if args.follow:
+        try:
+            gateway.call("GET", f"/v1/jobs/{quote(args.job, safe='')}/ranktable")
+        except ClientError as error:
+            if error.status != 404:
+                raise
+            print(
+                f"rankscope: job {args.job!r} has no rank table yet; waiting for its first "
+                "(Ctrl-C stops)",
+                file=sys.stderr,
+                flush=True,
+            )
         for data in gateway.events(f"/v1/jobs/{quote(args.job, safe='')}/ranktable/stream"):
             print(
                 data if args.json else json.dumps(json.loads(json.loads(data)["rankTable"])),

@@ -143,3 +143,22 @@ async def test_what_is_not_a_spec_or_not_rankscope_is_one_line_too(tmp_path: Pat
         code, _, err = await _cli("placement", "--url", url)
     assert code == 1
     assert err == f"rankscope: 404: File not found (not rankscope's gateway at {url}?)\n"
+
+
+async def test_following_a_job_with_no_table_yet_says_it_waits(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    url = str(stack.http.base_url).rstrip("/")
+    follower = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "ranktable", "later-0", "--follow", "--url", url,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert follower.stderr is not None
+        line = await asyncio.wait_for(follower.stderr.readline(), 30)
+        assert line.decode() == (
+            "rankscope: job 'later-0' has no rank table yet; waiting for its first (Ctrl-C stops)\n"
+        )
+        assert follower.returncode is None  # and it waits
+    finally:
+        follower.kill()
+        await follower.wait()
