@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -490,6 +492,30 @@ async def test_grpc_refuses_a_bad_job_id(stack: Stack, job_id: str, why: str) ->
         assert failure.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert (failure.value.details() or "").startswith("jobId: ")
         assert why in (failure.value.details() or "")
+
+
+async def test_the_readme_s_grpc_snippet_runs_as_a_script(stack: Stack, tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent.parent / "README.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    script = tmp_path / "follow.py"
+    script.write_text(
+        snippet.replace("127.0.0.1:8899", stack.grpc_target).replace('"demo-0"', '"llm-0"')
+    )
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    await stack.start()
+    await _place(stack, runner())
+    follower = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), cwd=Path(__file__).parent.parent.parent,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert follower.stdout is not None
+        first = await asyncio.wait_for(follower.stdout.readline(), WAIT)
+        assert json.loads(first)["status"] == "initializing"
+    finally:
+        follower.kill()
+        await follower.wait()
 
 
 async def test_grpc_waits_for_an_unknown_job_and_serves_many_subscribers(stack: Stack) -> None:
