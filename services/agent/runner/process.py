@@ -145,19 +145,25 @@ class _Runner:
             else:
                 self.pending[seq] = task
 
-    def _agree(self, group: Any) -> TaskCreated | None:
-        """All ranks share their oldest pending task; run it only when every rank has it.
-        A task older than some rank's oldest never reached that rank: it is dropped."""
-        local = min(self.pending, default=_NO_TASK)
+    def _agree(self, group: Any) -> tuple[bool, TaskCreated | None]:
+        """All ranks share whether they are stopping and their oldest pending task. One
+        stopping rank stops them all in the same round, so no rank is left inside a
+        collective its peer has quit. A task runs only when every rank has it; a task older
+        than some rank's oldest never reached that rank: it is dropped."""
+        local = [int(self.stopping.is_set()), min(self.pending, default=_NO_TASK)]
         with self.watchdog.guard(
             "task_agreement", self.config.timeouts.collective, Phase.TASK_AGREEMENT
         ):
             gathered = mx.distributed.all_gather(
-                mx.array([local], dtype=mx.int64), group=group, stream=mx.cpu
+                mx.array(local, dtype=mx.int64), group=group, stream=mx.cpu
             )
-            oldest = cast(list[int], gathered.tolist())
+            shared = cast(list[list[int]], gathered.reshape(-1, 2).tolist())
+        if any(stop for stop, _ in shared):
+            self.stopping.set()
+            return True, None
+        oldest = [seq for _, seq in shared]
         if _NO_TASK in oldest:
-            return None
+            return False, None
         target = max(oldest)
         for seq in [s for s in self.pending if s < target]:
             dropped = self.pending.pop(seq)
@@ -168,7 +174,7 @@ class _Runner:
                 None if cancelled else "the task did not reach every rank",
             )
         if len(set(oldest)) > 1:
-            return None
+            return False, None
         task = self.pending.pop(target)
         self.recorder.record(
             Phase.TASK_AGREEMENT,
@@ -177,13 +183,15 @@ class _Runner:
             command_id=task.commandId,
             attrs={"agreed": 1, "different": 0, "queued": len(self.pending)},
         )
-        return task
+        return False, task
 
     def serve(self, group: Any, generation: Generation) -> None:
         status = self.recorder.status
-        while not self.stopping.is_set():
+        while True:
             self._drain()
-            task = self._agree(group)
+            stop, task = self._agree(group)
+            if stop:
+                return
             if task is None:
                 self.stopping.wait(self.config.idle_tick)
                 continue
