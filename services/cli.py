@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from services.client.commands import (
     add_client_commands,
@@ -15,6 +16,7 @@ from services.client.commands import (
 )
 from shared import logs
 from shared.settings import Settings, SettingsError, add_arguments, load
+from shared.tiny_model import ARCHITECTURES
 
 __all__ = ["build_parser", "main"]
 
@@ -23,12 +25,12 @@ def _tiny_model(args: argparse.Namespace, settings: Settings) -> int:
     from shared.tiny_model import TinyModelSpec, write_tiny_model
 
     try:
-        spec = TinyModelSpec(args.layers, args.hidden, args.vocab, args.seed)
+        spec = TinyModelSpec(args.layers, args.hidden, args.vocab, args.seed, args.arch)
     except ValueError as exc:
         print(f"rankscope: {exc}", file=sys.stderr)
         return 2
     directory = write_tiny_model(Path(args.directory), spec)
-    print(f"wrote {spec.layers}-layer qwen2 model (hidden {spec.hidden}) to {directory}")
+    print(f"wrote {spec.layers}-layer {spec.arch} model (hidden {spec.hidden}) to {directory}")
     return 0
 
 
@@ -72,9 +74,16 @@ def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
     return run(settings)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (`--help` has the rest), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `rankscope` argument parser, every subcommand included."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rankscope",
         description="Diagnostics plane for pipeline-parallel MLX inference.",
     )
@@ -133,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--hidden", type=int, default=64, help="hidden size, multiple of 16 (64)")
     tiny.add_argument("--vocab", type=int, default=512, help="tokenizer vocabulary (512)")
     tiny.add_argument("--seed", type=int, default=0, help="weights seed (0)")
+    tiny.add_argument(
+        "--arch", choices=list(ARCHITECTURES), default="qwen2", help="architecture (qwen2)"
+    )
     tiny.set_defaults(handler=_tiny_model)
     add_arguments(tiny)
     return parser

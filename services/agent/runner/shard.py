@@ -1,9 +1,5 @@
-"""Join the ring and load only this rank's layers.
-
-rankscope's `deviceRank` 0 holds layer 0. mlx-lm's `PipelineMixin` splits in reverse
-(mlx rank 0 holds the *last* layers), so mlx rank = worldSize - 1 - deviceRank, and the
-placement's split is handed over in mlx rank order.
-"""
+"""Join the ring and load only this rank's layers (mlx rank is deviceRank; the split
+itself is `pipeline.split_layers`)."""
 
 from __future__ import annotations
 
@@ -19,28 +15,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
+from services.agent.runner.pipeline import split_layers
 from shared.wire import RunnerAssignment
 
-__all__ = ["LoadedShard", "connect_group", "load_shard", "mlx_rank", "ring_hosts", "split"]
-
-
-def mlx_rank(device_rank: int, world_size: int) -> int:
-    """The mlx rank that holds what `device_rank` holds."""
-    return world_size - 1 - device_rank
-
-
-def _by_mlx_rank(assignments: Sequence[RunnerAssignment]) -> list[RunnerAssignment]:
-    return sorted(assignments, key=lambda a: mlx_rank(a.deviceRank, a.worldSize))
+__all__ = ["LoadedShard", "connect_group", "load_shard", "ring_hosts"]
 
 
 def ring_hosts(assignments: Sequence[RunnerAssignment]) -> list[list[str]]:
-    """The ring hostfile: per mlx rank, the address its rank listens on."""
-    return [[f"{a.host}:{a.port}"] for a in _by_mlx_rank(assignments)]
-
-
-def split(assignments: Sequence[RunnerAssignment]) -> list[int]:
-    """Layers per mlx rank."""
-    return [a.endLayer - a.startLayer for a in _by_mlx_rank(assignments)]
+    """The ring hostfile: per rank, the address it listens on."""
+    return [[f"{a.host}:{a.port}"] for a in sorted(assignments, key=lambda a: a.deviceRank)]
 
 
 def connect_group(assignment: RunnerAssignment, hosts: list[list[str]]) -> Any:
@@ -50,7 +33,7 @@ def connect_group(assignment: RunnerAssignment, hosts: list[list[str]]) -> Any:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as hostfile:
         json.dump(hosts, hostfile)
     os.environ["MLX_HOSTFILE"] = hostfile.name
-    os.environ["MLX_RANK"] = str(mlx_rank(assignment.deviceRank, assignment.worldSize))
+    os.environ["MLX_RANK"] = str(assignment.deviceRank)
     try:
         return mx.distributed.init(backend="ring", strict=True)
     finally:
@@ -77,20 +60,14 @@ def load_shard(
     """Load the model lazily, keep layers `[startLayer, endLayer)` and materialise only them.
 
     Raises:
-        ValueError: the model cannot be split into pipeline stages, or the split does not
-            match the model's layer count.
+        ValueError: the model cannot be split, or the placement's layers are not the model's.
     """
     model, _ = load_model(path, lazy=True, strict=False)
-    inner: Any = getattr(model, "model", None)
-    if group.size() > 1:
-        if not hasattr(inner, "pipeline"):
-            raise ValueError(f"{type(model).__module__} does not support pipeline parallelism")
-        inner.pipeline(group, split=split(assignments))
-        if (inner.start_idx, inner.end_idx) != (rank.startLayer, rank.endLayer):
-            raise ValueError(
-                f"loaded layers [{inner.start_idx}, {inner.end_idx}) but the placement says "
-                f"[{rank.startLayer}, {rank.endLayer})"
-            )
+    layers = len(getattr(model, "layers", ()))
+    placed = max(a.endLayer for a in assignments)
+    if placed != layers:
+        raise ValueError(f"the placement splits {placed} layers but the model has {layers}")
+    split_layers(model, group, rank.startLayer, rank.endLayer)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(path)  # type: ignore[no-untyped-call]
     return LoadedShard(model, tokenizer, rank.endLayer - rank.startLayer)

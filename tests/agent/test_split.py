@@ -1,0 +1,137 @@
+"""Every architecture split across 2 and 3 ranks generates what one process generates.
+
+Each rank is a real process on a real mlx ring (loopback), loading its shard through the
+runner's own code (`connect_group`, `load_shard`); the reference is plain `mlx_lm` in one
+process. Greedy decoding; the chosen tokens must be equal and every logprob within 1e-5.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from services.agent.runner.shard import connect_group, load_shard, ring_hosts
+from shared.tiny_model import ARCHITECTURES, TinyModelSpec, write_tiny_model
+from shared.wire import RunnerAssignment
+from tests.gateway.conftest import free_port
+
+LAYERS = 6
+SPLITS = {"2 ranks": (3, 3), "3 ranks, uneven": (1, 4, 1)}
+PROMPTS = [
+    "hello",
+    "Which node holds layer seven? How much memory does it hold?",
+    # longer than one prefill chunk and than gemma3's sliding window
+    " ".join(["the whole cluster hangs when a rank stops making progress"] * 6),
+]
+MAX_TOKENS = 8
+PREFILL_CHUNK = 16
+
+Run = list[tuple[list[int], list[list[float]]]]
+"""Per prompt: the tokens and, per token, the logprobs over the whole vocabulary."""
+
+
+def _generate(model: Any, tokenizer: Any) -> Run:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    runs: Run = []
+    for prompt in PROMPTS:
+        tokens: list[int] = []
+        logprobs: list[list[float]] = []
+        for token, probs in generate_step(
+            mx.array(tokenizer.encode(prompt)),
+            model,
+            max_tokens=MAX_TOKENS,
+            prompt_cache=make_prompt_cache(model),
+            prefill_step_size=PREFILL_CHUNK,
+        ):
+            tokens.append(int(token))
+            logprobs.append(cast(list[float], probs.tolist()))
+        runs.append((tokens, logprobs))
+    return runs
+
+
+def _rank(
+    path: str, assignments: list[RunnerAssignment], rank: int, out: multiprocessing.Queue[Any]
+) -> None:
+    try:
+        me = assignments[rank]
+        group = connect_group(me, ring_hosts(assignments))
+        shard = load_shard(Path(path), group, assignments, me)
+        out.put((rank, shard.parameter_bytes, _generate(shard.model, shard.tokenizer)))
+    except Exception as exc:  # the test shows it rather than waiting for a silent rank
+        out.put((rank, -1, f"{type(exc).__name__}: {exc}"))
+
+
+def _assignments(split: tuple[int, ...]) -> list[RunnerAssignment]:
+    starts = [sum(split[:i]) for i in range(len(split))]
+    return [
+        RunnerAssignment(
+            runnerId=f"r{rank}",
+            nodeId="node",
+            deviceRank=rank,
+            worldSize=len(split),
+            startLayer=start,
+            endLayer=start + size,
+            nLayers=size,
+            host="127.0.0.1",
+            port=free_port(),
+        )
+        for rank, (start, size) in enumerate(zip(starts, split, strict=True))
+    ]
+
+
+def _run_split(path: Path, split: tuple[int, ...]) -> list[tuple[int, Any]]:
+    context = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue[Any] = context.Queue()
+    assignments = _assignments(split)
+    ranks = [
+        context.Process(target=_rank, args=(str(path), assignments, r, out), daemon=True)
+        for r in range(len(split))
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in ranks)
+    except queue.Empty:
+        pytest.fail(f"a rank of {split} did not answer")
+    finally:
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    return [(weights, run) for _, weights, run in results]
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch = str(request.param)
+    return write_tiny_model(
+        tmp_path_factory.mktemp(arch), TinyModelSpec(layers=LAYERS, hidden=64, arch=arch)
+    )
+
+
+@pytest.mark.parametrize("split", list(SPLITS.values()), ids=list(SPLITS))
+def test_split_generates_what_one_process_generates(model: Path, split: tuple[int, ...]) -> None:
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    reference, tokenizer = mlx_lm.load(str(model))[:2]
+    expected = _generate(reference, tokenizer)
+    whole = sum(a.nbytes for _, a in cast(list[Any], tree_flatten(reference.parameters())))
+    ranks = _run_split(model, split)
+    for rank, (weights, run) in enumerate(ranks):
+        assert 0 < weights < whole, f"rank {rank} holds {weights} of {whole} bytes: {run}"
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(run, expected, strict=True):
+            assert tokens == want_tokens, f"rank {rank}"
+            worst = max(
+                abs(a - b)
+                for got, want in zip(logprobs, want_logprobs, strict=True)
+                for a, b in zip(got, want, strict=True)
+            )
+            assert worst <= 1e-5, f"rank {rank}: logprobs differ by {worst}"
