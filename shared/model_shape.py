@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ModelShape", "UnreadableModelError", "read_shape"]
+__all__ = ["ModelShape", "UnreadableModelError", "Unsupported", "read_shape"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +16,16 @@ class ModelShape:
 
     n_layers: int
     model_bytes: int
+    kv_shared_layers: int = 0
+    """Trailing layers that read the KV cache of earlier layers (gemma3n, gemma4): a split
+    across ranks cannot give it to them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unsupported:
+    """A model a node can read but that cannot run as asked, whatever node holds it."""
+
+    reason: str
 
 
 class UnreadableModelError(ValueError):
@@ -41,10 +51,13 @@ def read_shape(directory: Path) -> ModelShape:
     )
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         raise UnreadableModelError("config.json has no layer count")
+    shared = text.get("num_kv_shared_layers") or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared < layers:
+        raise UnreadableModelError(f"config.json has a bad num_kv_shared_layers: {shared!r}")
     try:
         weights = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     except OSError as exc:
         raise UnreadableModelError(f"weights not readable ({exc})") from None
     if weights == 0:
         raise UnreadableModelError("no *.safetensors weights")
-    return ModelShape(n_layers=layers, model_bytes=weights)
+    return ModelShape(n_layers=layers, model_bytes=weights, kv_shared_layers=shared)

@@ -56,12 +56,19 @@ class PlacementSpec:
         """This spec with its model's shape.
 
         Raises:
-            SpecError: the model has fewer layers than the spec has ranks.
+            SpecError: the model has fewer layers than the spec has ranks, or layers that
+                need another layer's KV cache and more than one rank.
         """
         if shape.n_layers < self.ranks:
             raise SpecError(
                 f"the model has {shape.n_layers} layers, fewer than the "
                 f"{self.ranks} ranks that must each hold one"
+            )
+        if shape.kv_shared_layers and self.ranks > 1:
+            raise SpecError(
+                f"the model's last {shape.kv_shared_layers} layers read the KV cache of earlier "
+                f"layers, which a split across {self.ranks} ranks cannot give them; "
+                "run it on 1 rank"
             )
         return dataclasses.replace(self, model=shape)
 

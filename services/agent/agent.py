@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import RunnerConfig, Timeouts
+from services.agent.runner.shard import unsupported
 from services.agent.supervisor import RunnerSupervisor
 from shared.deadletter import DeadLetters
 from shared.host import hostname
@@ -290,20 +291,26 @@ class Agent:
 
     async def model(self, msg: Msg) -> None:
         """Reply to a model-shape request with the layers and weight bytes of the model at
-        the path given, as this node reads it, or why it cannot."""
+        the path given, as this node reads it, or why it cannot, and whether its mlx-lm can
+        run it split."""
         try:
             asked = decode(msg.data or b"{}", ModelShapeRequest)
         except WireError as exc:
             await msg.respond(encode(QueryError(status=422, error=str(exc))))
             return
         answer = ModelShapeAnswer(nodeId=self._node_id, modelPath=asked.modelPath)
+        path = Path(asked.modelPath)
         try:
-            shape = await asyncio.to_thread(read_shape, Path(asked.modelPath))
+            shape = await asyncio.to_thread(read_shape, path)
         except UnreadableModelError as exc:
             answer = msgspec.structs.replace(answer, error=f"{asked.modelPath!r}: {exc}")
         else:
             answer = msgspec.structs.replace(
-                answer, nLayers=shape.n_layers, modelBytes=shape.model_bytes
+                answer,
+                nLayers=shape.n_layers,
+                modelBytes=shape.model_bytes,
+                kvSharedLayers=shape.kv_shared_layers,
+                unsupported=await asyncio.to_thread(unsupported, path),
             )
         await msg.respond(encode(answer))
 

@@ -11,7 +11,7 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from shared.model_shape import ModelShape
+from shared.model_shape import ModelShape, Unsupported
 from shared.subjects import Subjects
 from shared.wire import ModelShapeAnswer, ModelShapeRequest, WireError, decode, encode
 
@@ -46,7 +46,7 @@ class ModelShapes:
         """Remember a shape told before (by the placements of a previous run)."""
         self._known.setdefault(path, shape)
 
-    async def _ask(self, node_id: str, path: str) -> ModelShape | str:
+    async def _ask(self, node_id: str, path: str) -> ModelShape | Unsupported | str:
         subject = self._subjects.node_model(node_id)
         try:
             reply = await self._nc.request(
@@ -59,13 +59,20 @@ class ModelShapes:
             return f"{node_id}: no answer within {self._timeout:g}s"
         except WireError as exc:
             return f"{node_id}: an answer that does not decode ({exc})"
+        if answer.unsupported is not None:
+            return Unsupported(f"{answer.unsupported} (as read on {node_id})")
         if answer.nLayers is None or answer.modelBytes is None:
             return f"{node_id}: {answer.error or 'no shape given'}"
-        return ModelShape(n_layers=answer.nLayers, model_bytes=answer.modelBytes)
+        return ModelShape(
+            n_layers=answer.nLayers,
+            model_bytes=answer.modelBytes,
+            kv_shared_layers=answer.kvSharedLayers,
+        )
 
-    async def ask(self, path: str, nodes: Sequence[str]) -> ModelShape | str:
+    async def ask(self, path: str, nodes: Sequence[str]) -> ModelShape | Unsupported | str:
         """Ask every node in `nodes` at once for the shape of `path`; the first shape
-        told (kept for next time), or why none could tell it."""
+        told (kept for next time), a node's word that it cannot run anywhere, or why no
+        node could tell it."""
         if not nodes:
             return "no live node to read it"
         pending = {asyncio.ensure_future(self._ask(n, path)) for n in nodes}
@@ -75,6 +82,8 @@ class ModelShapes:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     found = task.result()
+                    if isinstance(found, Unsupported):
+                        return found
                     if isinstance(found, ModelShape):
                         self._known[path] = found
                         log.info("model %s: %d layers, %d bytes", path, found.n_layers,

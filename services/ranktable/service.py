@@ -31,7 +31,7 @@ from shared.deadletter import DeadLetters
 from shared.headers import VERSION_HEADER
 from shared.inputs import BadInputError, parse_telemetry
 from shared.jetstream import Layout
-from shared.model_shape import ModelShape
+from shared.model_shape import ModelShape, Unsupported
 from shared.replay import Follower, follow, follow_bucket
 from shared.specs import PlacementSpec, SpecError, validate
 from shared.subjects import token, untoken
@@ -265,6 +265,12 @@ class RankTableService:
             self._asked[spec_id] = moment
             if self._pending.get(spec_id) is not spec:
                 continue  # changed while the nodes were asked
+            if isinstance(found, Unsupported):
+                del self._pending[spec_id]
+                self._unshaped.pop(spec_id, None)
+                self._refused[spec_id] = (spec.revision, f"rejected: {found.reason}")
+                log.warning("Runner spec rejected: %s", found.reason, extra={"runnerId": spec_id})
+                continue
             if isinstance(found, str):
                 self._unshaped[spec_id] = (
                     f"waiting for its model's shape: no node could read metadata.modelPath "

@@ -92,7 +92,12 @@ class ModelShapeAnswer(CamelStruct, kw_only=True, frozen=True):
     modelPath: str
     nLayers: int | None = None
     modelBytes: int | None = None
+    kvSharedLayers: int = 0
     error: str | None = None
+    """Why this node could not read it (another node may)."""
+    unsupported: str | None = None
+    """Why the model, read, cannot run as asked on any node (an architecture mlx-lm does
+    not know or cannot split)."""
 
 
 class ProcessState(StrEnum):

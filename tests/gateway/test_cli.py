@@ -107,9 +107,10 @@ async def test_errors_are_one_line_with_a_non_zero_exit(stack_for: Any) -> None:
     assert (code, err) == (1, "rankscope: 404: runner 'a?b c#' not found\n")
     code, out, err = await _cli("runners", "--url", url, "delete", "*" * 200)
     assert (code, out) == (2, "")
-    assert err.splitlines()[-1].endswith(
-        "escapes to 600 (`.`, `*`, `>`, white space and "
-        "non-ASCII take 3 per byte), over the limit of 512"
+    assert err == (
+        "rankscope runners delete: argument id: an id of 200 characters escapes to 600 (`.`, "
+        "`*`, `>`, white space and non-ASCII take 3 per byte), over the limit of 512 "
+        "(see --help)\n"
     )
     code, _, err = await _cli("placement", "--url", "http://127.0.0.1:1")
     assert code == 1

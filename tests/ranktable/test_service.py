@@ -11,10 +11,12 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import msgspec
 import pytest
+from mlx_lm import __version__ as mlx_lm_version
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -345,6 +347,38 @@ async def test_a_model_given_by_path_is_shaped_by_a_node_that_holds_it(
     service = await stack.start(ModelShapes(stack.nc, stack.layout.subjects, timeout=1.0))
     await service.reconcile()
     assert service.placements == {"llm-0": placed}
+
+
+def _edited(model: Path, **config: Any) -> Path:
+    path = model / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return model
+
+
+async def test_a_model_that_cannot_run_split_is_rejected_with_the_reason(
+    stack: Stack, tmp_path: Path
+) -> None:
+    spec = TinyModelSpec(layers=6, hidden=32)
+    made_up = _edited(write_tiny_model(tmp_path / "made-up", spec), model_type="made_up")
+    shared = _edited(write_tiny_model(tmp_path / "shared", spec), num_kv_shared_layers=2)
+    await stack.put_node(node_info("node-a", 24))
+    answering = await _agent_reading_models(stack, "node-a")
+    await stack.start(ModelShapes(stack.nc, stack.layout.subjects, timeout=1.0))
+    await stack.put_spec(runner("made-up", metadata={"modelPath": str(made_up)}))
+    await stack.put_spec(runner("shared", metadata={"modelPath": str(shared)}))
+    refused = await stack.status("made-up", until=lambda s: not s.accepted)
+    assert refused.reason == (
+        f"rejected: model_type 'made_up' is not an architecture mlx-lm {mlx_lm_version} "
+        "knows (as read on node-a)"
+    )
+    refused = await stack.status("shared", until=lambda s: not s.accepted)
+    assert refused.reason == (
+        "rejected: the model's last 2 layers read the KV cache of earlier layers, which a "
+        "split across 2 ranks cannot give them; run it on 1 rank"
+    )
+    await stack.put_spec(runner("shared", ranks=1, metadata={"modelPath": str(shared)}))
+    await stack.status("shared", until=lambda s: s.accepted and bool(s.instances))
+    await answering.unsubscribe()
 
 
 async def test_restart_keeps_placements(stack: Stack) -> None:

@@ -12,18 +12,38 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm import __version__ as mlx_lm_version
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import _get_classes as model_classes
+from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from services.agent.runner.pipeline import split_layers
 from shared.wire import RunnerAssignment
 
-__all__ = ["LoadedShard", "connect_group", "load_shard", "ring_hosts"]
+__all__ = ["LoadedShard", "connect_group", "load_shard", "ring_hosts", "unsupported"]
 
 
 def ring_hosts(assignments: Sequence[RunnerAssignment]) -> list[list[str]]:
     """The ring hostfile: per rank, the address it listens on."""
     return [[f"{a.host}:{a.port}"] for a in sorted(assignments, key=lambda a: a.deviceRank)]
+
+
+def unsupported(path: Path) -> str | None:
+    """Why the model at `path` cannot run split by this node's mlx-lm, if it cannot: an
+    architecture mlx-lm does not know, or one without a layer list. Reads its config only;
+    an unreadable config is `read_shape`'s to report."""
+    try:
+        config = load_config(path)
+    except (OSError, ValueError):
+        return None
+    try:
+        model_class, _ = model_classes(config)
+    except (ValueError, KeyError):
+        model_type = config.get("model_type")
+        return f"model_type {model_type!r} is not an architecture mlx-lm {mlx_lm_version} knows"
+    if not isinstance(getattr(model_class, "layers", None), property):
+        return f"{model_class.__module__} has no layer list to split"
+    return None
 
 
 def connect_group(assignment: RunnerAssignment, hosts: list[list[str]]) -> Any:
