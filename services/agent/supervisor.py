@@ -27,7 +27,7 @@ from typing import Any
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.channel import ENTRY, MEMORY, OUTPUT, STATUS, TASK
 from services.agent.runner.config import RunnerConfig
-from services.agent.runner.process import STACK_SIGNAL, STOP, runner_main
+from services.agent.runner.process import PERMANENT_EXIT, STACK_SIGNAL, STOP, runner_main
 from services.agent.runner.watchdog import WEDGED_EXIT
 from shared.processes import process_state, signal_name
 from shared.subjects import Subjects, TelemetryKind
@@ -95,6 +95,8 @@ def exit_cause(code: int) -> str:
     """How a runner process ended, in words."""
     if code == WEDGED_EXIT:
         return "watchdog: a collective did not finish in time"
+    if code == PERMANENT_EXIT:
+        return "it could not load its model"
     name = signal_name(code)
     return f"killed by {name}" if name else f"exit code {code}"
 
@@ -380,12 +382,13 @@ class RunnerSupervisor:
             self._crashes.append(moment)
         while self._crashes and self._crashes[0] < moment - CRASH_WINDOW_S:
             self._crashes.popleft()
-        self.gave_up = len(self._crashes) >= CRASH_LIMIT
-        detail = cause + (
-            f"; gave up after {CRASH_LIMIT} crashes in {CRASH_WINDOW_S:g}s"
-            if self.gave_up
-            else "; restarting"
-        )
+        self.gave_up = len(self._crashes) >= CRASH_LIMIT or code == PERMANENT_EXIT
+        if code == PERMANENT_EXIT:
+            detail = f"{cause}; not restarted: the same error would recur on every start"
+        elif self.gave_up:
+            detail = f"{cause}; gave up after {CRASH_LIMIT} crashes in {CRASH_WINDOW_S:g}s"
+        else:
+            detail = f"{cause}; restarting"
         self._set_status(RunnerStatusKind.FAILED, detail, code, signal_name(code))
         if not self.gave_up:
             self.restarts += 1

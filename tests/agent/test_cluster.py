@@ -523,7 +523,7 @@ async def test_a_cancel_stops_every_rank_at_the_same_step(cluster: Cluster) -> N
     assert all(any(e.phase is Phase.CANCEL_REQUESTED for e in cluster.entries[r]) for r in RANKS)
 
 
-async def test_a_runner_that_cannot_load_fails_with_the_reason_then_gives_up(
+async def test_a_runner_that_cannot_load_fails_with_the_reason_and_is_not_restarted(
     cluster: Cluster,
 ) -> None:
     rank = RunnerAssignment(
@@ -551,7 +551,7 @@ async def test_a_runner_that_cannot_load_fails_with_the_reason_then_gives_up(
 
     def gave_up() -> bool:
         latest = cluster.latest("broken-a0-r0")
-        return latest is not None and "gave up after 3 crashes" in (latest.detail or "")
+        return latest is not None and "not restarted" in (latest.detail or "")
 
     await cluster.until(gave_up)
     failures = [
@@ -563,11 +563,18 @@ async def test_a_runner_that_cannot_load_fails_with_the_reason_then_gives_up(
     errors = [e for e in cluster.entries["broken-a0-r0"] if e.phase is Phase.ERROR]
     assert errors[0].event == "FileNotFoundError"
     assert errors[0].attrs["failedIn"] == "load_model"
+    assert errors[0].attrs["permanent"] is True
+    latest = cluster.latest("broken-a0-r0")
+    assert latest is not None
+    assert latest.detail == (
+        "it could not load its model; not restarted: the same error would recur on every start"
+    )
     (broken,) = [
         r for r in (await cluster.diagnostics("node-a")).runners if r.runnerId == "broken-a0-r0"
     ]
     assert not broken.processAlive
-    assert broken.restarts == 2
+    assert broken.restarts == 0  # one try: no restart loop
+    assert len(failures) == 2  # its own word and its agent's, once
 
 
 async def test_release_shuts_every_runner_down(cluster: Cluster) -> None:

@@ -34,7 +34,7 @@ from shared.wire import (
     TaskStatus,
 )
 
-__all__ = ["STACK_SIGNAL", "STOP", "runner_main"]
+__all__ = ["PERMANENT_EXIT", "STACK_SIGNAL", "STOP", "runner_main"]
 
 STOP = "stop"
 """Put on the task queue to ask the runner to shut down cleanly."""
@@ -42,6 +42,10 @@ STOP = "stop"
 STACK_SIGNAL = signal.SIGUSR1
 """Makes a runner write its threads' Python stacks to its `stack_path` (faulthandler, so
 it works while the interpreter is blocked in C)."""
+
+PERMANENT_EXIT = 78
+"""Exit code of a runner that failed loading its model: the same error would recur on
+every start (a missing file, an architecture it cannot split), so it is not restarted."""
 
 _NO_TASK = -1
 
@@ -248,6 +252,7 @@ def runner_main(
         recorder.status(RunnerStatusKind.SHUTDOWN)
     except Exception as exc:
         site = runner.watchdog.broke  # raised inside a collective: a peer went away
+        permanent = site is None and recorder.phase is Phase.LOAD_MODEL
         recorder.record(
             Phase.ERROR,
             Breadcrumb.PEER_LOST if site else type(exc).__name__,
@@ -257,11 +262,12 @@ def runner_main(
                 "failedIn": recorder.phase.value,
                 "exception": type(exc).__name__,
                 "traceback": traceback.format_exc()[-2000:],
+                "permanent": permanent,
                 **({"site": site} if site else {}),
             },
         )
         recorder.status(RunnerStatusKind.FAILED, f"{type(exc).__name__}: {exc}")
-        code = 1
+        code = PERMANENT_EXIT if permanent else 1
     runner.stopping.set()
     sampler.join()
     recorder.flush()
