@@ -28,7 +28,9 @@ class RunnerConfig:
     model_path: str
     timeouts: Timeouts = Timeouts()
     memory_interval: float = 1.0
-    idle_tick: float = 0.02
+    idle_tick: float = 1.0
+    """Seconds an idle rank waits for work before it meets its peers anyway (to learn of a
+    task that never reached it, or of a peer gone); work wakes it at once."""
     stack_path: str | None = None
     """Where the runner writes its threads' stacks on SIGUSR1 (appending: the agent empties
     the file before it asks)."""

@@ -25,7 +25,8 @@ from shared.wire import Attrs, Phase, TaskCreated
 __all__ = ["CANCEL_CHECK_EVERY", "STREAM", "Generation", "barrier"]
 
 CANCEL_CHECK_EVERY = 4
-"""Tokens between collective checks for a cancel (every rank stops at the same step)."""
+"""Tokens between votes on a cancel; a vote's count is read at the next one, so every rank
+stops at the same step, at most twice this many tokens after the cancel arrived."""
 
 
 STREAM = generation_stream
@@ -80,12 +81,20 @@ class Generation:
             **extra,
         }
 
-    def _agree_cancel(self, task_id: str) -> bool:
+    def _vote(self, task_id: str) -> mx.array:
+        """Start a vote on cancelling `task_id`; its count is read a round later, when the
+        steps queued after it have run, so reading it never stalls the pipeline."""
         local = self._cancelled(task_id)
+        votes = mx.distributed.all_sum(
+            mx.array(1 if local else 0), group=self._group, stream=STREAM
+        )
+        mx.async_eval(votes)  # type: ignore[no-untyped-call]
+        return votes
+
+    def _agreed(self, votes: mx.array | None) -> bool:
+        if votes is None:
+            return False
         with self._watchdog.guard("cancel_check", self._config.timeouts.collective):
-            votes = mx.distributed.all_sum(
-                mx.array(1 if local else 0), group=self._group, stream=STREAM
-            )
             return bool(votes.item())
 
     def run(self, task: TaskCreated) -> str:
@@ -150,6 +159,7 @@ class Generation:
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
         produced, finish, started, chunk = 0, "length", time.perf_counter(), 0
+        votes: mx.array | None = None
         current = first
         while current is not None:
             token = int(cast(int, current[0]))
@@ -162,10 +172,12 @@ class Generation:
             if self._config.is_last_stage and segment:
                 self._recorder.output(task.commandId or task.taskId, chunk, segment)
                 chunk += 1
-            if produced % CANCEL_CHECK_EVERY == 0 and self._agree_cancel(task.taskId):
-                record(Phase.CANCEL_OBSERVED, "agreed", attrs=self._attrs(tokens=produced))
-                finish = "cancelled"
-                break
+            if produced % CANCEL_CHECK_EVERY == 0:
+                if self._agreed(votes):
+                    record(Phase.CANCEL_OBSERVED, "agreed", attrs=self._attrs(tokens=produced))
+                    finish = "cancelled"
+                    break
+                votes = self._vote(task.taskId)
             self.step += 1
             record(Phase.DECODE_STREAM, "token", attrs=self._attrs(token_index=produced))
             with self._watchdog.guard("decode_stream", timeouts.collective):

@@ -126,28 +126,40 @@ class _Runner:
         self._drain()
         return task_id in self.cancelled or self.stopping.is_set()
 
+    def _wait(self, seconds: float) -> None:
+        """Block until work arrives (a task, a cancel, a stop) or `seconds` pass."""
+        try:
+            item = self.tasks.get(timeout=seconds)
+        except queue.Empty:
+            return
+        self._take(item)
+        self._drain()
+
     def _drain(self) -> None:
         while True:
             try:
                 item = self.tasks.get_nowait()
             except queue.Empty:
                 return
-            if item == STOP:
-                self.stopping.set()
-                continue
-            seq, task = item
-            self.recorder.record(
-                Phase.TASK_SUBMISSION,
-                "task_acknowledged",
-                task_id=task.taskId,
-                command_id=task.commandId,
-                attrs={"seq": seq},
-            )
-            if task.taskKind is TaskKind.CANCEL_TASK and task.targetTaskId:
-                self.cancelled.add(task.targetTaskId)
-                self.recorder.record(Phase.CANCEL_REQUESTED, "cancel", task_id=task.targetTaskId)
-            else:
-                self.pending[seq] = task
+            self._take(item)
+
+    def _take(self, item: Any) -> None:
+        if item == STOP:
+            self.stopping.set()
+            return
+        seq, task = item
+        self.recorder.record(
+            Phase.TASK_SUBMISSION,
+            "task_acknowledged",
+            task_id=task.taskId,
+            command_id=task.commandId,
+            attrs={"seq": seq},
+        )
+        if task.taskKind is TaskKind.CANCEL_TASK and task.targetTaskId:
+            self.cancelled.add(task.targetTaskId)
+            self.recorder.record(Phase.CANCEL_REQUESTED, "cancel", task_id=task.targetTaskId)
+        else:
+            self.pending[seq] = task
 
     def _agree(self, group: Any) -> tuple[bool, TaskCreated | None]:
         """All ranks share whether they are stopping and their oldest pending task. One
@@ -192,12 +204,14 @@ class _Runner:
     def serve(self, group: Any, generation: Generation) -> None:
         status = self.recorder.status
         while True:
-            self._drain()
+            if self.pending or self.stopping.is_set():
+                self._drain()
+            else:
+                self._wait(self.config.idle_tick)
             stop, task = self._agree(group)
             if stop:
                 return
             if task is None:
-                self.stopping.wait(self.config.idle_tick)
                 continue
             if task.taskId in self.cancelled:
                 self.recorder.task(task.taskId, TaskStatus.CANCELLED)

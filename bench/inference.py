@@ -1,0 +1,242 @@
+"""Inference through the stack next to plain mlx_lm, in one run, on one model.
+
+1. Decode tokens/s: plain `mlx_lm` in one process, then a 2-rank instance run by two
+   agents over a real NATS and an mlx ring (tokens counted from the output chunks a client
+   receives). Target: stack >= 0.9x plain.
+2. A 1-token chat: time from submitting the task to its last chunk, next to plain
+   prompt-to-first-token; p50 and p99 of the difference. Target: added p50 <= 10 ms.
+3. Idle: CPU of each runner process over a quiet window. Target: <= 2% each.
+
+    .venv/bin/python bench/inference.py [--layers 8] [--hidden 512] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+from common import free_port
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+from services.agent.main import serve_until
+from shared.connection import connect
+from shared.jetstream import Layout, ensure
+from shared.nats_server import EmbeddedNats
+from shared.settings import Settings
+from shared.timestamps import now
+from shared.tiny_model import TinyModelSpec, write_tiny_model
+from shared.wire import (
+    GenerationRequest,
+    InstanceCreated,
+    NodeDiagnostics,
+    RunnerAssignment,
+    RunnerStatusKind,
+    TaskCreated,
+    TaskKind,
+    TokenChunk,
+    decode,
+    encode,
+)
+
+PROMPT = "Which node holds layer seven? How much memory does it hold?"
+NODES = ("node-a", "node-b")
+CHATS = 30
+ROUNDS = 5
+
+
+class _Plain:
+    """Plain mlx_lm in this process, on the same model."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model, tokenizer = mlx_lm.load(str(model_dir))[:2]
+        self.prompt = mx.array(tokenizer.encode(PROMPT))
+
+    def generate(self, limit: int) -> tuple[float, float, int]:
+        """(prompt-to-first-token s, first-to-last-token s, tokens) of one generation."""
+        started, first, count = time.perf_counter(), 0.0, 0
+        cache = make_prompt_cache(self.model)
+        for _ in generate_step(self.prompt, self.model, max_tokens=limit, prompt_cache=cache):
+            count += 1
+            if count == 1:
+                first = time.perf_counter()
+        return first - started, time.perf_counter() - first, count
+
+
+class _Stack:
+    def __init__(self, nc: Client, layout: Layout) -> None:
+        self.nc = nc
+        self.layout = layout
+        self.chunks: asyncio.Queue[tuple[float, TokenChunk]] = asyncio.Queue()
+
+    async def on_chunk(self, msg: Msg) -> None:
+        await self.chunks.put((time.perf_counter(), decode(msg.data, TokenChunk)))
+
+    async def generate(self, command: str, tokens: int) -> tuple[float, float, int]:
+        """(submit-to-first-chunk s, first-to-last-chunk s, tokens) of one generation."""
+        task = TaskCreated(
+            at=now(),
+            taskId=f"task-{command}",
+            instanceId="i",
+            taskKind=TaskKind.TEXT_GENERATION,
+            commandId=command,
+            request=GenerationRequest(prompt=PROMPT, maxTokens=tokens),
+        )
+        started = time.perf_counter()
+        await self.nc.jetstream().publish(self.layout.subjects.tasks("i"), encode(task))
+        first = None
+        while True:
+            at, chunk = await asyncio.wait_for(self.chunks.get(), 120)
+            if chunk.commandId != command:
+                continue
+            first = first or at
+            if chunk.finishReason:
+                return first - started, at - first, chunk.completionTokens or 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
+
+
+async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> dict[str, object]:
+    root = Path(tempfile.mkdtemp(prefix="rankscope-bench-"))
+    server = EmbeddedNats(store_dir=root / "nats", port=free_port()).start()
+    layout = Layout()
+    nc = await connect(Settings(nats_url=server.url), "bench")
+    await ensure(nc.jetstream(), layout)
+    stops = [asyncio.Event() for _ in NODES]
+    agents = [
+        asyncio.create_task(
+            serve_until(Settings(nats_url=server.url, node_id=n, data_dir=root / n), stop)
+        )
+        for n, stop in zip(NODES, stops, strict=True)
+    ]
+    half = layers // 2
+    assignments = [
+        RunnerAssignment(
+            runnerId=f"i-a0-r{rank}",
+            nodeId=node,
+            deviceRank=rank,
+            worldSize=2,
+            startLayer=start,
+            endLayer=end,
+            nLayers=layers,
+            host="127.0.0.1",
+            port=free_port(),
+        )
+        for rank, (node, start, end) in enumerate(
+            zip(NODES, (0, half), (half, layers), strict=True)
+        )
+    ]
+    stack = _Stack(nc, layout)
+    await nc.subscribe(layout.subjects.output_of_node(NODES[-1]), cb=stack.on_chunk)
+    placed = InstanceCreated(
+        at=now(),
+        instanceId="i",
+        runnerSpecId="bench",
+        modelId="bench",
+        modelPath=str(model_dir),
+        assignments=assignments,
+    )
+    await nc.jetstream().publish(layout.subjects.placement("i"), encode(placed))
+    try:
+        pids = await _ready_pids(nc, layout)
+        plain = _Plain(model_dir)
+        plain.generate(4)
+        await stack.generate("warm", 4)
+        plain_tps, stack_tps, busy = [], [], [0.0] * len(pids)
+        for round_ in range(ROUNDS):  # interleaved, so drifts of the machine hit both alike
+            _, seconds, count = plain.generate(tokens)
+            plain_tps.append((count - 1) / seconds)
+            before = [_cpu_seconds(p) for p in pids]
+            _, seconds, count = await stack.generate(f"decode-{round_}", tokens)
+            stack_tps.append((count - 1) / seconds)
+            busy = [(_cpu_seconds(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
+        plain_firsts, stack_firsts = [], []
+        for i in range(CHATS):
+            plain_firsts.append(plain.generate(1)[0])
+            stack_firsts.append((await stack.generate(f"chat-{i}", 1))[0])
+        await asyncio.sleep(1)
+        before = [_cpu_seconds(p) for p in pids]
+        await asyncio.sleep(idle_s)
+        idle = [(_cpu_seconds(p) - b) / idle_s for p, b in zip(pids, before, strict=True)]
+        return {
+            "plain_tps": statistics.median(plain_tps),
+            "stack_tps": statistics.median(stack_tps),
+            "plain_firsts": plain_firsts,
+            "stack_firsts": stack_firsts,
+            "idle": idle,
+            "busy": busy,
+        }
+    finally:
+        for stop in stops:
+            stop.set()
+        await asyncio.gather(*agents)
+        await nc.close()
+        server.stop()
+
+
+async def _ready_pids(nc: Client, layout: Layout) -> list[int]:
+    for _ in range(600):
+        pids = []
+        for node in NODES:
+            with contextlib.suppress(NatsError, TimeoutError):  # an agent still starting
+                reply = await nc.request(layout.subjects.node_diagnostics(node), b"", 5)
+                pids += [
+                    r.pid
+                    for r in decode(reply.data, NodeDiagnostics).runners
+                    if r.statusKind == RunnerStatusKind.READY and r.pid is not None
+                ]
+        if len(pids) == len(NODES):
+            return pids
+        await asyncio.sleep(0.2)
+    raise SystemExit("the runners did not get ready in 2 minutes")
+
+
+def _ms(seconds: list[float], q: float) -> float:
+    return statistics.quantiles(seconds, n=100)[int(q) - 1] * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--idle", type=float, default=10.0, help="idle window, seconds")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_model(
+            Path(tmp) / "model", TinyModelSpec(layers=args.layers, hidden=args.hidden)
+        )
+        got = asyncio.run(_stack(model, args.layers, args.tokens, args.idle))
+    plain_tps, stack_tps = float(got["plain_tps"]), float(got["stack_tps"])  # type: ignore[arg-type]
+    plain_firsts: list[float] = got["plain_firsts"]  # type: ignore[assignment]
+    firsts: list[float] = got["stack_firsts"]  # type: ignore[assignment]
+    added = [s - p for s, p in zip(firsts, plain_firsts, strict=True)]
+    print(f"model: {args.layers} layers, hidden {args.hidden}; 2 ranks on one machine; "
+          f"medians of {ROUNDS} interleaved rounds")  # fmt: skip
+    print(f"decode tokens/s    plain {plain_tps:8.1f}   stack {stack_tps:8.1f}   "
+          f"ratio {stack_tps / plain_tps:.2f}  (target >= 0.9)")  # fmt: skip
+    print(f"time to 1st token  plain p50 {_ms(plain_firsts, 50):6.1f} ms   "
+          f"stack p50 {_ms(firsts, 50):6.1f} ms")  # fmt: skip
+    print(f"added on a 1-token chat, paired  p50 {_ms(added, 50):6.1f} ms   "
+          f"p99 {_ms(added, 99):6.1f} ms  (target p50 <= 10 ms)")  # fmt: skip
+    idle: list[float] = got["idle"]  # type: ignore[assignment]
+    print("idle CPU per runner  " + "  ".join(f"{c:.1%}" for c in idle) + "  (target <= 2%)")
+    busy: list[float] = got["busy"]  # type: ignore[assignment]
+    print("CPU per runner while decoding  " + "  ".join(f"{c:.0%}" for c in busy))
+
+
+if __name__ == "__main__":
+    main()
