@@ -1,16 +1,21 @@
-"""A service told to stop exits even when NATS went away first."""
+"""A service told to stop exits even when NATS went away first, or never answered."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from services.gateway.deps import NOT_YET
 from shared.nats_server import EmbeddedNats
+from tests.gateway.conftest import free_port
 
 pytestmark = pytest.mark.nats
 
@@ -51,3 +56,34 @@ def test_sigterm_after_nats_is_gone_still_ends_the_process(tmp_path: Path, servi
             process.wait()
         process.stderr.close()
         server.stop()
+
+
+def test_a_gateway_that_cannot_reach_nats_serves_not_ready_and_stops_when_asked(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "gateway", "--gateway-port", str(port)],
+        cwd=REPO,
+        env={**os.environ, "RANKSCOPE_NATS_URL": f"nats://127.0.0.1:{free_port()}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):  # it serves while it keeps trying NATS
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/healthz").status_code == 200:
+                    break
+            time.sleep(0.1)
+        ready = httpx.get(f"{base}/readyz")
+        assert (ready.status_code, ready.json()["reason"]) == (503, NOT_YET)
+        placement = httpx.get(f"{base}/v1/placement/runners")
+        assert (placement.status_code, placement.json()["detail"]) == (503, NOT_YET)
+        process.send_signal(signal.SIGTERM)
+        # uvicorn shuts down, then ends by the signal it caught, as a supervisor expects
+        assert process.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,13 +27,17 @@ from services.gateway.responses import ERRORS, Json, openapi_components
 from services.gateway.routes import chat, cluster, jobs, models, ops, runners, skulk
 from shared.connection import close, connect
 from shared.host import hostname
-from shared.jetstream import Layout, ensure
+from shared.jetstream import Layout, LayoutError, ensure
 from shared.settings import Settings
 from shared.subjects import IdTooLongError
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
+log = logging.getLogger(__name__)
+
 MAX_BODY_BYTES = 1 << 20
+JOIN_WAIT_S = 2.0
+"""How long start-up waits for NATS before serving anyway (not ready until it answers)."""
 _TOO_LARGE = f"request body over {MAX_BODY_BYTES} bytes"
 WEB = Path(__file__).parent / "web"
 
@@ -85,21 +92,39 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         def lost(reason: str) -> None:
-            app.state.bus.lost = reason
+            if app.state.bus is not None:
+                app.state.bus.lost = reason
             if on_lost is not None:
                 on_lost(reason)
 
-        nc = await connect(settings, "rankscope-gateway", on_lost=lost)
-        layout = Layout.from_settings(settings)
-        await ensure(nc.jetstream(), layout)
-        app.state.bus = Bus(
-            nc=nc,
-            layout=layout,
-            timeout=settings.request_timeout,
-            local_node=settings.node_id or hostname(),
-        )
+        async def join() -> None:
+            nc = await connect(settings, "rankscope-gateway", on_lost=lost)
+            layout = Layout.from_settings(settings)
+            try:
+                await ensure(nc.jetstream(), layout)
+            except LayoutError as exc:
+                await close(nc)
+                log.error("%s", exc)
+                lost(str(exc))
+                return
+            app.state.bus = Bus(
+                nc=nc,
+                layout=layout,
+                timeout=settings.request_timeout,
+                local_node=settings.node_id or hostname(),
+            )
+
+        # Serve at once when NATS is slow to answer (not ready meanwhile), so that the
+        # gateway is alive, says why it is not ready, and stops when asked.
+        app.state.bus = None
+        joining = asyncio.ensure_future(join())
+        await asyncio.wait({joining}, timeout=JOIN_WAIT_S)
         yield
-        await close(nc)
+        joining.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await joining
+        if app.state.bus is not None:
+            await close(app.state.bus.nc)
 
     app = FastAPIOffline(  # /docs from packaged Swagger UI assets: no CDN
         responses=ERRORS,

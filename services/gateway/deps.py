@@ -10,12 +10,16 @@ from services.gateway.bus import Bus
 from services.gateway.responses import fail
 from shared.settings import Settings
 
-__all__ = ["bus", "reader", "settings", "writer"]
+__all__ = ["NOT_YET", "bus", "reader", "settings", "writer"]
+
+NOT_YET = "NATS has not answered yet"
 
 
 def bus(request: Request) -> Bus:
-    """The app's NATS bus."""
-    found: Bus = request.app.state.bus
+    """The app's NATS bus; 503 while the gateway has not reached NATS yet."""
+    found: Bus | None = request.app.state.bus
+    if found is None:
+        raise fail(503, NOT_YET)
     return found
 
 

@@ -11,6 +11,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,11 @@ def spec(model: Path) -> dict[str, Any]:
     }
 
 
-async def _progress(base: str, stop: asyncio.Event, token: str | None) -> bool:
-    """Show the ranks' state until the instance is ready; False if stopped first."""
+async def _progress(
+    base: str, stop: asyncio.Event, token: str | None, unsteady: Callable[[], list[str]]
+) -> bool:
+    """Show the ranks' state until the instance is ready and no service is restarting;
+    False if stopped first."""
     spinner = "|/-\\"
     tick = 0
     while not stop.is_set():
@@ -84,9 +88,12 @@ async def _progress(base: str, stop: asyncio.Event, token: str | None) -> bool:
             ", ".join(f"rank {r['deviceRank']} {r.get('statusKind') or 'starting'}" for r in ranks)
             or "placing"
         )
+        restarting = unsteady()
+        if restarting:
+            states += f"; restarting: {', '.join(restarting)}"
         sys.stdout.write(f"\r{spinner[tick % 4]} demo instance: {states}   ")
         sys.stdout.flush()
-        if ranks and len(ready) == len(ranks):
+        if ranks and len(ready) == len(ranks) and not restarting:
             sys.stdout.write("\n")
             return True
         tick += 1
@@ -95,10 +102,16 @@ async def _progress(base: str, stop: asyncio.Event, token: str | None) -> bool:
 
 
 async def drive(
-    base: str, model: Path, stop: asyncio.Event, every: float = 5.0, token: str | None = None
+    base: str,
+    model: Path,
+    stop: asyncio.Event,
+    every: float = 5.0,
+    token: str | None = None,
+    unsteady: Callable[[], list[str]] = list,
 ) -> None:
-    """Create the spec (if missing), wait for readiness, then keep completions flowing;
-    with the gateway's API `token` when it has one."""
+    """Create the spec (if missing), wait for readiness (and for `unsteady`, the services
+    restarting, to be none), then keep completions flowing; with the gateway's API `token`
+    when it has one."""
     while not stop.is_set():
         status, _ = await _http(f"{base}/readyz")
         if status == 200:
@@ -111,7 +124,7 @@ async def drive(
         if status not in (200, 409):  # 409: created meanwhile, which is as good
             log.error("could not create the demo runner: %s", reply)
             return
-    if not await _progress(base, stop, token):
+    if not await _progress(base, stop, token, unsteady):
         return
     print(f"demo ready: chat completions every {every:g}s; watch them in the timeline", flush=True)
     count = 0

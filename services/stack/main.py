@@ -188,7 +188,9 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
         print(f"            curl -s {web}/v1/cluster/diagnosis")
         print("Ctrl-C stops everything.", flush=True)
         driving = (
-            asyncio.create_task(drive(web, model, stop, token=settings.api_token))
+            asyncio.create_task(
+                drive(web, model, stop, token=settings.api_token, unsteady=supervisor.unsteady)
+            )
             if model is not None
             else None
         )

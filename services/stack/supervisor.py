@@ -24,6 +24,8 @@ log = logging.getLogger("rankscope.up")
 _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _STABLE_AFTER_S = 60.0
+_STEADY_AFTER_S = 10.0
+"""How long a restarted child must run before it counts as steady again."""
 _GRACE_S = 8.0  # within `up`'s promise: everything stopped in 10 s
 _NATS_CHECK_S = 0.5
 
@@ -43,6 +45,7 @@ class _Child:
     process: asyncio.subprocess.Process | None = None
     started: float = 0.0
     restarts: int = 0
+    running: bool = False
 
 
 class Supervisor:
@@ -57,8 +60,18 @@ class Supervisor:
         """Process ids of the running children by name."""
         return {c.spec.name: c.process.pid for c in self._children if c.process is not None}
 
+    def unsteady(self) -> list[str]:
+        """The children down now, or restarted less than `_STEADY_AFTER_S` ago."""
+        moment = time.monotonic()
+        return [
+            c.spec.name
+            for c in self._children
+            if not c.running or (c.restarts and moment - c.started < _STEADY_AFTER_S)
+        ]
+
     async def _start(self, child: _Child) -> asyncio.subprocess.Process:
         child.started = time.monotonic()
+        child.running = True
         child.process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -81,6 +94,7 @@ class Supervisor:
         process = child.process or await self._start(child)
         while True:
             code = await process.wait()
+            child.running = False
             if stop.is_set():
                 return
             if time.monotonic() - child.started > _STABLE_AFTER_S:

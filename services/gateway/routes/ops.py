@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.responses import PlainTextResponse, Response
 
 from services.gateway.bus import Bus, BusError
-from services.gateway.deps import bus, reader
+from services.gateway.deps import NOT_YET, bus, reader
 from services.gateway.metrics import cluster_families, exposition, gauge
 from services.gateway.responses import Json
 from shared.connection import slow_consumer_drops
@@ -30,8 +30,11 @@ async def healthz() -> Json:
 
 
 @router.get("/readyz", response_class=Json)
-async def readyz(nats: Nats) -> Json:
+async def readyz(request: Request) -> Json:
     """NATS connected and the aggregator answering with its views built; 503 says which not."""
+    nats: Bus | None = request.app.state.bus
+    if nats is None:
+        return Json({"status": "unavailable", "reason": NOT_YET}, status_code=503)
     if not nats.connected:
         reason = nats.lost or "NATS is not connected"
         return Json({"status": "unavailable", "reason": reason}, status_code=503)
