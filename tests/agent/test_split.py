@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from mlx.nn.layers.base import Module
 
+from services.agent.runner.pipeline import split_layers
 from services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from shared.tiny_model import ARCHITECTURES, TinyModelSpec, write_tiny_model
 from shared.wire import RunnerAssignment
@@ -135,3 +137,44 @@ def test_split_generates_what_one_process_generates(model: Path, split: tuple[in
                 for a, b in zip(got, want, strict=True)
             )
             assert worst <= 1e-5, f"rank {rank}: logprobs differ by {worst}"
+
+
+class _Multimodal(Module):
+    """A language model inside a wrapper, as multimodal mlx-lm models hold theirs."""
+
+    def __init__(self, language_model: Any) -> None:
+        super().__init__()
+        self.language_model = language_model
+
+    @property
+    def layers(self) -> list[Any]:
+        return cast(list[Any], self.language_model.layers)
+
+
+class _Ranks:
+    """Rank 1 of 2, for a split that is built here and never run."""
+
+    def rank(self) -> int:
+        return 1
+
+    def size(self) -> int:
+        return 2
+
+
+def test_the_split_finds_a_layer_list_held_deep_inside(tmp_path: Path) -> None:
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    path = write_tiny_model(tmp_path / "m", TinyModelSpec(layers=4, hidden=32, arch="llama"))
+    language = mlx_lm.load(str(path))[0]
+    wrapped = _Multimodal(language)
+    split_layers(wrapped, _Ranks(), 2, 4)
+    held = [type(block).__name__ for block in language.model.layers]
+    assert held == ["_Stage"] * 4
+    sizes = [
+        sum(a.size for _, a in cast(list[Any], tree_flatten(b.parameters())))
+        for b in language.model.layers
+    ]
+    assert sizes[0] == sizes[1] == 0 < sizes[2] == sizes[3]  # shells of rank 0's, weightless
+    with pytest.raises(ValueError, match="no layer list"):
+        split_layers(Module(), _Ranks(), 0, 1)

@@ -80,6 +80,22 @@ def _shell(layer: Any) -> Any:
     return layer.update(tree_map(lambda a: mx.zeros((0,), a.dtype), layer.parameters()))
 
 
+def _owner_of_layers(model: Any) -> Any:
+    """The module whose `layers` list holds the blocks `model.layers` names (the model's
+    inner model, or a language model inside a multimodal one).
+
+    Raises:
+        ValueError: the model names no blocks, or no module holds them as a list.
+    """
+    named = list(getattr(model, "layers", None) or ())
+    if named:
+        for _, module in model.named_modules():
+            held = module.get("layers") if isinstance(module, dict) else None
+            if isinstance(held, list) and [id(b) for b in held] == [id(b) for b in named]:
+                return module
+    raise ValueError(f"{type(model).__module__} has no layer list to split")
+
+
 def split_layers(model: Any, group: Any, start: int, end: int) -> None:
     """Make `model` run layers `[start, end)` here and the rest on the group's other ranks
     (a group of one keeps the model as it is).
@@ -87,10 +103,8 @@ def split_layers(model: Any, group: Any, start: int, end: int) -> None:
     Raises:
         ValueError: the model has no layer list, or the slice is not within it.
     """
-    inner: Any = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, list) or not layers:
-        raise ValueError(f"{type(model).__module__} has no layer list to split")
+    inner = _owner_of_layers(model)
+    layers: list[Any] = inner["layers"]
     count, rank, last = len(layers), group.rank(), group.size() - 1
     if not 0 <= start < end <= count:
         raise ValueError(f"layers [{start}, {end}) are not within the model's {count}")
