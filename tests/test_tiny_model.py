@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,9 +67,14 @@ def test_config_describes_the_architecture(tiny_model: Path) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "complaint"),
-    [({"layers": 0}, "layers"), ({"hidden": 40}, "multiple of 16"), ({"vocab": 10}, "vocab")],
+    [
+        ({"layers": 0}, "layers"),
+        ({"hidden": 40}, "multiple of 16"),
+        ({"vocab": 10}, "vocab"),
+        ({"arch": "gpt2"}, "no tiny 'gpt2' model; the architectures are: llama, mistral"),
+    ],
 )
-def test_bad_shapes_are_refused(kwargs: dict[str, int], complaint: str) -> None:
+def test_bad_shapes_are_refused(kwargs: dict[str, Any], complaint: str) -> None:
     with pytest.raises(ValueError, match=complaint):
         TinyModelSpec(**kwargs)
 
