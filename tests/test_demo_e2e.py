@@ -346,7 +346,9 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
         page = _browse(demo.base, ARTIFACTS / "timeline.png")
         assert "stalled rank" in page.lower()  # the finding is on the page
         assert "process stopped" in page  # the frozen rank, as the kernel says
-        assert "in _agree" in page  # the line its peer waits on, from its stack
+        # the line its peer is on, from its stack: meeting the frozen rank in the task
+        # agreement, or (frozen between chats, before its next tick) waiting for work
+        assert re.search(r"in _(agree|wait)\b", page)
         assert "silent since" in page  # on the frozen rank's lane
         assert re.search(r"node-[ab] \[0, \d+\)", page)  # the placement bar
         assert "2 ranks" in page  # both lanes

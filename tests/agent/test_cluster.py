@@ -446,7 +446,7 @@ async def test_a_stopped_peer_trips_the_watchdog_with_a_breadcrumb(cluster: Clus
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGSTOP)  # alive but wedged: its socket stays open
     try:
-        await asyncio.sleep(1)
+        await asyncio.sleep(1.5)  # the idle peer meets it within a tick (1 s) and waits
         (stopped,) = (await cluster.evidence("node-b", RANKS[1], "not-here")).runners
         assert (stopped.process, stopped.stack) == (ProcessState.STOPPED, None)
         (waiting,) = (await cluster.evidence("node-a", RANKS[0])).runners
