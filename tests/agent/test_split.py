@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 from mlx.nn.layers.base import Module
 
+from services.agent.runner.generation import barrier
 from services.agent.runner.pipeline import split_layers
 from services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from shared.tiny_model import ARCHITECTURES, TinyModelSpec, write_tiny_model
@@ -59,15 +60,22 @@ def _generate(model: Any, tokenizer: Any) -> Run:
 
 
 def _rank(
-    path: str, assignments: list[RunnerAssignment], rank: int, out: multiprocessing.Queue[Any]
+    path: str,
+    assignments: list[RunnerAssignment],
+    rank: int,
+    out: multiprocessing.Queue[Any],
+    done: Any,
 ) -> None:
     try:
         me = assignments[rank]
         group = connect_group(me, ring_hosts(assignments))
         shard = load_shard(Path(path), group, assignments, me)
-        out.put((rank, shard.parameter_bytes, _generate(shard.model, shard.tokenizer)))
+        run = _generate(shard.model, shard.tokenizer)
+        barrier(group)  # after the step generate_step starts ahead, still in flight
+        out.put((rank, shard.parameter_bytes, run))
     except Exception as exc:  # the test shows it rather than waiting for a silent rank
         out.put((rank, -1, f"{type(exc).__name__}: {exc}"))
+    done.wait(60)  # no rank closes its sockets while a peer may still be reading them
 
 
 def _assignments(split: tuple[int, ...]) -> list[RunnerAssignment]:
@@ -91,9 +99,10 @@ def _assignments(split: tuple[int, ...]) -> list[RunnerAssignment]:
 def _run_split(path: Path, split: tuple[int, ...]) -> list[tuple[int, Any]]:
     context = multiprocessing.get_context("spawn")
     out: multiprocessing.Queue[Any] = context.Queue()
+    done = context.Event()
     assignments = _assignments(split)
     ranks = [
-        context.Process(target=_rank, args=(str(path), assignments, r, out), daemon=True)
+        context.Process(target=_rank, args=(str(path), assignments, r, out, done), daemon=True)
         for r in range(len(split))
     ]
     for process in ranks:
@@ -103,6 +112,7 @@ def _run_split(path: Path, split: tuple[int, ...]) -> list[tuple[int, Any]]:
     except queue.Empty:
         pytest.fail(f"a rank of {split} did not answer")
     finally:
+        done.set()
         for process in ranks:
             process.join(10)
             if process.is_alive():
