@@ -3,6 +3,12 @@
 Every rank runs the same loop on the same tokens (the pipeline all-gathers the last
 hidden state), so every rank samples the same token and stops at the same step; the last
 stage speaks for the instance and sends the text.
+
+No barrier fences prefill or decode: the task agreement meets every rank right before
+prefill, and the pipeline's own transfers hold each rank to its neighbours' pace, so a
+rank left waiting for a peer waits in `prefill_pipeline` or `decode_stream`, under the
+same collective deadline. (A decode barrier also waited behind the step mlx-lm queues one
+token ahead: a whole step before the first token could be sent.)
 """
 
 from __future__ import annotations
@@ -128,9 +134,6 @@ class Generation:
             limit = max(min(limit, context - len(prompt)), 1)
         record(Phase.KV_CACHE_LOOKUP, "fresh_cache", attrs={"prompt_tokens": len(prompt)})
         cache = make_prompt_cache(self._shard.model)
-        record(Phase.PREFILL_BARRIER, "enter")
-        with self._watchdog.guard("prefill_barrier", timeouts.collective):
-            barrier(self._group)
         sampler = make_sampler(temp=request.temperature) if request.temperature > 0 else None
         tokens = generate_step(
             mx.array(prompt),
@@ -148,9 +151,6 @@ class Generation:
         )
         with self._watchdog.guard("prefill_pipeline", timeouts.collective):
             first = next(tokens, None)
-        record(Phase.DECODE_BARRIER, "enter", attrs=self._attrs())
-        with self._watchdog.guard("decode_barrier", timeouts.collective):
-            barrier(self._group)
         record(
             Phase.DECODE_WAIT_FIRST_TOKEN,
             "first_token",
