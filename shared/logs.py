@@ -64,7 +64,8 @@ def configure(log_format: str = "text", level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("nats").setLevel(max(root.level, logging.WARNING))
+    for chatty in ("nats", "httpx"):  # a line per reconnect attempt, per request
+        logging.getLogger(chatty).setLevel(max(root.level, logging.WARNING))
 
 
 def structured() -> bool:

@@ -1,13 +1,15 @@
-"""A small HTTP client for the gateway (standard library only)."""
+"""The gateway as the CLI sees it: JSON calls and server-sent event streams (httpx and
+httpx-sse), every failure one line."""
 
 from __future__ import annotations
 
 import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
+
+import httpx
+from httpx_sse import SSEError, connect_sse
 
 __all__ = ["ClientError", "Gateway"]
 
@@ -26,14 +28,11 @@ class Gateway:
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
         self.url = (url or os.environ.get("RANKSCOPE_URL") or "http://127.0.0.1:8000").rstrip("/")
-        self.token = token or os.environ.get("RANKSCOPE_API_TOKEN")
+        token = token or os.environ.get("RANKSCOPE_API_TOKEN")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
-    def _request(self, method: str, path: str, body: Any = None) -> urllib.request.Request:
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        data = json.dumps(body).encode() if body is not None else None
-        return urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+    def _client(self, timeout: float | None) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self._headers, timeout=timeout)
 
     def call(self, method: str, path: str, body: Any = None, timeout: float = 30) -> Any:
         """JSON of a request.
@@ -42,12 +41,13 @@ class Gateway:
             ClientError: the gateway is unreachable or answered with an error.
         """
         try:
-            with urllib.request.urlopen(self._request(method, path, body), timeout=timeout) as r:
-                return self._json(r.read() or b"null")
-        except urllib.error.HTTPError as error:
-            raise self._refused(error) from None
-        except (urllib.error.URLError, OSError) as error:
-            raise ClientError(f"cannot reach {self.url}: {error}") from None
+            with self._client(timeout) as client:
+                answer = client.request(method, path, json=body)
+        except httpx.HTTPError as error:
+            raise self._unreachable(error) from None
+        if answer.is_error:
+            raise self._refused(answer)
+        return self._json(answer.content or b"null")
 
     def _json(self, data: bytes) -> Any:
         try:
@@ -57,27 +57,33 @@ class Gateway:
                 f"{self.url} did not answer as rankscope's gateway does (no JSON)"
             ) from None
 
-    def _refused(self, error: urllib.error.HTTPError) -> ClientError:
+    def _unreachable(self, error: httpx.HTTPError) -> ClientError:
+        return ClientError(f"cannot reach {self.url}: {error or type(error).__name__}")
+
+    def _refused(self, answer: httpx.Response) -> ClientError:
         """The error of an answer with a failure status, one line."""
         try:
-            detail = json.loads(error.read() or b"{}").get("detail", error.reason)
+            detail = json.loads(answer.read() or b"{}").get("detail", answer.reason_phrase)
         except (ValueError, AttributeError):
-            detail = f"{error.reason} (not rankscope's gateway at {self.url}?)"
-        return ClientError(f"{error.code}: {detail}", error.code)
+            detail = f"{answer.reason_phrase} (not rankscope's gateway at {self.url}?)"
+        return ClientError(f"{answer.status_code}: {detail}", answer.status_code)
 
     def events(self, path: str) -> Iterator[str]:
-        """The `data:` lines of a server-sent event stream, as they come.
+        """The data of each server-sent event of a stream, as it comes.
 
         Raises:
-            ClientError: as `call`.
+            ClientError: as `call`, or the answer is not an event stream.
         """
         try:
-            with urllib.request.urlopen(self._request("GET", path), timeout=None) as stream:
-                for raw in stream:
-                    line = raw.decode().rstrip("\n")
-                    if line.startswith("data: "):
-                        yield line[len("data: ") :]
-        except urllib.error.HTTPError as error:
-            raise self._refused(error) from None
-        except (urllib.error.URLError, OSError) as error:
-            raise ClientError(f"cannot reach {self.url}: {error}") from None
+            with self._client(None) as client, connect_sse(client, "GET", path) as source:
+                if source.response.is_error:
+                    raise self._refused(source.response)
+                for event in source.iter_sse():
+                    if event.data:
+                        yield event.data
+        except SSEError:
+            raise ClientError(
+                f"{self.url}{path} is not an event stream (not rankscope's gateway?)"
+            ) from None
+        except httpx.HTTPError as error:
+            raise self._unreachable(error) from None

@@ -4,16 +4,13 @@ its instance is ready (showing progress), then send a chat completion now and th
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import sys
-import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 __all__ = ["DEMO_RUNNER", "drive"]
 
@@ -23,40 +20,20 @@ DEMO_RUNNER = "demo"
 _PROMPTS = ["Which rank is stuck?", "Which node holds layer seven?", "How much memory?"]
 
 
-def _call(url: str, method: str, body: Any, token: str | None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read() or b"null")
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"null")
-    except (urllib.error.URLError, OSError) as error:
-        return 0, {"detail": str(error)}
-
-
-def _settle(done: asyncio.Future[tuple[int, Any]], result: tuple[int, Any]) -> None:
-    if not done.done():
-        done.set_result(result)
-
-
 async def _http(
     url: str, method: str = "GET", body: Any = None, *, token: str | None = None
 ) -> tuple[int, Any]:
-    """`_call` on a daemon thread, so a slow request never holds up shutting down."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[tuple[int, Any]] = loop.create_future()
-
-    def work() -> None:
-        result = _call(url, method, body, token)
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-            loop.call_soon_threadsafe(_settle, done, result)
-
-    threading.Thread(target=work, daemon=True).start()
-    return await done
+    """Status and JSON of a request (status 0 and the reason when nothing answered)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        async with httpx.AsyncClient(headers=headers, timeout=120) as client:
+            reply = await client.request(method, url, json=body)
+    except httpx.HTTPError as error:
+        return 0, {"detail": str(error) or type(error).__name__}
+    try:
+        return reply.status_code, reply.json() if reply.content else None
+    except ValueError:
+        return reply.status_code, {"detail": reply.text[:200]}
 
 
 def spec(model: Path) -> dict[str, Any]:

@@ -118,10 +118,26 @@ async def test_errors_are_one_line_with_a_non_zero_exit(stack_for: Any) -> None:
     assert len(err.splitlines()) == 1
 
 
+class _AnswersJson(http.server.BaseHTTPRequestHandler):
+    """Some other JSON API: `{}` for every path."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
 @contextlib.contextmanager
-def _not_rankscope() -> Iterator[str]:
-    """Some other web server: HTML, and 404 for every API path."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+def _not_rankscope(
+    handler: type[http.server.BaseHTTPRequestHandler] = http.server.SimpleHTTPRequestHandler,
+) -> Iterator[str]:
+    """Some other web server: by default HTML, and 404 for every API path."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -144,6 +160,13 @@ async def test_what_is_not_a_spec_or_not_rankscope_is_one_line_too(tmp_path: Pat
         code, _, err = await _cli("placement", "--url", url)
     assert code == 1
     assert err == f"rankscope: 404: File not found (not rankscope's gateway at {url}?)\n"
+    with _not_rankscope(_AnswersJson) as url:
+        code, _, err = await _cli("ranktable", "job-0", "--follow", "--url", url)
+    assert code == 1
+    assert err == (
+        f"rankscope: {url}/v1/jobs/job-0/ranktable/stream is not an event stream "
+        "(not rankscope's gateway?)\n"
+    )
 
 
 async def test_following_a_job_with_no_table_yet_says_it_waits(stack_for: Any) -> None:
