@@ -193,6 +193,9 @@ class Settings:
     gateway_port: int = _setting(8000, _port, "Port of the HTTP gateway.")
     grpc_host: str = _setting("127.0.0.1", _text, "Address the rank-table gRPC service binds.")
     grpc_port: int = _setting(8899, _port, "Port of the rank-table gRPC service.")
+    access_log: bool = _setting(
+        True, _flag_value, "Log every HTTP request (`up` leaves it off unless set)."
+    )
     log_format: Literal["text", "json"] = _setting("text", _choice("text", "json"), "Log lines.")
     log_level: str = _setting(
         "info", _choice("debug", "info", "warning", "error"), "Lowest level logged."

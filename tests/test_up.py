@@ -239,6 +239,29 @@ def test_sigterm_stops_everything(stack: tuple[subprocess.Popen[str], dict[str, 
             os.close(fd)
 
 
+def test_requests_leave_no_access_log_lines(
+    stack: tuple[subprocess.Popen[str], dict[str, str]],
+) -> None:
+    process, shown = stack
+    web = shown["web"].split()[0].rstrip("/")
+    answered = []
+    for _ in range(120):
+        with contextlib.suppress(OSError), urllib.request.urlopen(web + "/healthz") as reply:
+            answered.append(reply.status)
+            break
+        time.sleep(0.25)
+    assert answered == [200]
+    with contextlib.suppress(OSError):  # a 404
+        urllib.request.urlopen(web + "/v1/nope", timeout=10).close()
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=10) == 0
+    assert process.stderr is not None
+    logged = process.stderr.read()
+    assert "/healthz" not in logged, logged
+    assert "/v1/nope" not in logged, logged
+
+
 @pytest.mark.parametrize("flag", ["--nats-port", "--gateway-port", "--grpc-port"])
 def test_a_taken_port_stops_up_at_once_with_one_line(tmp_path: Path, flag: str) -> None:
     with socket.socket() as taken:

@@ -24,6 +24,7 @@ def run(settings: Settings) -> int:
         host=settings.gateway_host,
         port=settings.gateway_port,
         log_config=None,
+        access_log=settings.access_log,
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+from rich.console import Console
 
 __all__ = ["DEMO_RUNNER", "drive"]
 
@@ -53,28 +53,23 @@ def spec(model: Path) -> dict[str, Any]:
 async def _progress(
     base: str, stop: asyncio.Event, token: str | None, unsteady: Callable[[], list[str]]
 ) -> bool:
-    """Show the ranks' state until the instance is ready and no service is restarting;
-    False if stopped first."""
-    spinner = "|/-\\"
-    tick = 0
-    while not stop.is_set():
-        status, placement = await _http(f"{base}/v1/placement/runners", token=token)
-        ranks = placement if status == 200 and isinstance(placement, list) else []
-        ready = [r for r in ranks if r.get("statusKind") in ("RunnerReady", "RunnerRunning")]
-        states = (
-            ", ".join(f"rank {r['deviceRank']} {r.get('statusKind') or 'starting'}" for r in ranks)
-            or "placing"
-        )
-        restarting = unsteady()
-        if restarting:
-            states += f"; restarting: {', '.join(restarting)}"
-        sys.stdout.write(f"\r{spinner[tick % 4]} demo instance: {states}   ")
-        sys.stdout.flush()
-        if ranks and len(ready) == len(ranks) and not restarting:
-            sys.stdout.write("\n")
-            return True
-        tick += 1
-        await asyncio.sleep(0.25)
+    """Show each rank's state (a live line on a terminal) until the instance is ready and
+    no service is restarting; False if stopped first."""
+    with Console().status("demo instance: placing") as shown:
+        while not stop.is_set():
+            status, placement = await _http(f"{base}/v1/placement/runners", token=token)
+            ranks = placement if status == 200 and isinstance(placement, list) else []
+            ready = [r for r in ranks if r.get("statusKind") in ("RunnerReady", "RunnerRunning")]
+            states = ", ".join(
+                f"rank {r['deviceRank']} {r.get('statusKind') or 'starting'}" for r in ranks
+            )
+            restarting = unsteady()
+            if restarting:
+                states += f"; restarting: {', '.join(restarting)}"
+            shown.update(f"demo instance: {states or 'placing'}")
+            if ranks and len(ready) == len(ranks) and not restarting:
+                return True
+            await asyncio.sleep(0.25)
     return False
 
 
@@ -103,7 +98,10 @@ async def drive(
             return
     if not await _progress(base, stop, token, unsteady):
         return
-    print(f"demo ready: chat completions every {every:g}s; watch them in the timeline", flush=True)
+    print(
+        f"demo ready: chat completions every {every:g}s; watch them in the timeline at {base}/",
+        flush=True,
+    )
     count = 0
     while not stop.is_set():
         prompt = _PROMPTS[count % len(_PROMPTS)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import shutil
 import signal
@@ -22,7 +23,7 @@ from shared.connection import close, connect
 from shared.jetstream import Layout, LayoutError, ensure
 from shared.nats_auth import OPERATOR, agent_user, render
 from shared.nats_server import EmbeddedNats
-from shared.settings import Settings, to_environ
+from shared.settings import Settings, env_name, to_environ
 from shared.subjects import Subjects
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -177,6 +178,8 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
         model = demo_model(settings) if demo else None
         if model is not None:
             print(f"demo model  {model}")
+        if env_name("access_log") not in os.environ:  # the terminal shows the demo's progress
+            settings = replace(settings, access_log=False)
         supervisor = Supervisor(children, env=to_environ(settings))
         await supervisor.start()
         supervising = asyncio.create_task(supervisor.run(stop))
