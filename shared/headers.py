@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["ERROR_HEADER", "VERSION_HEADER"]
+from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
-ERROR_HEADER = "Rankscope-Error"
-"""On a query's reply: the HTTP status of a query that failed (its body a `QueryError`)."""
+__all__ = ["ERROR_CODE_HEADER", "ERROR_HEADER", "VERSION_HEADER"]
+
+# ERROR_CODE_HEADER, ERROR_HEADER: on a service's reply, the HTTP status of a query that
+# failed and why (NATS micro service errors).
 
 VERSION_HEADER = "Rankscope-Table-Version"
 """On a rank table: its version, counting every change of the job's table from 1."""

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.jetstream import Layout
-from shared.subjects import token
+from shared.subjects import AGGREGATOR_SERVICE, service_discovery, token
 
 __all__ = [
     "OPERATOR",
@@ -150,7 +150,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                     api.stream("RUNNER"), api.stream("PLACEMENT"), api.stream("TASKS"), nodes_kv
                 ),
             ),
-            subscribe=(*inbox, subjects.query_all()),
+            subscribe=(*inbox, subjects.query_all(), *service_discovery(AGGREGATOR_SERVICE)),
         )
     if user == "ranktable":
         return Permissions(
@@ -207,6 +207,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 "$JS.API.STREAM.LIST",
                 "$JS.API.CONSUMER.LIST.*",
                 "$JS.API.CONSUMER.NAMES.*",
+                *service_discovery(),  # nats micro ls, info, stats
                 *api.read(*api.all_streams),
             ),
             subscribe=(*inbox, "_INBOX.>", subjects.everything()),  # the nats CLI's own inbox too

@@ -11,7 +11,16 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["MAX_TOKEN", "IdTooLongError", "Subjects", "TelemetryKind", "token", "untoken"]
+__all__ = [
+    "AGGREGATOR_SERVICE",
+    "MAX_TOKEN",
+    "IdTooLongError",
+    "Subjects",
+    "TelemetryKind",
+    "service_discovery",
+    "token",
+    "untoken",
+]
 
 TelemetryKind = Literal["phase", "memory", "status"]
 
@@ -197,3 +206,16 @@ class Subjects:
     def canary_all(self) -> str:
         """Every service's canary."""
         return f"{self.prefix}.canary.*"
+
+
+AGGREGATOR_SERVICE = "rankscope-aggregator"
+"""The aggregator's name as a NATS micro service (`nats micro info rankscope-aggregator`)."""
+
+
+def service_discovery(name: str | None = None) -> tuple[str, ...]:
+    """The NATS micro discovery requests (`$SRV.PING`, `INFO`, `STATS`) a service named
+    `name` answers: to every service, to its name, to one instance; every one of them
+    when no name is given."""
+    if name is None:
+        return ("$SRV.>",)
+    return ("$SRV.*", f"$SRV.*.{name}", f"$SRV.*.{name}.*")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any
 
 import msgspec
@@ -18,13 +20,14 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
+from nats.micro import add_service
+from nats.micro.request import Request, ServiceError
 
 from services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from services.aggregator.snapshot import Position, SnapshotFile, capture, restore
 from services.aggregator.views import ClusterState, RunnerView
 from shared.connection import Reachability, slow_consumer_drops
 from shared.deadletter import DeadLetters
-from shared.headers import ERROR_HEADER
 from shared.inputs import (
     BadInputError,
     parse_placement,
@@ -34,7 +37,7 @@ from shared.inputs import (
 from shared.jetstream import Layout
 from shared.replay import Follower, follow, follow_bucket, stored_ns
 from shared.storage import Storage
-from shared.subjects import untoken
+from shared.subjects import AGGREGATOR_SERVICE, untoken
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     Diagnosis,
@@ -45,7 +48,6 @@ from shared.wire import (
     NodeEvidence,
     NodeInfo,
     PlacementQuery,
-    QueryError,
     RunnerEvidence,
     TimelineQuery,
     UnreachableNode,
@@ -57,6 +59,12 @@ from shared.wire import (
 __all__ = ["AggregatorService"]
 
 log = logging.getLogger(__name__)
+
+SERVICE_VERSION = version("rankscope")
+
+VIEWS = ("timeline", "placement", "diagnosis", "instances", "history", "health")
+"""The views it answers, one service endpoint each on `subjects.query(view)`; instances
+share the requests (the service's queue group), any one answering."""
 
 ANSWER_REUSE_S = 0.5
 """How long an unchanged view's answer may be served again (its `secondsInPhase` ages)."""
@@ -188,7 +196,18 @@ class AggregatorService:
     async def run(self, stop: asyncio.Event) -> None:
         """Rebuild from the streams, then follow them until `stop` is set."""
         subjects = self._layout.subjects
-        queries = await self._nc.subscribe(subjects.query_all(), cb=self._answer)
+        queries = await add_service(
+            self._nc,
+            name=AGGREGATOR_SERVICE,
+            version=SERVICE_VERSION,
+            description="Cross-rank views of every runner's flight recorder",
+        )
+        for view in VIEWS:
+            await queries.add_endpoint(
+                name=view,
+                subject=subjects.query(view),
+                handler=functools.partial(self._answer, view),
+            )
         after = await self._restore()
         folded = {
             self._layout.placement_stream.name: (subjects.placement_all(), self._on_placement),
@@ -223,7 +242,7 @@ class AggregatorService:
             task.cancel()
         await asyncio.gather(*busy, return_exceptions=True)
         await self.snapshot()  # a restart right after this replays nothing
-        await queries.unsubscribe()
+        await queries.stop()
         for follower in followers:
             await follower.stop()
 
@@ -554,13 +573,13 @@ class AggregatorService:
 
     # Queries
 
-    async def _answer(self, msg: Msg) -> None:
-        view, data = msg.subject.rsplit(".", 1)[-1], msg.data or b"{}"
+    async def _answer(self, view: str, request: Request) -> None:
+        data = request.data or b"{}"
         query = self._heavy_timeline_query(view, data)
         if query is None:
-            await self._respond(msg, lambda: self._query(view, data))
+            await request.respond(self._answerable(self._query(view, data)))
             return
-        task = asyncio.create_task(self._respond_heavy(msg, data, query))
+        task = asyncio.create_task(self._respond_heavy(request, data, query))
         self._heavy.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._heavy.discard)
 
@@ -573,14 +592,17 @@ class AggregatorService:
             return None  # answered as a bad query
         return query if query.limit > HEAVY_ENTRIES else None
 
-    async def _respond_heavy(self, msg: Msg, data: bytes, query: TimelineQuery) -> None:
+    async def _respond_heavy(self, request: Request, data: bytes, query: TimelineQuery) -> None:
         async with self._heavy_lane:
             cached = self._cached(data)
             if cached is None:
                 version = self.state.version
                 cached = await self._timeline_in_slices(query)
                 self._remember(data, version, cached)
-        await self._respond(msg, lambda: cached)
+        try:
+            await request.respond(self._answerable(cached))
+        except ServiceError as error:  # answered after the handler returned: by hand
+            await request.respond_error(error.code, error.description)
 
     async def _timeline_in_slices(self, query: TimelineQuery) -> bytes:
         """The timeline's JSON, its entries encoded a slice at a time between turns of the
@@ -596,30 +618,20 @@ class AggregatorService:
         pieces += [b"]", after]
         return b"".join(pieces)  # one copy of tens of MB, not three
 
-    async def _respond(self, msg: Msg, build: Callable[[], bytes]) -> None:
-        try:
-            body = build()
-            if len(body) > self._nc.max_payload:
-                raise _QueryFailedError(
-                    413,
-                    f"the answer is {len(body):,} bytes, over the NATS "
-                    f"limit of {self._nc.max_payload:,}; narrow the query",
-                )
-        except _QueryFailedError as failure:
-            if msg.reply:
-                await self._nc.publish(
-                    msg.reply,
-                    encode(failure.error),
-                    headers={ERROR_HEADER: str(failure.error.status)},
-                )
-            return
-        await msg.respond(body)
+    def _answerable(self, body: bytes) -> bytes:
+        if len(body) > self._nc.max_payload:
+            raise _failed(
+                413,
+                f"the answer is {len(body):,} bytes, over the NATS "
+                f"limit of {self._nc.max_payload:,}; narrow the query",
+            )
+        return body
 
     def _query(self, view: str, data: bytes) -> bytes:
         if view == "health":
             return encode(self.health())
         if not self.ready.is_set():
-            raise _QueryFailedError(503, "the aggregator is still rebuilding its views")
+            raise _failed(503, "the aggregator is still rebuilding its views")
         try:
             if view == "timeline":
                 return self._timeline(data)
@@ -632,7 +644,7 @@ class AggregatorService:
                 for item in found:
                     if item.runnerId == wanted:
                         return encode(item)
-                raise _QueryFailedError(404, f"no placed runner {wanted!r}")
+                raise _failed(404, f"no placed runner {wanted!r}")
             if view == "diagnosis":
                 return encode(
                     Diagnosis(
@@ -644,8 +656,8 @@ class AggregatorService:
             if view == "history":
                 return encode(self.state.history())
         except WireError as exc:
-            raise _QueryFailedError(422, f"bad {view} query: {exc}") from None
-        raise _QueryFailedError(
+            raise _failed(422, f"bad {view} query: {exc}") from None
+        raise _failed(
             404,
             f"no view {view!r}; try timeline, placement, diagnosis, instances, history or health",
         )
@@ -716,7 +728,6 @@ def _told(finding: Finding) -> tuple[object, ...]:
     )
 
 
-class _QueryFailedError(Exception):
-    def __init__(self, status: int, error: str) -> None:
-        super().__init__(error)
-        self.error = QueryError(status=status, error=error)
+def _failed(status: int, error: str) -> ServiceError:
+    """A query the aggregator cannot answer, as a service error whose code is HTTP's."""
+    return ServiceError(code=str(status), description=error)

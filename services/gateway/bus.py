@@ -14,7 +14,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from shared.connection import REACH_CHECK_S, Reachability
-from shared.headers import ERROR_HEADER, VERSION_HEADER
+from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER, VERSION_HEADER
 from shared.jetstream import Layout
 from shared.replay import follow, follow_bucket
 from shared.subjects import token, untoken
@@ -24,7 +24,6 @@ from shared.wire import (
     Finding,
     NodeDiagnostics,
     NodeEvidence,
-    QueryError,
     RankTableStream,
     TaskCreated,
     TaskKind,
@@ -84,9 +83,10 @@ class Bus:
             if not await self.reach.check():
                 raise BusError(503, self.reach.why()) from None
             raise BusError(503, f"the aggregator did not answer within {self.timeout:g}s") from None
-        if reply.headers and ERROR_HEADER in reply.headers:
-            error = decode(reply.data, QueryError)
-            raise BusError(error.status, error.error)
+        code = (reply.headers or {}).get(ERROR_CODE_HEADER)
+        if code is not None:
+            detail = (reply.headers or {}).get(ERROR_HEADER, "")
+            raise BusError(int(code) if code.isdigit() else 500, detail)
         return bytes(reply.data)
 
     async def node(self, node_id: str) -> NodeDiagnostics:

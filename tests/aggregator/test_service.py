@@ -13,11 +13,12 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
 from services.aggregator.diagnosis import Thresholds
-from services.aggregator.service import AggregatorService
+from services.aggregator.service import VIEWS, AggregatorService
 from services.aggregator.store import EntryStore
-from shared.headers import ERROR_HEADER
+from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
 from shared.jetstream import Layout, ensure
 from shared.subjects import token
 from shared.timestamps import format_ts, now
@@ -243,19 +244,51 @@ async def test_a_clock_far_ahead_freezes_no_view_and_bad_times_are_dead_lettered
 
 async def test_query_errors_say_what_is_wrong(nc: Client, js_ready: Layout) -> None:
     async with aggregator(nc, js_ready):
-        unknown = await query(nc, js_ready, "nonsense")
-        assert unknown.headers is not None
-        assert unknown.headers[ERROR_HEADER] == "404"
-        assert "no view 'nonsense'" in json.loads(unknown.data)["error"]
+        with pytest.raises(NoRespondersError):  # no such view is served
+            await query(nc, js_ready, "nonsense")
         bad = await query(nc, js_ready, "timeline", {"limit": 0})
         assert bad.headers is not None
-        assert bad.headers[ERROR_HEADER] == "422"
-        assert "$.limit" in json.loads(bad.data)["error"]
+        assert bad.headers[ERROR_CODE_HEADER] == "422"
+        assert "$.limit" in bad.headers[ERROR_HEADER]
         extra = await query(nc, js_ready, "timeline", {"limitt": 5})
-        assert "unknown field `limitt`" in json.loads(extra.data)["error"]
+        assert extra.headers is not None
+        assert "unknown field `limitt`" in extra.headers[ERROR_HEADER]
         missing = await query(nc, js_ready, "placement", {"runnerId": "nope"})
         assert missing.headers is not None
-        assert missing.headers[ERROR_HEADER] == "404"
+        assert missing.headers[ERROR_CODE_HEADER] == "404"
+        assert missing.headers[ERROR_HEADER] == "no placed runner 'nope'"
+
+
+async def test_it_is_a_nats_micro_service_with_an_endpoint_per_view(
+    nc: Client, js_ready: Layout
+) -> None:
+    async with aggregator(nc, js_ready):
+        info = json.loads((await nc.request("$SRV.INFO.rankscope-aggregator", b"", WAIT)).data)
+        assert info["name"] == "rankscope-aggregator"
+        assert {e["name"]: e["subject"] for e in info["endpoints"]} == {
+            view: js_ready.subjects.query(view) for view in VIEWS
+        }
+
+
+async def test_two_aggregators_share_the_queries_each_answered_once(
+    nc: Client, js_ready: Layout
+) -> None:
+    async with aggregator(nc, js_ready), aggregator(nc, js_ready):
+        for _ in range(20):
+            assert (await query(nc, js_ready, "health")).headers is None
+        inbox = nc.new_inbox()
+        stats: asyncio.Queue[Msg] = asyncio.Queue()
+        subscription = await nc.subscribe(inbox, cb=stats.put)
+        await nc.publish("$SRV.STATS.rankscope-aggregator", b"", reply=inbox)
+        answers = [json.loads((await asyncio.wait_for(stats.get(), WAIT)).data) for _ in "ab"]
+        await subscription.unsubscribe()
+        served = [
+            e["num_requests"] for a in answers for e in a["endpoints"] if e["name"] == "health"
+        ]
+        assert sum(served) == 20, served  # not 40: one instance answers each
+        missing = await query(nc, js_ready, "placement", {"runnerId": "nope"})
+        assert missing.headers is not None
+        assert missing.headers[ERROR_CODE_HEADER] == "404"
         health = json.loads((await query(nc, js_ready, "health")).data)
         assert health["ready"] is True
 
@@ -340,8 +373,8 @@ async def test_an_answer_too_big_for_nats_is_a_clear_error(nc: Client, js_ready:
         nc._max_payload = 4000  # as if the server allowed only 4 kB
         reply = await query(nc, js_ready, "timeline", {"limit": 50})
         assert reply.headers is not None
-        assert reply.headers[ERROR_HEADER] == "413"
-        assert "narrow the query" in json.loads(reply.data)["error"]
+        assert reply.headers[ERROR_CODE_HEADER] == "413"
+        assert "narrow the query" in reply.headers[ERROR_HEADER]
         small = await query(nc, js_ready, "timeline", {"limit": 2})
         assert len(decode(small.data, ClusterTimeline).timeline) == 2
 

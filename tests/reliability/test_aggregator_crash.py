@@ -18,7 +18,7 @@ from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
 from shared.connection import connect
-from shared.headers import ERROR_HEADER
+from shared.headers import ERROR_CODE_HEADER
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings
@@ -111,7 +111,7 @@ async def test_an_aggregator_stopped_mid_stream_serves_identical_views(
             except NatsError:  # not subscribed yet
                 await asyncio.sleep(0.1)
                 continue
-            if reply.headers and ERROR_HEADER in reply.headers:  # still rebuilding
+            if reply.headers and ERROR_CODE_HEADER in reply.headers:  # still rebuilding
                 await asyncio.sleep(0.1)
                 continue
             candidate = decode(reply.data, ClusterTimeline)
