@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
@@ -31,12 +32,12 @@ from services.agent.runner.process import PERMANENT_EXIT, STACK_SIGNAL, STOP, ru
 from services.agent.runner.watchdog import WEDGED_EXIT
 from shared.processes import process_state, signal_name
 from shared.subjects import Subjects, TelemetryKind
+from shared.synopsis import Synopsis, advance
 from shared.timestamps import now
 from shared.wire import (
     Breadcrumb,
     FlightEntry,
     MemorySampled,
-    MlxMemorySnapshot,
     Phase,
     ProcessState,
     RunnerEvidence,
@@ -147,15 +148,11 @@ class RunnerSupervisor:
         self.restarts = 0
         self.status = RunnerStatusKind.IDLE
         self.status_since, self.status_since_at = time.monotonic(), now()
-        self.phase: Phase | None = None
-        self.phase_detail: str | None = None
-        self.phase_since, self.phase_since_at = time.monotonic(), now()
+        self.synopsis = Synopsis()
+        """Where its entries say it is (phase, task, memory)."""
+        self.phase_since = time.monotonic()
         self.completed_tasks = 0
         self.exit_code: int | None = None
-        self.last_progress_at: str | None = None
-        self.active_task_id: str | None = None
-        self.active_command_id: str | None = None
-        self.last_memory: MlxMemorySnapshot | None = None
         self.dropped_entries = 0
         self.entries: deque[TimelineEntry] = deque(maxlen=KEEP_ENTRIES)
 
@@ -246,7 +243,7 @@ class RunnerSupervisor:
                 )
             )
         elif kind == MEMORY:
-            self.last_memory = item[1]
+            self.synopsis = replace(self.synopsis, memory=item[1])
             sample = MemorySampled(
                 runner=self.config.runner, seq=self._next_seq(), snapshot=item[1]
             )
@@ -277,17 +274,9 @@ class RunnerSupervisor:
             )
 
     def _record(self, entry: FlightEntry) -> None:
-        if entry.phase is not self.phase:
-            self.phase, self.phase_since = entry.phase, time.monotonic()
-            self.phase_since_at = entry.at
-        self.phase_detail = entry.detail
-        self.last_progress_at = entry.at
-        if entry.phase is Phase.IDLE:
-            self.active_task_id = self.active_command_id = None
-        elif entry.taskId is not None:
-            self.active_task_id, self.active_command_id = entry.taskId, entry.commandId
-        if entry.mlxMemory is not None:
-            self.last_memory = entry.mlxMemory
+        before, self.synopsis = self.synopsis, advance(self.synopsis, [entry])
+        if self.synopsis.phase is not before.phase:
+            self.phase_since = time.monotonic()
         ref, rank = self.config.runner, self.config.assignment
         self.entries.append(
             TimelineEntry(
@@ -359,9 +348,10 @@ class RunnerSupervisor:
 
     def _crash(self, code: int, cause: str) -> None:
         log.error("runner died: %s", cause, extra={"runnerId": self.runner_id})
-        if self.active_task_id is not None:  # it will never finish: whoever waits is told
-            self._on_task(self.active_task_id, TaskStatus.FAILED, f"the runner died: {cause}")
-            self.active_task_id = self.active_command_id = None
+        task_id = self.synopsis.task_id
+        if task_id is not None:  # it will never finish: whoever waits is told
+            self._on_task(task_id, TaskStatus.FAILED, f"the runner died: {cause}")
+            self.synopsis = replace(self.synopsis, task_id=None, command_id=None)
         self._record(
             FlightEntry(
                 seq=self._next_seq(),
@@ -369,7 +359,7 @@ class RunnerSupervisor:
                 phase=Phase.ERROR,
                 event="process_exited",
                 detail=cause,
-                attrs={"exitCode": code, "failedIn": (self.phase or Phase.CREATED).value},
+                attrs={"exitCode": code, "failedIn": (self.synopsis.phase or Phase.CREATED).value},
             )
         )
         moment = time.monotonic()
@@ -428,7 +418,7 @@ class RunnerSupervisor:
             pid=pid,
             process=state,
             stack=stack,
-            mlxMemory=self.last_memory,
+            mlxMemory=self.synopsis.memory,
             capturedAt=now(),
         )
 
@@ -451,15 +441,15 @@ class RunnerSupervisor:
             statusSince=self.status_since_at,
             secondsInStatus=round(time.monotonic() - self.status_since, 3),
             exitCode=self.exit_code,
-            phase=self.phase,
-            phaseStartedAt=self.phase_since_at,
-            phaseDetail=self.phase_detail,
+            phase=self.synopsis.phase,
+            phaseStartedAt=self.synopsis.phase_since,
+            phaseDetail=self.synopsis.detail,
             secondsInPhase=round(time.monotonic() - self.phase_since, 3),
             completedTaskCount=self.completed_tasks,
-            lastProgressAt=self.last_progress_at,
-            activeTaskId=self.active_task_id,
-            activeCommandId=self.active_command_id,
-            lastMlxMemory=self.last_memory,
+            lastProgressAt=self.synopsis.last_at,
+            activeTaskId=self.synopsis.task_id,
+            activeCommandId=self.synopsis.command_id,
+            lastMlxMemory=self.synopsis.memory,
             restarts=self.restarts,
             droppedEntries=self.dropped_entries,
             acknowledgedSeq=self._publisher.acknowledged.get(ref.runnerId),

@@ -99,7 +99,7 @@ class _Judge:
 
     def stale(self, view: RunnerView) -> bool:
         last = view.progressed if view.progressed is not None else self.placed
-        return self.now - last > self.limits.of(view.phase)
+        return self.now - last > self.limits.of(view.synopsis.phase)
 
     def verdict(self) -> _Verdict | None:
         """What the ranks' state says now, with no memory of earlier moments."""
@@ -120,20 +120,24 @@ class _Judge:
             # its peers still talk means a frozen process (stopped, wedged in the kernel),
             # and whatever the instance does next waits on it.
             return _Verdict(FindingKind.STALLED_RANK, frozen, others(frozen))
-        working = [v for v in views if v.phase not in _RESTING and v.gave_up is None]
+        working = [v for v in views if v.synopsis.phase not in _RESTING and v.gave_up is None]
         if not working or not all(self.stale(v) for v in working):
             return None
         # Ranks move in lockstep: one at rest while a peer waits in a collective is behind.
-        steps = {v.step for v in views if v.step is not None}
-        phases = {v.phase for v in views if v.phase is not None}
+        steps = {v.synopsis.step for v in views if v.synopsis.step is not None}
+        phases = {v.synopsis.phase for v in views if v.synopsis.phase is not None}
         if len(steps) > 1 or len(phases) > 1:
             if len(steps) > 1:
-                behind = [v for v in views if v.step == min(steps)]
+                behind = [v for v in views if v.synopsis.step == min(steps)]
             else:
                 first = min(PHASE_ORDER[p] for p in phases)
-                behind = [v for v in views if v.phase is not None and PHASE_ORDER[v.phase] == first]
+                behind = [
+                    v
+                    for v in views
+                    if v.synopsis.phase is not None and PHASE_ORDER[v.synopsis.phase] == first
+                ]
             return _Verdict(FindingKind.RANK_DISAGREEMENT, behind, others(behind))
-        stuck = [v for v in working if v.task_id is not None]
+        stuck = [v for v in working if v.synopsis.task_id is not None]
         return _Verdict(FindingKind.STALLED_RANK, stuck, []) if stuck else None
 
     def at_fault(self, incident: Incident) -> bool:
@@ -154,9 +158,9 @@ class _Judge:
                     return False  # confirmed dead: the stall is over, a death is not
             elif kind is FindingKind.DEAD_RANK or not (
                 self.frozen(view)
-                or view.phase is Phase.ERROR
+                or view.synopsis.phase is Phase.ERROR
                 or (
-                    view.phase not in _RESTING
+                    view.synopsis.phase not in _RESTING
                     and (view.progressed is None or view.progressed < incident.opened)
                 )
             ):
@@ -216,8 +220,8 @@ def _ranks(views: list[RunnerView]) -> str:
 
 
 def _where(view: RunnerView) -> str:
-    step = f" at step {view.step}" if view.step is not None else ""
-    return f"{view.phase.value if view.phase else 'no phase'}{step}"
+    step = f" at step {view.synopsis.step}" if view.synopsis.step is not None else ""
+    return f"{view.synopsis.phase.value if view.synopsis.phase else 'no phase'}{step}"
 
 
 def _exit(view: RunnerView) -> str | None:
@@ -245,9 +249,9 @@ def _evidence(judge: _Judge, view: RunnerView, culprit: bool) -> RankEvidence:
         runnerId=view.ref.runnerId,
         nodeId=view.ref.nodeId,
         deviceRank=view.ref.deviceRank,
-        phase=view.phase,
-        step=view.step,
-        lastProgressAt=view.last_at,
+        phase=view.synopsis.phase,
+        step=view.synopsis.step,
+        lastProgressAt=view.synopsis.last_at,
         processAlive=view.alive,
         role=RankRole.CULPRIT if culprit else RankRole.WAITING,
         waitingIn=view.waiting_in,
@@ -327,7 +331,7 @@ def _incident(
         and previous.finding.kind is verdict.kind
         and set(previous.finding.culpritRunnerIds) <= set(culprits)
     )
-    task_id = next((v.task_id for v in verdict.culprits if v.task_id), None)
+    task_id = next((v.synopsis.task_id for v in verdict.culprits if v.synopsis.task_id), None)
     finding = Finding(
         instanceId=instance.instanceId,
         kind=verdict.kind,

@@ -6,6 +6,7 @@ testable without NATS. Telemetry is idempotent by (runner, seq).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -15,6 +16,7 @@ import msgspec
 
 from services.aggregator.store import EntryStore, Selection, SeqTracker
 from shared.inputs import BadInputError
+from shared.synopsis import Synopsis, advance
 from shared.timestamps import from_micros, micros, now, to_epoch
 from shared.wire import (
     Breadcrumb,
@@ -24,7 +26,6 @@ from shared.wire import (
     InstanceReleased,
     InstanceState,
     MemorySampled,
-    MlxMemorySnapshot,
     NodeInfo,
     Phase,
     PhaseEntries,
@@ -73,16 +74,10 @@ class RunnerView:
     ref: RunnerRef
     seqs: SeqTracker = field(default_factory=SeqTracker)
     status: RunnerStatusChanged | None = None
-    phase: Phase | None = None
-    phase_detail: str | None = None
-    phase_since: str | None = None
-    last_at: str | None = None
+    synopsis: Synopsis = field(default_factory=Synopsis)
+    """Where its entries say it is (phase, task, step, memory)."""
     progressed: float | None = None
     heard: float | None = None
-    step: int | None = None
-    task_id: str | None = None
-    command_id: str | None = None
-    memory: MlxMemorySnapshot | None = None
     acknowledged: int | None = None
     """The newest seq its agent had acknowledged by JetStream, as of the last probe."""
     waiting_in: str | None = None
@@ -235,7 +230,7 @@ class ClusterState:
             return 0
         if isinstance(event, MemorySampled):
             if last is None or event.seq > last:
-                view.memory = event.snapshot
+                view.synopsis = dataclasses.replace(view.synopsis, memory=event.snapshot)
         elif view.status is None or event.seq > view.status.seq:
             view.status = event
             if event.statusKind is RunnerStatusKind.FAILED:
@@ -259,35 +254,14 @@ class ClusterState:
         received at `received` (no entry counts as later than that)."""
         if not entries:
             return
+        view.synopsis = advance(view.synopsis, entries, received=received)
         last = entries[-1]
-        run = len(entries) - 1  # the trailing run of the last phase starts here
-        while run > 0 and entries[run - 1].phase is last.phase:
-            run -= 1
-        if run > 0 or last.phase is not view.phase:
-            view.phase, view.phase_since = last.phase, min(entries[run].at, received)
-        view.phase_detail, view.last_at = last.detail, min(last.at, received)
         view.waiting_in = _site(last) if last.event == Breadcrumb.COLLECTIVE_WAIT else None
         for entry in entries:
             if entry.event in _GAVE_UP:
                 view.gave_up = entry
             elif entry.event == Breadcrumb.RUNNER_READY:
                 view.gave_up = view.failure = None
-        for entry in reversed(entries):
-            if entry.phase is Phase.IDLE:
-                view.task_id = view.command_id = None
-                break
-            if entry.taskId is not None:
-                view.task_id, view.command_id = entry.taskId, entry.commandId
-                break
-        for entry in reversed(entries):
-            step = entry.attrs.get("step")
-            if isinstance(step, int) and not isinstance(step, bool):
-                view.step = step
-                break
-        for entry in reversed(entries):
-            if entry.mlxMemory is not None:
-                view.memory = entry.mlxMemory
-                break
         view.progressed = self._clock()
 
     def apply_placement(self, event: PlacementEvent) -> None:
@@ -395,15 +369,15 @@ class ClusterState:
             pid=status.pid if status else None,
             processAlive=view.alive if status else False,
             statusKind=status.statusKind.value if status else RunnerStatusKind.IDLE.value,
-            phase=view.phase or Phase.CREATED,
-            phaseDetail=view.phase_detail,
-            secondsInPhase=round(max(moment - to_epoch(view.phase_since), 0.0), 3)
-            if view.phase_since
+            phase=view.synopsis.phase or Phase.CREATED,
+            phaseDetail=view.synopsis.detail,
+            secondsInPhase=round(max(moment - to_epoch(view.synopsis.phase_since), 0.0), 3)
+            if view.synopsis.phase_since
             else 0.0,
-            lastProgressAt=view.last_at,
-            activeTaskId=view.task_id,
-            activeCommandId=view.command_id,
-            lastMlxMemory=view.memory,
+            lastProgressAt=view.synopsis.last_at,
+            activeTaskId=view.synopsis.task_id,
+            activeCommandId=view.synopsis.command_id,
+            lastMlxMemory=view.synopsis.memory,
         )
 
     def timeline_plan(self, query: TimelineQuery, *, local_node_id: str) -> TimelinePlan:

@@ -237,7 +237,7 @@ async def test_a_clock_far_ahead_freezes_no_view_and_bad_times_are_dead_lettered
         await until(lambda: state.store.size == 2)
         assert running.service.dead_letters.counts == {"telemetry_undecodable": 4}
         view = state.runners["i-r0"]
-        assert view.phase is Phase.DECODE_STREAM  # the newest by seq, not by its clock
+        assert view.synopsis.phase is Phase.DECODE_STREAM  # the newest by seq, not by its clock
         newest = decode((await query(nc, js_ready, "timeline", {"limit": 1})).data, ClusterTimeline)
         assert [e.phase for e in newest.timeline] == [Phase.DECODE_STREAM]
 

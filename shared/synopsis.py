@@ -1,0 +1,74 @@
+"""Where a runner is, as its flight-recorder entries tell it: the one fold the agent (live,
+per entry) and the aggregator (per batch, from the stream) both make."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.wire import FlightEntry, MlxMemorySnapshot, Phase
+
+__all__ = ["Synopsis", "advance"]
+
+
+@dataclass(frozen=True, slots=True)
+class Synopsis:
+    """A runner's state after the entries folded so far."""
+
+    phase: Phase | None = None
+    phase_since: str | None = None
+    """When its current phase began: the first entry of the trailing run of that phase."""
+    detail: str | None = None
+    last_at: str | None = None
+    """When its last entry was recorded."""
+    task_id: str | None = None
+    """The task it is working on (none once idle)."""
+    command_id: str | None = None
+    step: int | None = None
+    """The last pipeline step an entry named."""
+    memory: MlxMemorySnapshot | None = None
+    """The last MLX memory snapshot an entry carried."""
+
+
+def advance(
+    synopsis: Synopsis, entries: Sequence[FlightEntry], *, received: str | None = None
+) -> Synopsis:
+    """`synopsis` moved on by `entries` (consecutive, newer than what it covers). With
+    `received`, when they arrived: no entry's time counts as later than that (a runner's
+    clock ahead of the receiver's does not put its phases in the future)."""
+    if not entries:
+        return synopsis
+
+    def clamp(at: str) -> str:
+        return at if received is None else min(at, received)
+
+    last = entries[-1]
+    run = len(entries) - 1  # the trailing run of the last phase starts here
+    while run > 0 and entries[run - 1].phase is last.phase:
+        run -= 1
+    since = synopsis.phase_since
+    if run > 0 or last.phase is not synopsis.phase:
+        since = clamp(entries[run].at)
+    task = synopsis.task_id, synopsis.command_id
+    for entry in reversed(entries):
+        if entry.phase is Phase.IDLE:
+            task = None, None
+            break
+        if entry.taskId is not None:
+            task = entry.taskId, entry.commandId
+            break
+    steps = (e.attrs.get("step") for e in reversed(entries))
+    step = next((s for s in steps if isinstance(s, int) and not isinstance(s, bool)), None)
+    memory = next((e.mlxMemory for e in reversed(entries) if e.mlxMemory is not None), None)
+    return dataclasses.replace(
+        synopsis,
+        phase=last.phase,
+        phase_since=since,
+        detail=last.detail,
+        last_at=clamp(last.at),
+        task_id=task[0],
+        command_id=task[1],
+        step=synopsis.step if step is None else step,
+        memory=synopsis.memory if memory is None else memory,
+    )
