@@ -3,16 +3,17 @@ aggregator) ends in the same place."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from shared.synopsis import Synopsis, advance
 from shared.wire import FlightEntry, MlxMemorySnapshot, Phase
 
 MEMORY = MlxMemorySnapshot(generatedAt="2026-11-23T10:00:01.000000Z", source="mlx")
 
 
-def _entry(seq: int, phase: Phase, **fields: object) -> FlightEntry:
-    return FlightEntry(
-        seq=seq, at=f"2026-11-23T10:00:{seq:02d}.000000Z", phase=phase, event="e", **fields
-    )  # type: ignore[arg-type]
+def _entry(seq: int, phase: Phase, **fields: Any) -> FlightEntry:
+    at = f"2026-11-23T10:00:{seq:02d}.000000Z"
+    return FlightEntry(seq=seq, at=at, phase=phase, event="e", **fields)
 
 
 ENTRIES = [
