@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shared.jetstream import Layout
-from shared.subjects import AGGREGATOR_SERVICE, service_discovery, token
+from shared.subjects import AGGREGATOR_SERVICE, kv_key, service_discovery, token
 
 __all__ = [
     "OPERATOR",
@@ -120,7 +120,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
         return Permissions(
             publish=(
                 subjects.runner_of_node(node_id),
-                f"$KV.{layout.nodes_bucket.bucket}.{node}",
+                kv_key(layout.nodes_bucket.bucket, node),
                 subjects.task_status_of_node(node_id),
                 subjects.output_of_node(node_id),
                 subjects.deadletter(),
@@ -159,7 +159,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.ranktable_all(),
                 subjects.node_request_all("model"),
                 subjects.canary("ranktable"),
-                f"$KV.{layout.runner_status_bucket.bucket}.>",
+                kv_key(layout.runner_status_bucket.bucket),
                 # a deleted job's rank table goes with it
                 f"$JS.API.STREAM.PURGE.{api.stream('RANKTABLE')}",
                 subjects.deadletter(),
@@ -183,7 +183,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.tasks_of_any(),
                 subjects.node_request_all("diagnostics"),
                 subjects.node_request_all("evidence"),  # Skulk's capture route
-                f"$KV.{layout.runners_bucket.bucket}.>",
+                kv_key(layout.runners_bucket.bucket),
                 *api.everyone(),
                 *api.read(
                     api.stream("RANKTABLE"),

@@ -30,6 +30,8 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
+from shared.subjects import kv_key
+
 __all__ = ["Follower", "follow", "follow_bucket", "stored_ns"]
 
 log = logging.getLogger(__name__)
@@ -325,7 +327,7 @@ async def follow_bucket(
     would start from an empty bucket (a restarted rank-table service released instances
     whose spec had not arrived yet).
     """
-    prefix = f"$KV.{bucket}."
+    prefix = kv_key(bucket, "")
 
     async def on_msg(msg: Msg) -> None:
         headers = msg.headers or {}

@@ -17,6 +17,7 @@ __all__ = [
     "IdTooLongError",
     "Subjects",
     "TelemetryKind",
+    "kv_key",
     "service_discovery",
     "token",
     "untoken",
@@ -219,3 +220,8 @@ def service_discovery(name: str | None = None) -> tuple[str, ...]:
     if name is None:
         return ("$SRV.>",)
     return ("$SRV.*", f"$SRV.*.{name}", f"$SRV.*.{name}.*")
+
+
+def kv_key(bucket: str, key: str = ">") -> str:
+    """The subject of a key of KV `bucket` (every key: `>`)."""
+    return f"$KV.{bucket}.{key}"

@@ -37,7 +37,7 @@ from shared.inputs import (
 from shared.jetstream import Layout
 from shared.replay import Follower, follow, follow_bucket, stored_ns
 from shared.storage import Storage
-from shared.subjects import AGGREGATOR_SERVICE, untoken
+from shared.subjects import AGGREGATOR_SERVICE, kv_key, untoken
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     Diagnosis,
@@ -336,7 +336,7 @@ class AggregatorService:
         try:
             info = decode(entry.value or b"", NodeInfo)
         except WireError as exc:
-            subject = f"$KV.{self._layout.nodes_bucket.bucket}.{entry.key}"
+            subject = kv_key(self._layout.nodes_bucket.bucket, entry.key)
             self.dead_letters.reject(subject, entry.value, "node_undecodable", exc)
             return
         self.state.set_node(node_id, info)

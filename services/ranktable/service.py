@@ -34,7 +34,7 @@ from shared.jetstream import Layout
 from shared.model_shape import ModelShape, Unsupported
 from shared.replay import Follower, follow, follow_bucket
 from shared.specs import PlacementSpec, SpecError, validate
-from shared.subjects import token, untoken
+from shared.subjects import kv_key, token, untoken
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     InstanceCreated,
@@ -295,7 +295,7 @@ class RankTableService:
         try:
             info = decode(entry.value or b"", NodeInfo)
         except WireError as exc:
-            subject = f"$KV.{self._layout.nodes_bucket.bucket}.{entry.key}"
+            subject = kv_key(self._layout.nodes_bucket.bucket, entry.key)
             self.dead_letters.reject(subject, entry.value, "node_undecodable", exc)
             return
         self._nodes[node_id] = NodeView.of(info)
