@@ -34,6 +34,7 @@ class StreamSpec:
     max_bytes: int = -1
     max_msgs_per_subject: int = -1
     duplicate_window_s: float = DUPLICATE_WINDOW_S
+    replicas: int = 1
 
     def config(self) -> StreamConfig:
         """The full stream configuration for creation."""
@@ -47,6 +48,7 @@ class StreamSpec:
             max_msgs_per_subject=self.max_msgs_per_subject,
             duplicate_window=self.duplicate_window_s,
             allow_direct=True,
+            num_replicas=self.replicas,
         )
 
     def differs_from(self, current: StreamConfig) -> bool:
@@ -57,6 +59,7 @@ class StreamSpec:
             or (current.max_bytes or -1) != self.max_bytes
             or current.max_msgs_per_subject != self.max_msgs_per_subject
             or current.duplicate_window != self.duplicate_window_s
+            or (current.num_replicas or 1) != self.replicas
         )
 
     def applied_to(self, current: StreamConfig) -> StreamConfig:
@@ -67,6 +70,7 @@ class StreamSpec:
             max_bytes=self.max_bytes,
             max_msgs_per_subject=self.max_msgs_per_subject,
             duplicate_window=self.duplicate_window_s,
+            num_replicas=self.replicas,
         )
 
 
@@ -77,6 +81,7 @@ class BucketSpec:
     bucket: str
     history: int = 1
     ttl_s: float = 0.0
+    replicas: int = 1
 
     @property
     def stream_name(self) -> str:
@@ -91,6 +96,7 @@ class BucketSpec:
             ttl=self.ttl_s or None,
             storage=StorageType.FILE,
             direct=True,
+            replicas=self.replicas,
         )
 
     def differs_from(self, current: StreamConfig) -> bool:
@@ -99,6 +105,7 @@ class BucketSpec:
             current.max_msgs_per_subject != self.history
             or (current.max_age or 0.0) != self.ttl_s
             or bool(current.allow_rollup_hdrs)
+            or (current.num_replicas or 1) != self.replicas
         )
 
     def applied_to(self, current: StreamConfig) -> StreamConfig:
@@ -114,6 +121,7 @@ class BucketSpec:
             max_age=self.ttl_s,
             duplicate_window=window,
             allow_rollup_hdrs=False,
+            num_replicas=self.replicas,
         )
 
 
@@ -127,6 +135,8 @@ class Layout:
     telemetry_max_msgs_per_subject: int = 700_000
     """A week of one memory sample a second, per runner."""
     node_ttl_s: float = 10.0
+    replicas: int = 1
+    """Copies of every stream and bucket (servers of a NATS cluster that hold one)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Layout:
@@ -137,6 +147,7 @@ class Layout:
             telemetry_max_bytes=settings.telemetry_max_bytes,
             telemetry_max_msgs_per_subject=settings.telemetry_max_msgs_per_subject,
             node_ttl_s=settings.heartbeat_ttl,
+            replicas=settings.replicas,
         )
 
     def _name(self, what: str) -> str:
@@ -159,13 +170,17 @@ class Layout:
             max_age_s=self.telemetry_max_age_s,
             max_bytes=self.telemetry_max_bytes,
             max_msgs_per_subject=self.telemetry_max_msgs_per_subject,
+            replicas=self.replicas,
         )
 
     @property
     def placement_stream(self) -> StreamSpec:
         """Placement decisions, kept as long as their bytes fit: they rebuild the views."""
         return StreamSpec(
-            self._name("PLACEMENT"), (self.subjects.placement_all(),), max_bytes=256 << 20
+            self._name("PLACEMENT"),
+            (self.subjects.placement_all(),),
+            max_bytes=256 << 20,
+            replicas=self.replicas,
         )
 
     @property
@@ -176,13 +191,17 @@ class Layout:
             (self.subjects.tasks_all(),),
             max_age_s=self.telemetry_max_age_s,
             max_bytes=256 << 20,
+            replicas=self.replicas,
         )
 
     @property
     def ranktable_stream(self) -> StreamSpec:
         """Rank tables; the latest per job stays readable, with a short history behind it."""
         return StreamSpec(
-            self._name("RANKTABLE"), (self.subjects.ranktable_all(),), max_msgs_per_subject=64
+            self._name("RANKTABLE"),
+            (self.subjects.ranktable_all(),),
+            max_msgs_per_subject=64,
+            replicas=self.replicas,
         )
 
     @property
@@ -193,6 +212,7 @@ class Layout:
             (self.subjects.diagnosis_all(),),
             max_age_s=self.telemetry_max_age_s,
             max_bytes=256 << 20,
+            replicas=self.replicas,
         )
 
     @property
@@ -203,6 +223,7 @@ class Layout:
             (self.subjects.deadletter(),),
             max_age_s=self.telemetry_max_age_s,
             max_bytes=64 << 20,
+            replicas=self.replicas,
         )
 
     @property
@@ -211,7 +232,10 @@ class Layout:
         reserves no space on purpose: it fails when the unreserved store (the buckets',
         heartbeats among them) runs out, or the disk does, first."""
         return StreamSpec(
-            self._name("CANARY"), (self.subjects.canary_all(),), max_msgs_per_subject=1
+            self._name("CANARY"),
+            (self.subjects.canary_all(),),
+            max_msgs_per_subject=1,
+            replicas=self.replicas,
         )
 
     @property
@@ -230,17 +254,17 @@ class Layout:
     @property
     def runners_bucket(self) -> BucketSpec:
         """Runner specs by id, with a little history for audits."""
-        return BucketSpec(self._bucket("runners"), history=8)
+        return BucketSpec(self._bucket("runners"), history=8, replicas=self.replicas)
 
     @property
     def runner_status_bucket(self) -> BucketSpec:
         """What the rank-table service observed of each Runner spec."""
-        return BucketSpec(self._bucket("runner_status"))
+        return BucketSpec(self._bucket("runner_status"), replicas=self.replicas)
 
     @property
     def nodes_bucket(self) -> BucketSpec:
         """Node inventory; an entry expires when its heartbeat stops."""
-        return BucketSpec(self._bucket("nodes"), ttl_s=self.node_ttl_s)
+        return BucketSpec(self._bucket("nodes"), ttl_s=self.node_ttl_s, replicas=self.replicas)
 
     @property
     def buckets(self) -> tuple[BucketSpec, ...]:

@@ -29,6 +29,9 @@ __all__ = [
 
 ENV_PREFIX = "RANKSCOPE_"
 
+MAX_REPLICAS = 5
+"""The most copies JetStream keeps of a stream."""
+
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
@@ -85,6 +88,13 @@ def _nats_urls(text: str) -> str:
                 f"expected nats://host:port (comma separated for several), got {url!r}"
             )
     return text
+
+
+def _replicas(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_REPLICAS:
+        raise ValueError(f"JetStream keeps at most {MAX_REPLICAS} copies, got {value}")
+    return value
 
 
 def _choice(*allowed: str) -> Callable[[str], str]:
@@ -146,6 +156,9 @@ class Settings:
         52000, _port, "First port handed to ranks for their ring connections."
     )
     heartbeat_ttl: float = _setting(10.0, _duration, "Node entry lifetime without heartbeat.")
+    replicas: int = _setting(
+        1, _replicas, "Copies of every stream and bucket: 3 on a NATS cluster (one may fail)."
+    )
     telemetry_max_age: float = _setting(7 * 86400.0, _duration, "Telemetry retention (age).")
     telemetry_max_bytes: int = _setting(1 << 30, _size, "Telemetry retention (bytes).")
     telemetry_max_msgs_per_subject: int = _setting(
