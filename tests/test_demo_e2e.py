@@ -89,6 +89,15 @@ def _browse(url: str, screenshot: Path) -> str:
     return dom.stdout
 
 
+def _shown(page: str) -> str:
+    """What the page says it did (its status line) and which findings it shows."""
+    parts = (
+        re.search(f'id="{part}"[^>]*>(.*?)</(span|section)>', page, re.S)
+        for part in ("status", "findings")
+    )
+    return " | ".join(p.group(1)[:2000] if p else "(missing)" for p in parts)
+
+
 class Demo:
     def __init__(self, process: subprocess.Popen[str], base: str, data: Path) -> None:
         self.process = process
@@ -344,7 +353,7 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
 
         finding = demo.until(with_stacks, 15)  # captured by the agents as it opened
         page = _browse(demo.base, ARTIFACTS / "timeline.png")
-        assert "stalled rank" in page.lower()  # the finding is on the page
+        assert "stalled rank" in page.lower(), _shown(page)  # the finding is on the page
         assert "process stopped" in page  # the frozen rank, as the kernel says
         # the line its peer is on, from its stack: meeting the frozen rank in the task
         # agreement, or (frozen between chats, before its next tick) waiting for work
