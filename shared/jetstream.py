@@ -271,6 +271,11 @@ class Layout:
         """All KV buckets."""
         return (self.runners_bucket, self.runner_status_bucket, self.nodes_bucket)
 
+    @property
+    def stream_names(self) -> tuple[str, ...]:
+        """Every stream JetStream keeps for the installation, the buckets' included."""
+        return (*(s.name for s in self.streams), *(b.stream_name for b in self.buckets))
+
 
 _STREAM_NAME_IN_USE = 10058
 """JetStream's error for a stream made again with another configuration."""

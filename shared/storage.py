@@ -3,14 +3,17 @@
 On a full disk or store, NATS still answers pings while JetStream refuses or never
 acknowledges writes: the telemetry stops with nothing but timeouts on the agents. A
 service that writes its canary now and then learns it, with the server's reason when it
-gives one.
+gives one. On a NATS cluster each stream has its own leader, elected among its replicas:
+one that lost its quorum stores nothing while the canary's stream still does, so the
+check asks every stream's leader as well.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
@@ -37,13 +40,18 @@ def _reason(error: Exception, timeout: float) -> str:
     return f"a write failed: {error or type(error).__name__}"
 
 
+class _LeaderlessError(Exception):
+    """A stream whose leader did not answer, in words."""
+
+
 class Storage:
     """Whether a canary write was stored, as of the last `check`.
 
     Args:
         js: the JetStream context.
         subject: the canary subject (see `Layout.canary_stream`).
-        timeout: seconds to wait for the acknowledgement.
+        timeout: seconds to wait for the acknowledgement, and for each stream's leader.
+        streams: the streams whose leaders must answer (see `Layout.stream_names`).
         clock: monotonic seconds.
     """
 
@@ -53,11 +61,13 @@ class Storage:
         subject: str,
         *,
         timeout: float,
+        streams: Sequence[str] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._js = js
         self._subject = subject
         self._timeout = timeout
+        self._streams = tuple(streams)
         self._clock = clock
         self.failing_since: float | None = None
         self.failing_since_wall: str | None = None
@@ -70,20 +80,43 @@ class Storage:
         return self.failing_since is None
 
     async def check(self) -> bool:
-        """Write the canary now; returns whether JetStream stored it."""
+        """Ask every stream's leader, then write the canary; returns whether every stream
+        has a leader and JetStream stored the canary."""
         try:
+            await asyncio.gather(*(self._led(name) for name in self._streams))
             await self._js.publish(self._subject, now().encode(), timeout=self._timeout)
+        except _LeaderlessError as exc:
+            self._failing(str(exc))
+            return False
         except (NatsError, APIError, TimeoutError) as exc:
-            self.reason = _reason(exc, self._timeout)
-            if self.failing_since is None:
-                self.failing_since, self.failing_since_wall = self._clock(), now()
-                log.error("JetStream is not storing: %s", self.reason)
+            self._failing(_reason(exc, self._timeout))
             return False
         if self.failing_since is not None:
             log.info("JetStream stores again after %.0fs", self._clock() - self.failing_since)
             self.failing_since = self.failing_since_wall = None
             self.reason = ""
         return True
+
+    async def _led(self, name: str) -> None:
+        try:
+            info = await asyncio.wait_for(self._js.stream_info(name), self._timeout)
+        except TimeoutError:
+            raise _LeaderlessError(
+                f"stream {name} did not answer within {self._timeout:g}s (on a cluster: it has "
+                "no leader, its replicas lost their quorum)"
+            ) from None
+        except APIError as exc:
+            raise _LeaderlessError(
+                f"stream {name}: {exc.description} (error {exc.err_code})"
+            ) from None
+        if info.cluster is not None and not info.cluster.leader:
+            raise _LeaderlessError(f"stream {name} has no leader (its replicas lost their quorum)")
+
+    def _failing(self, reason: str) -> None:
+        self.reason = reason
+        if self.failing_since is None:
+            self.failing_since, self.failing_since_wall = self._clock(), now()
+            log.error("JetStream is not storing: %s", self.reason)
 
     def why(self) -> str:
         """The failure in words (empty while writes are stored)."""

@@ -1,5 +1,6 @@
-"""`compose.yaml` runs real `rankscope` subcommands configured by real settings (no Docker
-engine runs here, so the file itself is checked)."""
+"""`compose.yaml` runs real `rankscope` subcommands configured by real settings, and
+`compose.cluster.yaml` puts them on a routed 3-server NATS cluster with three copies of
+everything (no Docker engine runs here, so the files themselves are checked)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,29 @@ import yaml
 from services.cli import build_parser
 from shared.jetstream import Layout
 from shared.nats_auth import password_variable, render
-from shared.settings import Settings, env_name
+from shared.settings import Settings, env_name, load
 
 REPO = Path(__file__).parent.parent
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """Compose's YAML, its merge tags (`!override`, `!reset`) read as their plain values."""
+
+
+def _untagged(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    return loader.construct_scalar(node)  # type: ignore[arg-type]
+
+
+for _tag in ("!override", "!reset"):
+    _ComposeLoader.add_constructor(_tag, _untagged)
+
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
+CLUSTER = yaml.load((REPO / "compose.cluster.yaml").read_text(), _ComposeLoader)
+SERVERS = ("nats", "nats-2", "nats-3")
 SETTINGS = {env_name(f.name) for f in dataclasses.fields(Settings)}
 AGENTS = {n: s for n, s in COMPOSE["services"].items() if n.startswith("agent")}
 
@@ -85,3 +105,45 @@ def test_gateway_on_8000_with_a_readiness_check_and_restart_policies() -> None:
     assert "/readyz" in " ".join(gateway["healthcheck"]["test"])
     for name in ("aggregator", "ranktable", "gateway", *AGENTS):
         assert COMPOSE["services"][name]["restart"] == "unless-stopped"
+
+
+def _flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_the_cluster_routes_three_jetstream_servers_to_each_other() -> None:
+    names = set()
+    for server in SERVERS:
+        command = CLUSTER["services"][server]["command"]
+        assert "--jetstream" in command
+        assert _flag(command, "--cluster_name") == "rankscope"
+        assert _flag(command, "--cluster") == "nats://0.0.0.0:6222"
+        others = {f"nats://{other}:6222" for other in SERVERS if other != server}
+        assert set(_flag(command, "--routes").split(",")) == others, server
+        names.add(_flag(command, "--server_name"))
+        # each server keeps its own store: the base's for `nats`, a volume of its own else
+        volumes = CLUSTER["services"][server].get("volumes", COMPOSE["services"]["nats"]["volumes"])
+        assert any(v.endswith(":/data") for v in volumes)
+    assert len(names) == len(SERVERS), "server names are unique"
+    stores = {v for s in SERVERS[1:] for v in CLUSTER["services"][s]["volumes"]}
+    assert {v.split(":")[0] for v in stores if v.endswith(":/data")} <= set(CLUSTER["volumes"])
+    assert "ports" not in CLUSTER["services"]["nats"], "the base's published ports stay"
+    assert all(CLUSTER["services"][s]["ports"] == [] for s in SERVERS[1:])
+
+
+def test_on_the_cluster_every_service_knows_every_server_and_keeps_three_copies() -> None:
+    on_nats = [
+        n
+        for n, s in COMPOSE["services"].items()
+        if "RANKSCOPE_NATS_USER" in s.get("environment", {})
+    ]
+    assert sorted(on_nats) == sorted(["aggregator", "ranktable", "gateway", *AGENTS])
+    for name in on_nats:
+        env = {
+            **COMPOSE["services"][name]["environment"],
+            **CLUSTER["services"][name]["environment"],
+        }
+        assert set(env) <= SETTINGS
+        settings = load(None, {k: str(v) for k, v in env.items()})
+        assert settings.replicas == 3, name
+        assert settings.nats_url.split(",") == [f"nats://{s}:4222" for s in SERVERS]

@@ -83,10 +83,17 @@ def _browse(url: str, screenshot: Path) -> str:
         capture_output=True,
         timeout=60,
     )
-    dom = subprocess.run(
-        [*flags, "--dump-dom", url + "/"], check=True, capture_output=True, text=True, timeout=60
-    )
-    return dom.stdout
+    for _ in range(3):  # as an operator reloads a page whose first refresh did not finish
+        page = subprocess.run(
+            [*flags, "--dump-dom", url + "/"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        if "ranks ·" in page:
+            break
+    return page
 
 
 def _shown(page: str) -> str:
@@ -332,6 +339,7 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
     runners = demo.get("/v1/cluster/timeline?limit=1")["runners"]
     frozen = next(r for r in runners if r["deviceRank"] == 1)
     os.kill(frozen["pid"], signal.SIGSTOP)
+    frozen_at = time.monotonic()
     try:
         finding = demo.until(
             lambda: next(
@@ -353,7 +361,8 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
 
         finding = demo.until(with_stacks, 15)  # captured by the agents as it opened
         page = _browse(demo.base, ARTIFACTS / "timeline.png")
-        assert "stalled rank" in page.lower(), _shown(page)  # the finding is on the page
+        stopped = f"{time.monotonic() - frozen_at:.0f}s after SIGSTOP"
+        assert "stalled rank" in page.lower(), f"{stopped}: {_shown(page)}"  # on the page
         assert "process stopped" in page  # the frozen rank, as the kernel says
         # the line its peer is on, from its stack: meeting the frozen rank in the task
         # agreement, or (frozen between chats, before its next tick) waiting for work

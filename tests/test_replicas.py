@@ -1,25 +1,35 @@
 """On a 3-server NATS cluster, every stream and bucket keeps `RANKSCOPE_REPLICAS` copies:
-at creation, and after `ensure` on ones that exist with another count (up and down)."""
+at creation, and after `ensure` on ones that exist with another count (up and down). With
+three, losing a stream's leader loses no telemetry; a stream without a leader is told."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
 
+from services.agent.publisher import TelemetryPublisher
 from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, SettingsError, load
+from shared.storage import Storage
+from shared.timestamps import now
+from shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, decode
 from tests.nats_cluster import nats_cluster, until_jetstream_answers
 
+ENTRIES = 3000
+"""Per runner, of 4, in the leader-loss test."""
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedNats]]:
-    with nats_cluster(tmp_path_factory.mktemp("cluster")) as servers:
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[EmbeddedNats]]:
+    with nats_cluster(tmp_path / "cluster") as servers:
         yield servers
 
 
@@ -33,12 +43,12 @@ async def nc(cluster: list[EmbeddedNats]) -> AsyncIterator[Client]:
 
 
 async def _copies(nc: Client, layout: Layout) -> set[tuple[int, int]]:
-    """(copies asked, copies the cluster holds) of every stream, buckets' included."""
+    """(copies asked, current copies the cluster holds) of every stream, buckets' included."""
     js, found = nc.jetstream(), set()
-    for name in [s.name for s in layout.streams] + [b.stream_name for b in layout.buckets]:
+    for name in layout.stream_names:
         info = await js.stream_info(name)
         peers = info.cluster.replicas if info.cluster and info.cluster.replicas else []
-        found.add((info.config.num_replicas or 1, 1 + len(peers)))
+        found.add((info.config.num_replicas or 1, 1 + sum(1 for p in peers if p.current)))
     return found
 
 
@@ -62,6 +72,78 @@ async def test_every_stream_and_bucket_is_kept_three_times_and_can_scale(nc: Cli
     await _until_held(nc, layout, 3)
     kept = await js.get_last_msg(layout.placement_stream.name, layout.subjects.placement("i"))
     assert kept.data == b"{}"  # what they held is kept through both
+
+
+@pytest.mark.slow
+async def test_killing_the_telemetry_stream_leader_loses_and_doubles_no_entry(
+    nc: Client, cluster: list[EmbeddedNats]
+) -> None:
+    layout, js = Layout(replicas=3), nc.jetstream()
+    await ensure(js, layout)
+    await _until_held(nc, layout, 3)
+    stream = layout.runner_stream.name
+    publisher = TelemetryPublisher(js=js, ack_timeout=1.0)
+    stop = asyncio.Event()
+    running = asyncio.create_task(publisher.run(stop))
+    refs = [
+        RunnerRef(runnerId=f"r{rank}", nodeId="n", instanceId="i", modelId="m",
+                  deviceRank=rank, worldSize=4)
+        for rank in range(4)
+    ]  # fmt: skip
+    for seq in range(ENTRIES):
+        for ref in refs:
+            subject = layout.subjects.runner("n", "i", ref.deviceRank, "phase")
+            entry = FlightEntry(seq=seq, at=now(), phase=Phase.DECODE_STREAM, event="token")
+            publisher.entry(ref, subject, entry)
+        if seq % 50 == 0:
+            await asyncio.sleep(0.01)  # ingest keeps flowing while the leader goes
+        if seq == ENTRIES // 3:
+            placed = (await js.stream_info(stream)).cluster
+            assert placed is not None
+            killed = next(s for s in cluster if s.store_dir.name == placed.leader)
+            assert killed.pid is not None
+            os.kill(killed.pid, signal.SIGKILL)
+    try:
+        for _ in range(600):
+            if publisher.pending == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert publisher.pending == 0, "ingest did not resume after the election"
+        stop.set()
+        await running
+        held: dict[str, list[int]] = {ref.runnerId: [] for ref in refs}
+        for position in range(1, (await js.stream_info(stream)).state.last_seq + 1):
+            batch = decode((await js.get_msg(stream, position)).data or b"", PhaseEntries)
+            held[batch.runner.runnerId] += [e.seq for e in batch.entries]
+        for runner_id, seqs in held.items():
+            assert sorted(seqs) == list(range(ENTRIES)), f"{runner_id}: lost or doubled"
+        assert publisher.retries > 0  # the leader's loss was felt, and ridden out
+    finally:
+        killed.restart()
+
+
+async def test_a_stream_whose_only_copy_is_gone_makes_storage_fail_naming_it(
+    nc: Client, cluster: list[EmbeddedNats]
+) -> None:
+    layout, js = Layout(replicas=1), nc.jetstream()
+    await ensure(js, layout)
+    storage = Storage(js, layout.subjects.canary("test"), timeout=1.0, streams=layout.stream_names)
+    assert await storage.check()
+    placed = (await js.stream_info(layout.runner_stream.name)).cluster
+    assert placed is not None
+    holder = next(s for s in cluster if s.store_dir.name == placed.leader)
+    holder.stop()  # its other streams may still be stored elsewhere, the canary's too
+    try:
+        assert not await storage.check()
+        assert any(f"stream {name}" in storage.reason for name in layout.stream_names)
+        assert "JetStream not storing since" in storage.why()
+    finally:
+        holder.restart()
+    for _ in range(100):  # the server is back with its streams: storing again
+        if await storage.check():
+            break
+        await asyncio.sleep(0.2)
+    assert storage.storing, storage.reason
 
 
 def test_the_setting_takes_what_jetstream_can_keep(tmp_path: Path) -> None:

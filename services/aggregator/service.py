@@ -147,7 +147,11 @@ class AggregatorService:
         )
         self.reach = Reachability(nc, timeout=probe_timeout, clock=clock)
         self.storage = Storage(
-            js, layout.subjects.canary("aggregator"), timeout=probe_timeout, clock=clock
+            js,
+            layout.subjects.canary("aggregator"),
+            timeout=probe_timeout,
+            streams=layout.stream_names,
+            clock=clock,
         )
         self._placed_at: dict[str, float] = {}
         self._heartbeats: dict[str, float] = {}

@@ -41,7 +41,12 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         server, port = await serve(hub, settings.grpc_host, settings.grpc_port)
         stack.push_async_callback(server.stop, 1.0)
         reach = Reachability(nc, timeout=REACH_CHECK_S)
-        storage = Storage(js, layout.subjects.canary("ranktable"), timeout=REACH_CHECK_S)
+        storage = Storage(
+            js,
+            layout.subjects.canary("ranktable"),
+            timeout=REACH_CHECK_S,
+            streams=layout.stream_names,
+        )
         service = RankTableService(
             js=js,
             layout=layout,
