@@ -6,12 +6,15 @@ subject prefix so several installations can share one NATS account.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 
 from shared.settings import Settings
 from shared.subjects import Subjects
@@ -281,8 +284,14 @@ _STREAM_NAME_IN_USE = 10058
 """JetStream's error for a stream made again with another configuration."""
 
 
+ENSURE_PATIENCE_S = 60.0
+"""How long `ensure` waits for JetStream to answer: a starting cluster elects its meta
+leader, and each new stream its own leader, within seconds."""
+
+
 class LayoutError(RuntimeError):
-    """JetStream refused a stream rankscope needs (its store is too small for it)."""
+    """JetStream refused a stream rankscope needs (its store is too small for it), or did
+    not answer at all."""
 
 
 def _refused(stream: StreamSpec, error: APIError) -> LayoutError:
@@ -293,20 +302,45 @@ def _refused(stream: StreamSpec, error: APIError) -> LayoutError:
     )
 
 
-async def ensure(js: JetStreamContext, layout: Layout) -> None:
+async def ensure(
+    js: JetStreamContext, layout: Layout, *, patience: float = ENSURE_PATIENCE_S
+) -> None:
     """Create every stream and bucket of `layout`, or update those whose limits differ.
 
-    Safe to call from every service at start-up, concurrently and repeatedly.
+    Safe to call from every service at start-up, concurrently and repeatedly. While
+    JetStream does not answer yet (a cluster electing its leaders), tries again for up to
+    `patience` seconds.
 
     Raises:
-        LayoutError: the server refused a stream (a store too small for its limits).
+        LayoutError: the server refused a stream (a store too small for its limits), or
+            JetStream did not answer within `patience`.
     """
+    deadline, told = time.monotonic() + patience, False
+    while True:
+        try:
+            await _ensure_once(js, layout)
+            return
+        except (TimeoutError, NoRespondersError, ServiceUnavailableError) as exc:
+            reason = str(exc) or type(exc).__name__
+            if time.monotonic() >= deadline:
+                raise LayoutError(
+                    f"JetStream did not answer within {patience:g}s: {reason}"
+                ) from None
+            if not told:
+                log.warning("JetStream does not answer yet (%s); trying again", reason)
+                told = True
+            await asyncio.sleep(1.0)
+
+
+async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
     for stream in layout.streams:
         try:
             info = await js.stream_info(stream.name)
         except NotFoundError:
             try:
                 await js.add_stream(stream.config())
+            except ServiceUnavailableError:
+                raise
             except APIError as exc:
                 raise _refused(stream, exc) from None
             log.info("created stream %s", stream.name)
@@ -314,6 +348,8 @@ async def ensure(js: JetStreamContext, layout: Layout) -> None:
         if stream.differs_from(info.config):
             try:
                 await js.update_stream(stream.applied_to(info.config))
+            except ServiceUnavailableError:
+                raise
             except APIError as exc:
                 raise _refused(stream, exc) from None
             log.info("updated stream %s", stream.name)

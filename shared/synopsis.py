@@ -29,14 +29,18 @@ class Synopsis:
     """The last pipeline step an entry named."""
     memory: MlxMemorySnapshot | None = None
     """The last MLX memory snapshot an entry carried."""
+    seq: int = -1
+    """The seq of the newest entry folded."""
 
 
 def advance(
     synopsis: Synopsis, entries: Sequence[FlightEntry], *, received: str | None = None
 ) -> Synopsis:
-    """`synopsis` moved on by `entries` (consecutive, newer than what it covers). With
+    """`synopsis` moved on by `entries` (in seq order); those no newer than the newest
+    folded are skipped, so a batch that arrives after a later one moves nothing back. With
     `received`, when they arrived: no entry's time counts as later than that (a runner's
     clock ahead of the receiver's does not put its phases in the future)."""
+    entries = [e for e in entries if e.seq > synopsis.seq]
     if not entries:
         return synopsis
 
@@ -71,4 +75,5 @@ def advance(
         command_id=task[1],
         step=synopsis.step if step is None else step,
         memory=synopsis.memory if memory is None else memory,
+        seq=last.seq,
     )

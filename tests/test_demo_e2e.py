@@ -352,6 +352,7 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
             ),
             30,
         )
+        assert finding["kind"] == "stalled_rank", finding["summary"]
         assert finding["culpritRanks"] == [1]
         assert finding["waitingRanks"] == [0]
 

@@ -15,7 +15,7 @@ from nats.aio.client import Client
 
 from services.agent.publisher import TelemetryPublisher
 from shared.connection import close, connect
-from shared.jetstream import Layout, ensure
+from shared.jetstream import Layout, LayoutError, ensure
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, SettingsError, load
 from shared.storage import Storage
@@ -144,6 +144,31 @@ async def test_a_stream_whose_only_copy_is_gone_makes_storage_fail_naming_it(
             break
         await asyncio.sleep(0.2)
     assert storage.storing, storage.reason
+
+
+async def test_ensure_waits_while_a_starting_cluster_elects_its_leaders(tmp_path: Path) -> None:
+    with nats_cluster(tmp_path / "cluster") as servers:  # not waiting for JetStream
+        nc = await connect(Settings(nats_url=",".join(s.url for s in servers)), "test")
+        try:
+            layout = Layout(replicas=3)
+            await ensure(nc.jetstream(), layout)
+            await _until_held(nc, layout, 3)
+        finally:
+            await close(nc)
+
+
+async def test_ensure_gives_up_in_one_line_when_jetstream_never_answers(
+    cluster: list[EmbeddedNats],
+) -> None:
+    await until_jetstream_answers([s.url for s in cluster])
+    for server in cluster[1:]:
+        server.stop()  # one of three: no quorum to elect anything
+    nc = await connect(Settings(nats_url=cluster[0].url), "test")
+    try:
+        with pytest.raises(LayoutError, match=r"^JetStream did not answer within 2s"):
+            await ensure(nc.jetstream(), Layout(replicas=3), patience=2)
+    finally:
+        await close(nc)
 
 
 def test_the_setting_takes_what_jetstream_can_keep(tmp_path: Path) -> None:

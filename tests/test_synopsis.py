@@ -40,7 +40,14 @@ def test_one_at_a_time_and_in_batches_agree() -> None:
         command_id="c",
         step=5,
         memory=MEMORY,
+        seq=5,
     )
+
+
+def test_entries_no_newer_than_the_folded_move_nothing_back() -> None:
+    ahead = advance(Synopsis(), ENTRIES[3:])  # a later batch overtook an earlier one
+    assert advance(ahead, ENTRIES[:3]) == ahead
+    assert advance(ahead, ENTRIES) == ahead
 
 
 def test_going_idle_ends_the_task_and_a_new_phase_starts_its_clock() -> None:

@@ -104,7 +104,10 @@ class TelemetryPublisher:
 
     def telemetry(self, subject: str, payload: bytes, runner_id: str, seq: int) -> None:
         """Queue one ready-made telemetry message of a runner (a memory sample or status
-        change), deduplicated by its seq."""
+        change), deduplicated by its seq, behind the runner's open batch: its entries are
+        older, and go first."""
+        if runner_id in self._open:
+            self._close(runner_id)
         self._buffered += 1
         self._enqueue(_Outgoing(subject, payload, f"{runner_id}:{seq}", 1, runner_id, seq))
 

@@ -70,6 +70,8 @@ class _Runner(msgspec.Struct, array_like=True):
     waiting_in: str | None = None
     gave_up: FlightEntry | None = None
     failure: RunnerStatusChanged | None = None
+    folded: int = -1
+    """The seq of the newest entry its synopsis folded."""
 
 
 class _Task(msgspec.Struct, array_like=True):
@@ -112,6 +114,7 @@ def capture(state: ClusterState, positions: dict[str, Position]) -> Snapshot:
                 waiting_in=view.waiting_in,
                 gave_up=view.gave_up,
                 failure=view.failure,
+                folded=view.synopsis.seq,
             )
             for view in state.runners.values()
         ],
@@ -152,6 +155,7 @@ def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
                 command_id=held.command_id,
                 step=held.step,
                 memory=held.memory,
+                seq=held.folded,
             ),
             progressed=moment if held.progressed else None,
             heard=moment if held.heard else None,

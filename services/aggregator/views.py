@@ -76,6 +76,8 @@ class RunnerView:
     status: RunnerStatusChanged | None = None
     synopsis: Synopsis = field(default_factory=Synopsis)
     """Where its entries say it is (phase, task, step, memory)."""
+    memory_seq: int = -1
+    """The seq of the memory sample its synopsis shows (samples may overtake each other)."""
     progressed: float | None = None
     heard: float | None = None
     acknowledged: int | None = None
@@ -221,7 +223,7 @@ class ClusterState:
             fresh = view.seqs.fresh(event.entries)
             received = now()
             self.store.add(view.ref.runnerId, raw or encode(event), fresh, micros(received))
-            newer = [e for _, e in fresh if last is None or e.seq > last]
+            newer = [e for _, e in fresh if e.seq > view.synopsis.seq]
             self._progress(view, newer, received)
             self.duplicates += len(event.entries) - len(fresh)
             return len(fresh)
@@ -229,8 +231,9 @@ class ClusterState:
             self.duplicates += 1
             return 0
         if isinstance(event, MemorySampled):
-            if last is None or event.seq > last:
+            if event.seq > view.memory_seq:
                 view.synopsis = dataclasses.replace(view.synopsis, memory=event.snapshot)
+                view.memory_seq = event.seq
         elif view.status is None or event.seq > view.status.seq:
             view.status = event
             if event.statusKind is RunnerStatusKind.FAILED:

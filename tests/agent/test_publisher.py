@@ -96,6 +96,23 @@ async def test_task_statuses_and_telemetry_messages_share_the_queue_but_not_the_
     assert publisher.acknowledged == {"i-a0-r0": 7}  # a task status carries no seq
 
 
+async def test_a_runner_status_goes_behind_its_older_entries(nc: Client, ready: Layout) -> None:
+    publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=10.0, max_in_flight=1)
+    got: list[str] = []
+
+    async def keep(msg: object) -> None:
+        got.append(msg.subject.rsplit(".", 1)[1])  # type: ignore[attr-defined]
+
+    await nc.subscribe(ready.subjects.runner_all(), cb=keep)
+    async with _running(publisher):
+        publisher.entry(RUNNER, ready.subjects.runner("node-a", "i", 0, "phase"), _entry(0))
+        status = ready.subjects.runner("node-a", "i", 0, "status")
+        publisher.telemetry(status, b"{}", RUNNER.runnerId, 1)  # newer than the open batch
+        await publisher.settled()
+    await nc.flush()
+    assert got == ["phase", "status"]
+
+
 async def test_a_quiet_runner_is_flushed_within_the_window(nc: Client, ready: Layout) -> None:
     publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=0.05)
     got: asyncio.Queue[bytes] = asyncio.Queue()

@@ -86,6 +86,22 @@ def test_synopsis_tracks_phase_status_and_task() -> None:
     assert synopsis.secondsInPhase > 0  # since at(1), measured now
 
 
+def test_a_status_or_sample_that_overtook_older_entries_does_not_hide_them() -> None:
+    state = _state()
+    state.apply_telemetry(entries(rank(0), (1, 1, Phase.PREFILL_PIPELINE, 3)))
+    state.apply_telemetry(status(rank(0), 9, RunnerStatusKind.READY))  # published sooner
+    state.apply_telemetry(
+        entries(rank(0), (5, 5, Phase.DECODE_STREAM, 4), (6, 6, Phase.IDLE, None))
+    )
+    (synopsis,) = state.timeline(TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    assert synopsis.phase is Phase.IDLE  # not left in prefill for good
+    assert synopsis.lastProgressAt == at(6)
+    assert synopsis.activeTaskId is None
+    state.apply_telemetry(entries(rank(0), (2, 2, Phase.PREFILL_PIPELINE, 3)))  # late
+    (late,) = state.timeline(TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    assert late.phase is Phase.IDLE
+
+
 def test_placement_lists_each_rank_with_only_its_own_task_status() -> None:
     state = _state()
     request = GenerationRequest(prompt="hi")
