@@ -13,13 +13,27 @@ from dataclasses import dataclass, field
 
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.api import DiscardPolicy, KeyValueConfig, PubAck, StorageType, StreamConfig
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from shared.settings import Settings
 from shared.subjects import Subjects
 
-__all__ = ["DUPLICATE_WINDOW_S", "Layout", "LayoutError", "StreamSpec", "ensure"]
+__all__ = [
+    "DUPLICATE_WINDOW_S",
+    "ELECTION_S",
+    "Layout",
+    "LayoutError",
+    "StreamSpec",
+    "ensure",
+    "publish_acked",
+]
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +298,14 @@ _STREAM_NAME_IN_USE = 10058
 """JetStream's error for a stream made again with another configuration."""
 
 
+ELECTION_S = 10.0
+"""How long a write waits for its stream to answer: past a leader election (about 5 s on a
+cluster that lost the server leading the stream)."""
+
+_UNANSWERED = (TimeoutError, NoRespondersError, NoStreamResponseError, ServiceUnavailableError)
+"""What JetStream says while it cannot answer yet (no leader, no quorum, not started)."""
+
+
 ENSURE_PATIENCE_S = 60.0
 """How long `ensure` waits for JetStream to answer: a starting cluster elects its meta
 leader, and each new stream its own leader, within seconds."""
@@ -320,7 +342,7 @@ async def ensure(
         try:
             await _ensure_once(js, layout)
             return
-        except (TimeoutError, NoRespondersError, ServiceUnavailableError) as exc:
+        except _UNANSWERED as exc:
             reason = str(exc) or type(exc).__name__
             if time.monotonic() >= deadline:
                 raise LayoutError(
@@ -368,3 +390,34 @@ async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
         if bucket.differs_from(info.config):
             await js.update_stream(bucket.applied_to(info.config))
             log.info("updated bucket %s", bucket.bucket)
+
+
+async def publish_acked(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    *,
+    msg_id: str,
+    headers: dict[str, str] | None = None,
+    within: float = ELECTION_S,
+) -> PubAck:
+    """Publish to JetStream and wait for the ack, sending the same message again (the same
+    `Nats-Msg-Id`, so it is stored once) while the stream does not answer, for up to
+    `within` seconds.
+
+    Raises:
+        APIError: JetStream refused the message (at once).
+        TimeoutError, NatsError: it did not answer within `within`.
+    """
+    deadline = time.monotonic() + within
+    headers = {**(headers or {}), "Nats-Msg-Id": msg_id}
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return await js.publish(
+                subject, payload, headers=headers, timeout=min(max(left, 0.1), 2.0)
+            )
+        except _UNANSWERED:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.25)

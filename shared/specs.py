@@ -10,11 +10,15 @@ from typing import Any
 
 from shared.model_shape import ModelShape
 from shared.quantity import parse_bytes, parse_quantity
+from shared.subjects import MAX_TOKEN, IdTooLongError, token
 from shared.wire import Runner
 
 __all__ = ["PlacementSpec", "SpecError", "validate"]
 
 DEFAULT_NODEPOOL = "default"
+DERIVED_ROOM = 32
+"""Characters a spec id leaves free for the ids made from it: its instances'
+(`<id>-<replica>`) and their runners' (`<instance>-a<attempt>-r<rank>`)."""
 
 
 class SpecError(ValueError):
@@ -151,6 +155,14 @@ def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
             f"id {runner.id[:40]!r} is '.' or '..' or holds '/' or a control character: it "
             "must name the runner in a URL path"
         )
+    try:
+        token(runner.id + "-" * DERIVED_ROOM)
+    except IdTooLongError:
+        raise SpecError(
+            f"id {runner.id[:40]!r}... is too long: escaped (white space and non-ASCII take 3 "
+            f"per byte) it must leave {DERIVED_ROOM} of {MAX_TOKEN} characters for the ids of "
+            "its instances and runners"
+        ) from None
     model = runner.worker.model if runner.worker else None
     if model is None or not model.id:
         raise SpecError("worker.model.id is required: it names the model to serve")

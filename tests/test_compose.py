@@ -146,4 +146,4 @@ def test_on_the_cluster_every_service_knows_every_server_and_keeps_three_copies(
         assert set(env) <= SETTINGS
         settings = load(None, {k: str(v) for k, v in env.items()})
         assert settings.replicas == 3, name
-        assert settings.nats_url.split(",") == [f"nats://{s}:4222" for s in SERVERS]
+        assert (settings.nats_url or "").split(",") == [f"nats://{s}:4222" for s in SERVERS]

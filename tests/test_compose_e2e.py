@@ -1,12 +1,14 @@
 """`docker compose up` gives the README's demo, end to end: one image built, two ranks
 ready on two agent containers, a chat answered, both ranks in the timeline, a second `up`
-harmless, and `down -v` leaves no container, network or volume.
+harmless, and `down -v` leaves no container, network or volume. With
+`compose.cluster.yaml` the same demo runs on three NATS servers and outlives one of them.
 
 Runs where a Docker engine with Compose v2 and the base images is available (`.ci/run`
 tries to provide one); otherwise it says why it was skipped."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -82,8 +85,8 @@ def _until(check: Any, seconds: float, what: str) -> Any:
     raise AssertionError(f"{what} not within {seconds:g}s")
 
 
-@pytest.fixture
-def project(tmp_path: Path) -> Iterator[list[str]]:
+def _project(tmp_path: Path, *files: str) -> Iterator[list[str]]:
+    """`docker compose` over compose.yaml and `files`, its project taken down at the end."""
     why = _unusable()
     if why is not None:
         pytest.skip(f"compose end to end: {why}")
@@ -91,11 +94,23 @@ def project(tmp_path: Path) -> Iterator[list[str]]:
     override = tmp_path / "build-host-network.yaml"
     override.write_text(f"services:\n  model:\n    build: {{context: {REPO}, network: host}}\n")
     name = f"rankscope-e2e-{uuid.uuid4().hex[:6]}"
-    compose = ["docker", "compose", "-p", name, "-f", "compose.yaml", "-f", str(override)]
+    compose = ["docker", "compose", "-p", name, "-f", "compose.yaml"]
+    for file in (*files, str(override)):
+        compose += ["-f", file]
     try:
         yield compose
     finally:
         _run(*compose, "down", "-v", "--remove-orphans", check=False)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Iterator[list[str]]:
+    yield from _project(tmp_path)
+
+
+@pytest.fixture
+def cluster_project(tmp_path: Path) -> Iterator[list[str]]:
+    yield from _project(tmp_path, "compose.cluster.yaml")
 
 
 def _ready_ranks() -> list[dict[str, Any]]:
@@ -130,3 +145,91 @@ def test_compose_up_gives_the_demo_and_down_leaves_nothing(project: list[str]) -
     assert _run("docker", "ps", "-a", "-q", "--filter", label) == ""
     assert _run("docker", "network", "ls", "-q", "--filter", label) == ""
     assert _run("docker", "volume", "ls", "-q", "--filter", label) == ""
+
+
+SERVICES = {"nats-1": "nats", "nats-2": "nats-2", "nats-3": "nats-3"}
+"""The compose service of each NATS server name in compose.cluster.yaml."""
+
+
+def _leader(stream: str) -> str:
+    """The server leading `stream`, asked as the read-only operator user."""
+
+    async def ask() -> str:
+        nc = await nats.connect(
+            "nats://127.0.0.1:4222", user="operator", password="operator-change-me"
+        )
+        try:
+            info = await nc.jetstream().stream_info(stream)
+            assert info.cluster is not None
+            assert info.cluster.leader
+            assert info.config.num_replicas == 3
+            return info.cluster.leader
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def _readiness() -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(GATEWAY + "/readyz", timeout=10) as reply:
+            return reply.status, ""
+    except urllib.error.HTTPError as refused:
+        with refused:
+            return refused.code, json.loads(refused.read())["reason"]
+
+
+def _until_ready(seconds: float, what: str) -> None:
+    said = [""]
+
+    def ready() -> bool:
+        code, said[0] = _readiness()
+        return code == 200
+
+    try:
+        _until(ready, seconds, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the last reason: {said[0]}") from None
+
+
+def _chat() -> str:
+    reply = _get(
+        "/v1/chat/completions",
+        {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=120,
+    )
+    assert reply["choices"][0]["message"]["content"]
+    return str(reply["id"])
+
+
+def test_on_a_nats_cluster_the_demo_outlives_a_server_and_says_when_a_stream_cannot(
+    cluster_project: list[str],
+) -> None:
+    _run(*cluster_project, "build", timeout=1200)
+    _run(*cluster_project, "up", "-d", timeout=600)
+    _until(_ready_ranks, 300, "two ranks ready")
+    _chat()
+    leader = SERVICES[_leader("RANKSCOPE_RUNNER")]
+    _run(*cluster_project, "kill", leader)  # the telemetry stream's leader, abruptly
+    command = _chat()  # served once the stream has a new leader
+    _until(
+        lambda: (
+            {
+                e["deviceRank"]
+                for e in _get("/v1/cluster/timeline?limit=500")["timeline"]
+                if e["commandId"] == command
+            }
+            == {0, 1}
+        ),
+        60,
+        "both ranks' entries of a chat after the leader was lost",
+    )
+    _until_ready(60, "ready on two servers")
+    second = next(s for s in SERVICES.values() if s != leader)
+    _run(*cluster_project, "kill", second)  # one of three left: no stream has a quorum
+    # not ready, saying which stream cannot store and why
+    _until(lambda: "stream " in _readiness()[1], 60, "a 503 naming a stream without a leader")
+    _run(*cluster_project, "start", leader, second)
+    _until_ready(120, "ready again with three servers")
+    _chat()
+    _until(lambda: not _get("/v1/cluster/diagnosis")["findings"], 60, "no finding left open")

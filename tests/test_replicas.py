@@ -15,7 +15,7 @@ from nats.aio.client import Client
 
 from services.agent.publisher import TelemetryPublisher
 from shared.connection import close, connect
-from shared.jetstream import Layout, LayoutError, ensure
+from shared.jetstream import Layout, LayoutError, ensure, publish_acked
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, SettingsError, load
 from shared.storage import Storage
@@ -120,6 +120,29 @@ async def test_killing_the_telemetry_stream_leader_loses_and_doubles_no_entry(
         assert publisher.retries > 0  # the leader's loss was felt, and ridden out
     finally:
         killed.restart()
+
+
+async def test_a_write_rides_out_the_election_of_its_streams_new_leader(
+    nc: Client, cluster: list[EmbeddedNats]
+) -> None:
+    layout, js = Layout(replicas=3), nc.jetstream()
+    await ensure(js, layout)
+    await _until_held(nc, layout, 3)
+    stream = layout.tasks_stream.name
+    placed = (await js.stream_info(stream)).cluster
+    assert placed is not None
+    leader = next(s for s in cluster if s.store_dir.name == placed.leader)
+    assert leader.pid is not None
+    os.kill(leader.pid, signal.SIGKILL)
+    try:
+        subject = layout.subjects.tasks("i")
+        stored = await publish_acked(js, subject, b"{}", msg_id="task-1")
+        again = await publish_acked(js, subject, b"{}", msg_id="task-1")  # a client's retry
+        assert again.duplicate
+        assert again.seq == stored.seq
+        assert (await js.stream_info(stream)).state.messages == 1
+    finally:
+        leader.restart()
 
 
 async def test_a_stream_whose_only_copy_is_gone_makes_storage_fail_naming_it(

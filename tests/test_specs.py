@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
+from services.ranktable.placement import runner_id
 from shared.model_shape import ModelShape, UnreadableModelError, read_shape
 from shared.specs import SpecError, validate
+from shared.subjects import token
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 from shared.wire import ComputeInfo, Nodepool, Worker
 from tests.ranktable.builders import GiB, runner
@@ -73,6 +75,8 @@ def test_unknown_nodepool_is_accepted() -> None:
         ({"id": "a/b"}, "holds '/' or a control character"),
         ({"id": "a\tb"}, "holds '/' or a control character"),
         ({"id": ".."}, "is '.' or '..'"),
+        ({"id": "x" * 481}, "must leave 32 of 512 characters for the ids of its instances"),
+        ({"id": "é" * 81}, "must leave 32 of 512"),  # 6 escaped characters each
         ({"worker": Worker()}, "worker.model.id is required"),
         ({"compute_info": ComputeInfo(num_accelerators=0)}, "num_accelerators must be at least 1"),
         ({"num_replicas": 1, "min_replicas": 2}, r"min_replicas \(2\) exceeds num_replicas \(1\)"),
@@ -105,6 +109,11 @@ def test_unknown_nodepool_is_accepted() -> None:
 def test_bad_specs_are_refused_with_a_reason(changes: dict[str, Any], reason: str) -> None:
     with pytest.raises(SpecError, match=reason):
         validate(runner(**changes))
+
+
+def test_the_longest_id_accepted_makes_runner_ids_that_name_subjects() -> None:
+    spec = validate(runner(id="x" * 480))
+    token(runner_id(spec.instance_id(99), attempt=123456, rank=255))  # no IdTooLongError
 
 
 def test_digest_changes_with_shape_not_with_count() -> None:

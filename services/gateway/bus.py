@@ -15,7 +15,7 @@ from nats.js.kv import KeyValue
 
 from shared.connection import REACH_CHECK_S, Reachability
 from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER, VERSION_HEADER
-from shared.jetstream import Layout
+from shared.jetstream import Layout, publish_acked
 from shared.replay import follow, follow_bucket
 from shared.subjects import token, untoken
 from shared.timestamps import now, parse_ts
@@ -203,9 +203,9 @@ class Bus:
             raise BusError(503, f"NATS write failed: {exc}") from None
 
     async def publish(self, subject: str, payload: bytes, msg_id: str) -> None:
-        """Publish to JetStream and wait for the ack."""
+        """Publish to JetStream and wait for the ack (through a leader election)."""
         try:
-            await self.js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id})
+            await publish_acked(self.js, subject, payload, msg_id=msg_id)
         except (NatsError, TimeoutError) as exc:
             raise BusError(503, f"NATS publish failed: {exc}") from None
 

@@ -30,7 +30,7 @@ from services.ranktable.tables import rank_table
 from shared.deadletter import DeadLetters
 from shared.headers import VERSION_HEADER
 from shared.inputs import BadInputError, parse_telemetry
-from shared.jetstream import Layout
+from shared.jetstream import Layout, publish_acked
 from shared.model_shape import ModelShape, Unsupported
 from shared.replay import Follower, follow, follow_bucket
 from shared.specs import PlacementSpec, SpecError, validate
@@ -428,7 +428,7 @@ class RankTableService:
         self, event: InstanceCreated | InstanceReleased, msg_id: str
     ) -> None:
         subject = self._layout.subjects.placement(event.instanceId)
-        ack = await self._js.publish(subject, encode(event), headers={"Nats-Msg-Id": msg_id})
+        ack = await publish_acked(self._js, subject, encode(event), msg_id=msg_id)
         self._state = apply_placement(self._state, event, ack.seq)
 
     def _jobs(self) -> set[str]:
@@ -446,10 +446,12 @@ class RankTableService:
                 continue
             version += 1
             wire = RankTableStream(jobId=job_id, rankTable=encode(table).decode())
-            await self._js.publish(
+            await publish_acked(
+                self._js,
                 self._layout.subjects.ranktable(job_id),
                 encode(wire),
-                headers={"Nats-Msg-Id": f"{job_id}:{version}", VERSION_HEADER: str(version)},
+                msg_id=f"{job_id}:{version}",
+                headers={VERSION_HEADER: str(version)},
             )
             self._tables[job_id] = (version, table)
             self._hub.publish(job_id, version, wire)
