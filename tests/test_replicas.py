@@ -194,6 +194,32 @@ async def test_ensure_gives_up_in_one_line_when_jetstream_never_answers(
         await close(nc)
 
 
+async def test_two_of_three_servers_lost_and_back_leave_every_stream_storing(
+    nc: Client, cluster: list[EmbeddedNats]
+) -> None:
+    layout, js = Layout(replicas=3), nc.jetstream()
+    await ensure(js, layout)
+    await _until_held(nc, layout, 3)
+    storage = Storage(js, layout.subjects.canary("test"), timeout=1.0, streams=layout.stream_names)
+    assert await storage.check()
+    lost = cluster[1:]
+    for server in lost:
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+    for _ in range(50):  # the survivor notices its peers are gone
+        if not await storage.check():
+            break
+    assert any(f"stream {name}" in storage.reason for name in layout.stream_names)
+    for server in lost:
+        server.restart()
+    for _ in range(100):
+        if await storage.check():
+            break
+        await asyncio.sleep(0.5)
+    assert storage.storing, storage.reason
+    await _until_held(nc, layout, 3)
+
+
 def test_the_setting_takes_what_jetstream_can_keep(tmp_path: Path) -> None:
     assert load(None, {"RANKSCOPE_REPLICAS": "3"}).replicas == 3
     with pytest.raises(SettingsError, match="at most 5 copies"):
