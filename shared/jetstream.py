@@ -296,6 +296,8 @@ class Layout:
 
 _STREAM_NAME_IN_USE = 10058
 """JetStream's error for a stream made again with another configuration."""
+_NO_PEERS = 10005
+"""JetStream's error for a stream whose replicas it cannot place: too few servers up."""
 
 
 ELECTION_S = 10.0
@@ -316,10 +318,22 @@ class LayoutError(RuntimeError):
     not answer at all."""
 
 
-def _refused(stream: StreamSpec, error: APIError) -> LayoutError:
-    size = f"reserving {stream.max_bytes:,} bytes" if stream.max_bytes > 0 else "no reservation"
+class _UnplacedError(Exception):
+    """A stream JetStream cannot place on enough servers yet, in words."""
+
+
+def _refused(stream: StreamSpec | BucketSpec, error: APIError) -> Exception:
+    name = stream.name if isinstance(stream, StreamSpec) else stream.stream_name
+    if error.err_code == _NO_PEERS:
+        return _UnplacedError(
+            f"JetStream cannot place stream {name} on {stream.replicas} servers: "
+            f"{error.description}; start more of the cluster's servers, or lower "
+            "RANKSCOPE_REPLICAS"
+        )
+    reserved = stream.max_bytes if isinstance(stream, StreamSpec) else 0
+    size = f"reserving {reserved:,} bytes" if reserved > 0 else "no reservation"
     return LayoutError(
-        f"JetStream refused stream {stream.name} ({size}): {error.description}; free space "
+        f"JetStream refused stream {name} ({size}): {error.description}; free space "
         "in the server's store, or lower --telemetry-max-bytes"
     )
 
@@ -342,14 +356,15 @@ async def ensure(
         try:
             await _ensure_once(js, layout)
             return
-        except _UNANSWERED as exc:
-            reason = str(exc) or type(exc).__name__
+        except (*_UNANSWERED, _UnplacedError) as exc:
+            if isinstance(exc, _UnplacedError):
+                reason = str(exc)
+            else:
+                reason = f"JetStream did not answer: {exc or type(exc).__name__}"
             if time.monotonic() >= deadline:
-                raise LayoutError(
-                    f"JetStream did not answer within {patience:g}s: {reason}"
-                ) from None
+                raise LayoutError(f"after {patience:g}s: {reason}") from None
             if not told:
-                log.warning("JetStream does not answer yet (%s); trying again", reason)
+                log.warning("%s; trying again for up to %gs", reason, patience)
                 told = True
             await asyncio.sleep(1.0)
 
@@ -382,13 +397,20 @@ async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
             try:
                 await js.create_key_value(bucket.config())
                 log.info("created bucket %s", bucket.bucket)
-            except BadRequestError as exc:
-                if exc.err_code != _STREAM_NAME_IN_USE:
+            except APIError as exc:
+                if exc.err_code == _NO_PEERS:
+                    raise _refused(bucket, exc) from None
+                if not isinstance(exc, BadRequestError) or exc.err_code != _STREAM_NAME_IN_USE:
                     raise
                 # another service made it meanwhile, and already refused rollups on it
             info = await js.stream_info(bucket.stream_name)
         if bucket.differs_from(info.config):
-            await js.update_stream(bucket.applied_to(info.config))
+            try:
+                await js.update_stream(bucket.applied_to(info.config))
+            except ServiceUnavailableError:
+                raise
+            except APIError as exc:
+                raise _refused(bucket, exc) from None
             log.info("updated bucket %s", bucket.bucket)
 
 
