@@ -382,14 +382,7 @@ async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
                 raise _refused(stream, exc) from None
             log.info("created stream %s", stream.name)
             continue
-        if stream.differs_from(info.config):
-            try:
-                await js.update_stream(stream.applied_to(info.config))
-            except ServiceUnavailableError:
-                raise
-            except APIError as exc:
-                raise _refused(stream, exc) from None
-            log.info("updated stream %s", stream.name)
+        await _update(js, stream, info.config, f"stream {stream.name}")
     for bucket in layout.buckets:
         try:
             info = await js.stream_info(bucket.stream_name)
@@ -404,14 +397,22 @@ async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
                     raise
                 # another service made it meanwhile, and already refused rollups on it
             info = await js.stream_info(bucket.stream_name)
-        if bucket.differs_from(info.config):
-            try:
-                await js.update_stream(bucket.applied_to(info.config))
-            except ServiceUnavailableError:
-                raise
-            except APIError as exc:
-                raise _refused(bucket, exc) from None
-            log.info("updated bucket %s", bucket.bucket)
+        await _update(js, bucket, info.config, f"bucket {bucket.bucket}")
+
+
+async def _update(
+    js: JetStreamContext, spec: StreamSpec | BucketSpec, current: StreamConfig, what: str
+) -> None:
+    """Give an existing stream `spec`'s limits and copies, where they differ."""
+    if not spec.differs_from(current):
+        return
+    try:
+        await js.update_stream(spec.applied_to(current))
+    except ServiceUnavailableError:
+        raise
+    except APIError as exc:
+        raise _refused(spec, exc) from None
+    log.info("updated %s", what)
 
 
 async def publish_acked(
