@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from shared.partitions import MAX_PARTITIONS, Partition
 from shared.quantity import parse_bytes
 
 __all__ = [
@@ -97,6 +98,23 @@ def _replicas(text: str) -> int:
     return value
 
 
+def _partitions(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_PARTITIONS:
+        raise ValueError(f"expected at most {MAX_PARTITIONS} partitions, got {value}")
+    return value
+
+
+def _index(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"expected 0 or more, got {value}")
+    return value
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()
@@ -159,6 +177,15 @@ class Settings:
     replicas: int = _setting(
         1, _replicas, "Copies of every stream and bucket: 3 on a NATS cluster (one may fail)."
     )
+    aggregator_partitions: int = _setting(
+        1,
+        _partitions,
+        "Partitions the instances are spread over, each folded by its own aggregators; "
+        "the gateway asks every partition.",
+    )
+    aggregator_partition: int = _setting(
+        0, _index, "The partition this aggregator folds (0 to aggregator_partitions - 1)."
+    )
     telemetry_max_age: float = _setting(7 * 86400.0, _duration, "Telemetry retention (age).")
     telemetry_max_bytes: int = _setting(1 << 30, _size, "Telemetry retention (bytes).")
     telemetry_max_msgs_per_subject: int = _setting(
@@ -213,6 +240,19 @@ class Settings:
     log_level: str = _setting(
         "info", _choice("debug", "info", "warning", "error"), "Lowest level logged."
     )
+
+    def __post_init__(self) -> None:
+        if self.aggregator_partition >= self.aggregator_partitions:
+            raise SettingsError(
+                f"{env_name('aggregator_partition')}: expected 0 to "
+                f"{self.aggregator_partitions - 1} with {self.aggregator_partitions} "
+                f"partitions, got {self.aggregator_partition}"
+            )
+
+    @property
+    def partition(self) -> Partition:
+        """The instances this aggregator folds and answers for."""
+        return Partition(self.aggregator_partition, self.aggregator_partitions)
 
     @property
     def nats_servers(self) -> list[str]:

@@ -171,13 +171,26 @@ class Subjects:
         """Requests of one kind to every agent."""
         return f"{self.prefix}.node.*.{kind}"
 
-    def query(self, view: str) -> str:
-        """Request to the aggregator for one view."""
-        return f"{self.prefix}.query.{token(view)}"
+    def query(self, view: str, index: int = 0, count: int = 1) -> str:
+        """Request for one view to the aggregators of partition `index` of `count`:
+        `<prefix>.query.<view>`, and `<prefix>.query.<view>.<index>-of-<count>` when the
+        instances are partitioned."""
+        subject = f"{self.prefix}.query.{token(view)}"
+        return subject if count == 1 else f"{subject}.{index}-of-{count}"
 
     def query_all(self) -> str:
-        """Requests to the aggregator for any view."""
-        return f"{self.prefix}.query.*"
+        """Requests to the aggregators for any view, of any partition."""
+        return f"{self.prefix}.query.>"
+
+    def instance_token(self, subject: str) -> str | None:
+        """The instance token of a telemetry, placement or task subject; None for others."""
+        head = f"{self.prefix}."
+        rest = subject[len(head) :].split(".") if subject.startswith(head) else []
+        if len(rest) >= 4 and rest[0] == "runner":
+            return rest[2]
+        if len(rest) >= 2 and rest[0] in ("placement", "tasks"):
+            return rest[1]
+        return None
 
     def output(self, command_id: str, node_id: str) -> str:
         """Generated token chunks of one command (core NATS), from the node of its

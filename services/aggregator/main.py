@@ -28,6 +28,8 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         js = nc.jetstream()
         layout = Layout.from_settings(settings)
         await ensure(js, layout)
+        part = settings.partition
+        kept = f"aggregator-{layout.subjects.prefix}" + ("" if part.whole else f"-{part.name}")
         store = EntryStore(per_runner=settings.retention_per_runner, total=settings.retention_total)
         service = AggregatorService(
             nc=nc,
@@ -42,12 +44,11 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             # its last heartbeat, releases what ran on it
             probe_interval=min(2.0, settings.heartbeat_ttl / 4),
             probe_timeout=min(1.0, settings.heartbeat_ttl / 4),
-            snapshots=SnapshotFile(
-                Path(settings.data_dir) / f"aggregator-{layout.subjects.prefix}.snapshot"
-            )
+            snapshots=SnapshotFile(Path(settings.data_dir) / f"{kept}.snapshot")
             if settings.snapshots
             else None,
             snapshot_interval=settings.snapshot_interval,
+            partition=part,
         )
         await service.run(stop)
 

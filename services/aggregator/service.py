@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
+from nats.micro.service import Service
 
 from services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from services.aggregator.snapshot import Position, SnapshotFile, capture, restore
@@ -35,6 +36,7 @@ from shared.inputs import (
     parse_telemetry,
 )
 from shared.jetstream import Layout
+from shared.partitions import Partition
 from shared.replay import Follower, follow, follow_bucket, stored_ns
 from shared.storage import Storage
 from shared.subjects import AGGREGATOR_SERVICE, kv_key, untoken
@@ -109,6 +111,7 @@ class AggregatorService:
         probe_timeout: overall deadline of one round of those requests.
         snapshots: where the folded state is kept between restarts (None: replay in full).
         snapshot_interval: seconds between snapshots, taken when something changed.
+        partition: the instances it folds and answers for (all by default).
         clock: monotonic seconds.
     """
 
@@ -125,11 +128,13 @@ class AggregatorService:
         probe_timeout: float = 1.0,
         snapshots: SnapshotFile | None = None,
         snapshot_interval: float = 30.0,
+        partition: Partition | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nc = nc
         self._js = js
         self._layout = layout
+        self.partition = partition or Partition()
         self.state = state
         self._node_id = node_id
         self._thresholds = thresholds or Thresholds()
@@ -175,7 +180,13 @@ class AggregatorService:
     def _reject(self, msg: Msg, error: BadInputError) -> None:
         self.dead_letters.reject(msg.subject, msg.data, error.kind, error)
 
+    def _foreign(self, msg: Msg) -> bool:
+        """Whether the message is of an instance of another partition (not decoded)."""
+        return not self.partition.owns_subject(msg.subject, self._layout.subjects)
+
     async def _on_telemetry(self, msg: Msg) -> None:
+        if self._foreign(msg):
+            return
         try:
             event = parse_telemetry(msg.data, msg.subject, self._layout.subjects)
             self.state.apply_telemetry(event, msg.data, stored_ns(msg.reply))
@@ -183,6 +194,8 @@ class AggregatorService:
             self._reject(msg, exc)
 
     async def _on_placement(self, msg: Msg) -> None:
+        if self._foreign(msg):
+            return
         try:
             event = parse_placement(msg.data)
         except BadInputError as exc:
@@ -192,6 +205,8 @@ class AggregatorService:
         self._placed_at[event.instanceId] = self._clock()
 
     async def _on_task(self, msg: Msg) -> None:
+        if self._foreign(msg):
+            return
         try:
             self.state.apply_task(parse_task(msg.data))
         except BadInputError as exc:
@@ -200,18 +215,6 @@ class AggregatorService:
     async def run(self, stop: asyncio.Event) -> None:
         """Rebuild from the streams, then follow them until `stop` is set."""
         subjects = self._layout.subjects
-        queries = await add_service(
-            self._nc,
-            name=AGGREGATOR_SERVICE,
-            version=SERVICE_VERSION,
-            description="Cross-rank views of every runner's flight recorder",
-        )
-        for view in VIEWS:
-            await queries.add_endpoint(
-                name=view,
-                subject=subjects.query(view),
-                handler=functools.partial(self._answer, view),
-            )
         after = await self._restore()
         folded = {
             self._layout.placement_stream.name: (subjects.placement_all(), self._on_placement),
@@ -229,8 +232,10 @@ class AggregatorService:
         for follower in followers:
             await follower.caught_up.wait()
         self.ready.set()
+        queries = await self._serve_queries()
         log.info(
-            "aggregator caught up: %d entries from %d runners",
+            "aggregator of partition %s caught up: %d entries from %d runners",
+            self.partition,
             self.state.store.size,
             len(self.state.runners),
         )
@@ -249,6 +254,25 @@ class AggregatorService:
         await queries.stop()
         for follower in followers:
             await follower.stop()
+
+    async def _serve_queries(self) -> Service:
+        """Answer queries from now on: it joins its partition's queue group only once its
+        views are built, so a restarted twin never answers in place of a ready one."""
+        part = self.partition
+        queries = await add_service(
+            self._nc,
+            name=AGGREGATOR_SERVICE,
+            version=SERVICE_VERSION,
+            description="Cross-rank views of every runner's flight recorder",
+            metadata={"partition": str(part)},
+        )
+        for view in VIEWS:
+            await queries.add_endpoint(
+                name=view,
+                subject=self._layout.subjects.query(view, part.index, part.count),
+                handler=functools.partial(self._answer, view),
+            )
+        return queries
 
     # Snapshots
 
@@ -478,7 +502,10 @@ class AggregatorService:
             for finding in [*appeared, *cleared]:
                 verb = "open" if finding.open else "cleared"
                 log.warning("finding %s %s: %s", finding.kind.value, verb, finding.summary)
-            self._unpublished.extend([*cleared, *appeared])
+            # each partition sees the installation's own findings (NATS out): one says so
+            self._unpublished.extend(
+                f for f in [*cleared, *appeared] if f.instanceId or self.partition.index == 0
+            )
             while self._unpublished and self.reach.reachable:
                 finding = self._unpublished[0]
                 try:
@@ -526,7 +553,11 @@ class AggregatorService:
             return
         if was_out:
             self._after_outage()
-        targets = sorted(self.state.placed_nodes() | set(self._heartbeats))
+        # the nodes of its instances, and of the others a share: each node is probed for
+        # its own sake by one partition
+        targets = sorted(
+            self.state.placed_nodes() | {n for n in self._heartbeats if self.partition.owns(n)}
+        )
         answers = await asyncio.gather(*(self._probe(n) for n in targets))
         if None in answers and not await self.reach.check():
             return
@@ -588,7 +619,7 @@ class AggregatorService:
         task.add_done_callback(self._heavy.discard)
 
     def _heavy_timeline_query(self, view: str, data: bytes) -> TimelineQuery | None:
-        if view != "timeline" or not self.ready.is_set():
+        if view != "timeline":
             return None
         try:
             query = decode(data, TimelineQuery)
@@ -634,8 +665,6 @@ class AggregatorService:
     def _query(self, view: str, data: bytes) -> bytes:
         if view == "health":
             return encode(self.health())
-        if not self.ready.is_set():
-            raise _failed(503, "the aggregator is still rebuilding its views")
         try:
             if view == "timeline":
                 return self._timeline(data)
@@ -702,6 +731,7 @@ class AggregatorService:
         """Readiness and counters, for /readyz and /metrics."""
         return {
             "ready": self.ready.is_set() and self.reach.reachable and self.storage.storing,
+            "partition": str(self.partition),
             "storageProblem": self.storage.why(),
             "natsReachable": self.reach.reachable,
             "natsOutages": self.reach.outages,

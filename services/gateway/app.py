@@ -25,6 +25,7 @@ from services.gateway.bus import Bus, BusError
 from services.gateway.metrics import RequestMetrics
 from services.gateway.responses import ERRORS, Json, openapi_components
 from services.gateway.routes import chat, cluster, jobs, models, ops, runners, skulk
+from services.gateway.scatter import MissingPartitions
 from shared.connection import close, connect
 from shared.host import hostname
 from shared.jetstream import Layout, LayoutError, ensure
@@ -112,6 +113,7 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
                 layout=layout,
                 timeout=settings.request_timeout,
                 local_node=settings.node_id or hostname(),
+                partitions=settings.aggregator_partitions,
             )
 
         # Serve at once when NATS is slow to answer (not ready meanwhile), so that the
@@ -160,6 +162,7 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
         problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
         return Json({"detail": "; ".join(problems)}, status_code=422)
 
+    app.add_middleware(MissingPartitions)
     app.add_middleware(LimitsAndMetrics, metrics=app.state.metrics)
 
     def openapi() -> dict[str, Any]:

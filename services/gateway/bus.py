@@ -13,6 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from services.gateway.scatter import merge, with_missing
 from shared.connection import REACH_CHECK_S, Reachability
 from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER, VERSION_HEADER
 from shared.jetstream import Layout, publish_acked
@@ -50,8 +51,12 @@ class BusError(Exception):
 class Bus:
     """The gateway's NATS connection and the buckets and streams it reads and writes."""
 
-    def __init__(self, *, nc: Client, layout: Layout, timeout: float, local_node: str) -> None:
+    def __init__(
+        self, *, nc: Client, layout: Layout, timeout: float, local_node: str, partitions: int = 1
+    ) -> None:
         self.nc = nc
+        self.partitions = partitions
+        """How many partitions the aggregators split the instances into (each asked)."""
         self.local_node = local_node
         """The node this gateway runs on: `localNodeId` of its answers (there is no master)."""
         self.js: JetStreamContext = nc.jetstream(timeout=timeout)
@@ -67,22 +72,78 @@ class Bus:
         """Whether the NATS connection is up."""
         return bool(self.nc.is_connected)
 
-    async def query(self, view: str, body: Any = None) -> bytes:
-        """Ask the aggregator for a view; its JSON as bytes.
+    async def query(self, view: str, body: dict[str, Any] | None = None) -> bytes:
+        """Ask the aggregators for a view; its JSON as bytes. With partitions, every one is
+        asked at once and the answers merged; a partition that does not answer leaves a
+        partial answer that names it (`scatter.with_missing`).
 
         Raises:
-            BusError: 503 when nobody answers in time (saying so when NATS itself does
-                not), else the aggregator's own status.
+            BusError: 503 when no partition answers in time (saying so when NATS itself
+                does not), else the aggregators' own status.
         """
-        subject = self.layout.subjects.query(view)
+        body = body or {}
+        if self.partitions == 1:
+            return await self._ask(self.layout.subjects.query(view), body, "the aggregator")
+        count = self.partitions
+        results = await asyncio.gather(
+            *(
+                self._ask(
+                    self.layout.subjects.query(view, i, count),
+                    body,
+                    f"the aggregator of partition {i}/{count}",
+                )
+                for i in range(count)
+            ),
+            return_exceptions=True,
+        )
+        answers: list[bytes] = []
+        missing: dict[int, str] = {}
+        refused: list[BusError] = []
+        for i, result in enumerate(results):
+            if isinstance(result, bytes):
+                answers.append(result)
+            elif isinstance(result, BusError) and result.status >= 500:
+                missing[i] = result.detail
+            elif isinstance(result, BusError):
+                refused.append(result)
+            else:
+                raise result
+        if view == "placement" and body.get("runnerId") is not None:
+            return self._one_placement(answers, missing, refused)
+        if refused:
+            raise refused[0]  # a bad query: every partition says the same
+        if not answers:
+            raise BusError(503, "; ".join(missing.values()))
+        return with_missing(merge(view, body, answers), missing)
+
+    @staticmethod
+    def _one_placement(
+        answers: list[bytes], missing: dict[int, str], refused: list[BusError]
+    ) -> bytes:
+        """One runner's placement: from the partition that holds it (the others: 404)."""
+        if answers:
+            return answers[0]
+        for refusal in refused:
+            if refusal.status != 404:
+                raise refusal
+        if missing:
+            shown = ", ".join(f"{i}" for i in missing)
+            raise BusError(
+                503,
+                f"{refused[0].detail if refused else 'not found'} in the partitions that "
+                f"answered; partition {shown} did not: {'; '.join(missing.values())}",
+            )
+        raise refused[0]
+
+    async def _ask(self, subject: str, body: dict[str, Any], who: str) -> bytes:
         try:
-            reply = await self.nc.request(subject, encode(body or {}), timeout=self.timeout)
+            reply = await self.nc.request(subject, encode(body), timeout=self.timeout)
         except NoRespondersError:
-            raise BusError(503, "the aggregator is not running") from None
+            raise BusError(503, f"{who} is not running, or still rebuilding its views") from None
         except (NatsError, TimeoutError):
             if not await self.reach.check():
                 raise BusError(503, self.reach.why()) from None
-            raise BusError(503, f"the aggregator did not answer within {self.timeout:g}s") from None
+            raise BusError(503, f"{who} did not answer within {self.timeout:g}s") from None
         code = (reply.headers or {}).get(ERROR_CODE_HEADER)
         if code is not None:
             detail = (reply.headers or {}).get(ERROR_HEADER, "")

@@ -31,12 +31,21 @@ __all__ = ["demo_model", "run"]
 
 log = logging.getLogger("rankscope.up")
 
-SERVICES = (
-    ChildSpec("aggregator", ["aggregator"]),
-    ChildSpec("ranktable", ["ranktable"]),
-    ChildSpec("gateway", ["gateway"]),
-)
-"""The services `up` runs; each is a `rankscope` subcommand."""
+
+def services(settings: Settings) -> tuple[ChildSpec, ...]:
+    """The services `up` runs, each a `rankscope` subcommand: an aggregator per partition."""
+    count = settings.aggregator_partitions
+    aggregators = (
+        ChildSpec(
+            f"aggregator {i}/{count}", ["aggregator"], {env_name("aggregator_partition"): str(i)}
+        )
+        for i in range(count)
+    )
+    return (
+        *(aggregators if count > 1 else [ChildSpec("aggregator", ["aggregator"])]),
+        ChildSpec("ranktable", ["ranktable"]),
+        ChildSpec("gateway", ["gateway"]),
+    )
 
 
 DEMO_NODES = ("node-a", "node-b")
@@ -138,7 +147,7 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    children = SERVICES + (demo_agents(settings) if demo else ())
+    children = services(settings) + (demo_agents(settings) if demo else ())
     async with contextlib.AsyncExitStack() as stack:
         servers = settings.nats_servers
         watch = f"nats sub '{Subjects(settings.subject_prefix).everything()}'"

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -37,12 +37,18 @@ class Stack:
     layout: Layout
     nc: Client
     http: httpx.AsyncClient
-    aggregator_stop: asyncio.Event
-    aggregator_task: asyncio.Task[None]
+    aggregators: dict[int, tuple[asyncio.Event, asyncio.Task[None]]] = field(default_factory=dict)
+    """The running aggregator of each partition: its stop event and task."""
 
-    async def stop_aggregator(self) -> None:
-        self.aggregator_stop.set()
-        await self.aggregator_task
+    def start_aggregator(self, partition: int = 0) -> None:
+        stop = asyncio.Event()
+        configured = replace(self.settings, aggregator_partition=partition)
+        self.aggregators[partition] = stop, asyncio.create_task(aggregator(configured, stop))
+
+    async def stop_aggregator(self, partition: int = 0) -> None:
+        stop, task = self.aggregators.pop(partition)
+        stop.set()
+        await task
 
 
 async def _ready(http: httpx.AsyncClient) -> None:
@@ -68,9 +74,8 @@ async def stack_for(nc: Client, settings: Settings, layout: Layout) -> AsyncIter
         kv = await nc.jetstream().key_value(layout.nodes_bucket.bucket)
         for info in (node_info("node-a", 24), node_info("node-b", 8)):
             await kv.put(token(info.nodeId), encode(info))
-        stop, agg_stop = asyncio.Event(), asyncio.Event()
+        stop = asyncio.Event()
         tasks = [asyncio.create_task(ranktable(configured, stop))]
-        agg_task = asyncio.create_task(aggregator(configured, agg_stop))
         server = uvicorn.Server(
             uvicorn.Config(
                 create_app(configured),
@@ -81,7 +86,9 @@ async def stack_for(nc: Client, settings: Settings, layout: Layout) -> AsyncIter
         )
         tasks.append(asyncio.create_task(server.serve()))
         http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{configured.gateway_port}", timeout=10)
-        built = Stack(configured, layout, nc, http, agg_stop, agg_task)
+        built = Stack(configured, layout, nc, http)
+        for partition in range(configured.aggregator_partitions):
+            built.start_aggregator(partition)
         await _ready(http)
         started.append((stop, tasks, server, built))
         return built
@@ -91,6 +98,6 @@ async def stack_for(nc: Client, settings: Settings, layout: Layout) -> AsyncIter
         await built.http.aclose()
         server.should_exit = True
         stop.set()
-        if not built.aggregator_task.done():
-            await built.stop_aggregator()
+        for partition in list(built.aggregators):
+            await built.stop_aggregator(partition)
         await asyncio.gather(*tasks)

@@ -284,7 +284,7 @@ async def test_aggregator_down_means_503_with_a_reason_not_a_hang(stack_for: Any
     await stack.stop_aggregator()
     reply = await stack.http.get("/v1/cluster/timeline")
     assert reply.status_code == 503
-    assert reply.json()["detail"] == "the aggregator is not running"
+    assert reply.json()["detail"] == "the aggregator is not running, or still rebuilding its views"
     ready = await stack.http.get("/readyz")
     assert ready.status_code == 503
 

@@ -44,6 +44,9 @@ async def readyz(request: Request) -> Json:
         health = json.loads(await nats.query("health"))
     except BusError as exc:
         return Json({"status": "unavailable", "reason": exc.detail}, status_code=503)
+    if missing := health.get("missingPartitions"):
+        reason = "; ".join(f"partition {m['partition']}: {m['reason']}" for m in missing)
+        return Json({"status": "unavailable", "reason": reason}, status_code=503)
     if not health.get("natsReachable", True):
         return Json(
             {"status": "unavailable", "reason": "the aggregator cannot reach NATS"},
@@ -85,5 +88,12 @@ async def metrics(request: Request, nats: Nats) -> Response:
         families.append(gauge("rankscope_aggregator_up", "Whether the aggregator answered.", 0))
     else:
         families.append(gauge("rankscope_aggregator_up", "Whether the aggregator answered.", 1))
+        families.append(
+            gauge(
+                "rankscope_aggregator_partitions_missing",
+                "Aggregator partitions that did not answer (their instances are not shown).",
+                len(health.get("missingPartitions", [])),
+            )
+        )
         families += cluster_families(health, timeline, diagnosis, history)
     return Response(exposition(request.app.state.metrics, families), media_type=CONTENT_TYPE_LATEST)

@@ -258,11 +258,13 @@ async function refresh() {
     draw();
     const drawn = performance.now();
     const lost = timeline.unreachableNodes.map((u) => `${u.nodeId}: ${u.error}`).join("; ");
+    const partial = (timeline.missingPartitions || []).map((m) => `${m.partition}: ${m.reason}`).join("; ");
     document.getElementById("status").textContent =
       `${timeline.runners.length} ranks · ${timeline.timeline.length} entries · ` +
       `fetched in ${Math.round(fetched - started)} ms, drawn in ${Math.round(drawn - fetched)} ms · ` +
       new Date().toLocaleTimeString() +
-      (lost ? ` · unreachable: ${lost}` : "");
+      (lost ? ` · unreachable: ${lost}` : "") +
+      (partial ? ` · partial, partitions missing: ${partial}` : "");
   } catch (error) {
     document.getElementById("status").textContent = `error: ${error.message}`;
   }
