@@ -65,14 +65,22 @@ def _flag_value(text: str) -> bool:
     return value in {"1", "true", "yes", "on"}
 
 
-def _positive_int(text: str) -> int:
+def _whole(text: str, least: int, wanted: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise ValueError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"expected a positive number, got {value}")
+    if value < least:
+        raise ValueError(f"expected {wanted}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, 1, "a positive number")
+
+
+def _index(text: str) -> int:
+    return _whole(text, 0, "0 or more")
 
 
 def _size(text: str) -> int:
@@ -102,16 +110,6 @@ def _partitions(text: str) -> int:
     value = _positive_int(text)
     if value > MAX_PARTITIONS:
         raise ValueError(f"expected at most {MAX_PARTITIONS} partitions, got {value}")
-    return value
-
-
-def _index(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"expected 0 or more, got {value}")
     return value
 
 
