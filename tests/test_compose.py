@@ -15,6 +15,7 @@ import yaml
 from services.cli import build_parser
 from shared.jetstream import Layout
 from shared.nats_auth import password_variable, render
+from shared.partitions import Partition
 from shared.settings import Settings, env_name, load
 
 REPO = Path(__file__).parent.parent
@@ -147,3 +148,16 @@ def test_on_the_cluster_every_service_knows_every_server_and_keeps_three_copies(
         settings = load(None, {k: str(v) for k, v in env.items()})
         assert settings.replicas == 3, name
         assert (settings.nats_url or "").split(",") == [f"nats://{s}:4222" for s in SERVERS]
+
+
+def test_on_the_cluster_two_aggregator_partitions_serve_a_gateway_that_asks_both() -> None:
+    def settings(name: str) -> Settings:
+        base = COMPOSE["services"][name.removesuffix("-2")]["environment"]
+        env = {**base, **CLUSTER["services"][name]["environment"]}
+        return load(None, {k: str(v) for k, v in env.items()})
+
+    assert CLUSTER["services"]["aggregator-2"]["extends"]["service"] == "aggregator"
+    partitions = {settings(n).partition for n in ("aggregator", "aggregator-2")}
+    assert partitions == {Partition(0, 2), Partition(1, 2)}
+    assert settings("gateway").aggregator_partitions == 2
+    assert settings("aggregator-2").replicas == 3

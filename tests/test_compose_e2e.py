@@ -209,6 +209,14 @@ def test_on_a_nats_cluster_the_demo_outlives_a_server_and_says_when_a_stream_can
     _run(*cluster_project, "up", "-d", timeout=600)
     _until(_ready_ranks, 300, "two ranks ready")
     _chat()
+    assert "missingPartitions" not in _get("/v1/cluster/timeline?limit=1")
+    _run(*cluster_project, "kill", "aggregator-2")  # the partition of the demo's instance
+    _until(lambda: "partition 1" in _readiness()[1], 60, "a 503 naming the lost partition")
+    partial = _get("/v1/cluster/timeline?limit=1")
+    assert [m["partition"] for m in partial["missingPartitions"]] == [1]
+    _run(*cluster_project, "start", "aggregator-2")  # rebuilds from the streams
+    _until(_ready_ranks, 120, "the partition back with both ranks")
+    _chat()
     leader = SERVICES[_leader("RANKSCOPE_RUNNER")]
     _run(*cluster_project, "kill", leader)  # the telemetry stream's leader, abruptly
     command = _chat()  # served once the stream has a new leader
