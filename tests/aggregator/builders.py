@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from shared.partitions import partition_of
+from shared.subjects import token
 from shared.timestamps import format_ts
 from shared.wire import (
     FlightEntry,
@@ -88,3 +90,14 @@ def status(
     return RunnerStatusChanged(
         runner=ref, seq=seq, at=at(seq), statusKind=kind, processAlive=alive, pid=100, detail=detail
     )
+
+
+def instances_by_partition(count: int, per: int) -> dict[int, list[str]]:
+    """`per` instance ids of each of `count` partitions, of more than one alphabet."""
+    found: dict[int, list[str]] = {p: [] for p in range(count)}
+    for n in range(1000):
+        name = f"llm.{n} ü*"
+        owner = partition_of(token(name), count)
+        if len(found[owner]) < per:
+            found[owner].append(name)
+    return found

@@ -13,10 +13,9 @@ import httpx
 import pytest
 
 from services.gateway.scatter import MISSING_HEADER
-from shared.partitions import partition_of
-from shared.subjects import AGGREGATOR_SERVICE, token
+from shared.subjects import AGGREGATOR_SERVICE
 from shared.wire import Phase
-from tests.aggregator.builders import entries, placed, rank
+from tests.aggregator.builders import entries, instances_by_partition, placed, rank
 from tests.aggregator.running import publish
 from tests.gateway.conftest import Stack
 
@@ -25,17 +24,6 @@ pytestmark = pytest.mark.nats
 PARTITIONS = 2
 ENTRIES = 5
 """Entries per rank; rank r of the k-th instance writes them at seconds k*10 + r + i/10."""
-
-
-def _instances() -> dict[int, list[str]]:
-    """Two instance ids of each partition, their names of every alphabet."""
-    found: dict[int, list[str]] = {p: [] for p in range(PARTITIONS)}
-    for n in range(100):
-        name = f"llm.{n} ü*"
-        owner = partition_of(token(name), PARTITIONS)
-        if len(found[owner]) < 2:
-            found[owner].append(name)
-    return found
 
 
 async def _placed(stack: Stack, names: list[str]) -> None:
@@ -61,7 +49,7 @@ async def _until_entries(stack: Stack, count: int) -> httpx.Response:
 
 async def test_partitions_answer_as_one_and_name_the_missing_one(stack_for: Any) -> None:
     stack: Stack = await stack_for(aggregator_partitions=PARTITIONS)
-    owned = _instances()
+    owned = instances_by_partition(PARTITIONS, 2)
     names = sorted(n for ns in owned.values() for n in ns)
     await _placed(stack, names)
     whole = await _until_entries(stack, len(names) * 2 * ENTRIES)
@@ -130,7 +118,7 @@ async def test_every_partition_out_is_a_503_that_names_each(stack_for: Any) -> N
 
 async def test_two_aggregators_of_one_partition_share_its_queries(stack_for: Any) -> None:
     stack: Stack = await stack_for(aggregator_partitions=PARTITIONS)
-    names = [n for ns in _instances().values() for n in ns]
+    names = [n for ns in instances_by_partition(PARTITIONS, 2).values() for n in ns]
     await _placed(stack, names)
     await _until_entries(stack, len(names) * 2 * ENTRIES)
     spare = replace_partition(stack, 0)
