@@ -46,6 +46,7 @@ from shared.wire import (
     EvidenceRequest,
     Finding,
     FindingKind,
+    InstanceCreated,
     NodeDiagnostics,
     NodeEvidence,
     NodeInfo,
@@ -159,6 +160,8 @@ class AggregatorService:
             clock=clock,
         )
         self._placed_at: dict[str, float] = {}
+        self._placed_elsewhere: dict[str, set[str]] = {}
+        """The nodes of each instance of another partition."""
         self._heartbeats: dict[str, float] = {}
         self.clock_offsets: dict[str, float] = {}
         """Seconds each node's clock is ahead of the NATS server's (negative: behind)."""
@@ -194,12 +197,18 @@ class AggregatorService:
             self._reject(msg, exc)
 
     async def _on_placement(self, msg: Msg) -> None:
-        if self._foreign(msg):
-            return
+        foreign = self._foreign(msg)
         try:
             event = parse_placement(msg.data)
         except BadInputError as exc:
-            self._reject(msg, exc)
+            if not foreign:  # its own partition says so, once
+                self._reject(msg, exc)
+            return
+        if foreign:  # only where it runs: its nodes are probed by its own partition
+            if isinstance(event, InstanceCreated):
+                self._placed_elsewhere[event.instanceId] = {a.nodeId for a in event.assignments}
+            else:
+                self._placed_elsewhere.pop(event.instanceId, None)
             return
         self.state.apply_placement(event)
         self._placed_at[event.instanceId] = self._clock()
@@ -553,11 +562,11 @@ class AggregatorService:
             return
         if was_out:
             self._after_outage()
-        # the nodes of its instances, and of the others a share: each node is probed for
-        # its own sake by one partition
-        targets = sorted(
-            self.state.placed_nodes() | {n for n in self._heartbeats if self.partition.owns(n)}
-        )
+        # the nodes of its instances, and its share of the nodes no partition places on:
+        # every node is probed by one partition at least
+        elsewhere = set().union(*self._placed_elsewhere.values())
+        spare = {n for n in self._heartbeats if n not in elsewhere and self.partition.owns(n)}
+        targets = sorted(self.state.placed_nodes() | spare)
         answers = await asyncio.gather(*(self._probe(n) for n in targets))
         if None in answers and not await self.reach.check():
             return

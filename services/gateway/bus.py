@@ -17,6 +17,7 @@ from services.gateway.scatter import merge, with_missing
 from shared.connection import REACH_CHECK_S, Reachability
 from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER, VERSION_HEADER
 from shared.jetstream import Layout, publish_acked
+from shared.partitions import partition_of
 from shared.replay import follow, follow_bucket
 from shared.subjects import token, untoken
 from shared.timestamps import now, parse_ts
@@ -85,6 +86,12 @@ class Bus:
         if self.partitions == 1:
             return await self._ask(self.layout.subjects.query(view), body, "the aggregator")
         count = self.partitions
+        instance = body.get("instanceId")
+        asked = (
+            [partition_of(token(instance), count)]  # one instance: its partition alone
+            if isinstance(instance, str) and instance
+            else range(count)
+        )
         results = await asyncio.gather(
             *(
                 self._ask(
@@ -92,14 +99,14 @@ class Bus:
                     body,
                     f"the aggregator of partition {i}/{count}",
                 )
-                for i in range(count)
+                for i in asked
             ),
             return_exceptions=True,
         )
         answers: list[bytes] = []
         missing: dict[int, str] = {}
         refused: list[BusError] = []
-        for i, result in enumerate(results):
+        for i, result in zip(asked, results, strict=True):
             if isinstance(result, bytes):
                 answers.append(result)
             elif isinstance(result, BusError) and result.status >= 500:

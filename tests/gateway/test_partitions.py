@@ -90,6 +90,13 @@ async def test_partitions_answer_as_one_and_name_the_missing_one(stack_for: Any)
     listed = await stack.http.get("/v1/placement/runners")
     assert listed.headers[MISSING_HEADER] == "1"  # a list has no field: the header says it
     assert len(listed.json()) == len(owned[0]) * 2
+    alone = await _timeline(stack, instanceId=owned[0][0])  # asks its partition alone
+    assert alone.status_code == 200
+    assert MISSING_HEADER not in alone.headers
+    assert {r["instanceId"] for r in alone.json()["runners"]} == {owned[0][0]}
+    away = await _timeline(stack, instanceId=owned[1][0])
+    assert away.status_code == 503
+    assert "partition 1/2" in away.json()["detail"]
     lost = await stack.http.get(f"/v1/placement/runners/{owned[1][0]}-r0")
     assert lost.status_code == 503
     assert "partition 1" in lost.json()["detail"]

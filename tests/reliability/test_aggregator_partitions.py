@@ -96,7 +96,11 @@ async def _until(http: httpx.AsyncClient, count: int, missing: str | None) -> ht
     """The timeline once it holds `count` entries with `missing` partitions (60 s at most)."""
     answer = None
     for _ in range(600):
-        answer = await _timeline(http)
+        try:
+            answer = await _timeline(http)
+        except httpx.TransportError:  # the gateway is still starting
+            await asyncio.sleep(0.1)
+            continue
         if (
             answer.status_code == 200
             and answer.headers.get(MISSING_HEADER) == missing
