@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from shared.timestamps import now
 from shared.wire import TimelineQuery, decode, encode
 
-__all__ = ["MISSING_HEADER", "MissingPartitions", "merge", "with_missing"]
+__all__ = ["MISSING_HEADER", "MissingPartitions", "merge", "missing", "with_missing"]
 
 MISSING_HEADER = "Rankscope-Missing-Partitions"
 
@@ -156,6 +156,11 @@ def with_missing(answer: bytes, missing: dict[int, str]) -> bytes:
         return answer
     named = [MissingPartition(partition=i, reason=why) for i, why in sorted(missing.items())]
     return answer[:-1] + b',"missingPartitions":' + encode(named) + b"}"
+
+
+def missing() -> list[int]:
+    """The partitions missing from the answers the HTTP response being built used."""
+    return sorted(set(_missing.get() or []))
 
 
 class MissingPartitions:

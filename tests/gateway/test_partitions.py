@@ -100,6 +100,10 @@ async def test_partitions_answer_as_one_and_name_the_missing_one(stack_for: Any)
     lost = await stack.http.get(f"/v1/placement/runners/{owned[1][0]}-r0")
     assert lost.status_code == 503
     assert "partition 1" in lost.json()["detail"]
+    chat = {"model": "elsewhere", "messages": [{"role": "user", "content": "hi"}]}
+    unsure = await stack.http.post("/v1/chat/completions", json=chat)
+    assert unsure.status_code == 503  # not a 404: the model may be on the missing partition
+    assert "partition 1 did not" in unsure.json()["detail"]
     ready = await stack.http.get("/readyz")
     assert ready.status_code == 503
     assert "partition 1" in ready.json()["reason"]
@@ -107,6 +111,9 @@ async def test_partitions_answer_as_one_and_name_the_missing_one(stack_for: Any)
     assert "rankscope_aggregator_partitions_missing 1" in metrics
 
     stack.start_aggregator(1)  # replays its instances from the streams
+    await _until_entries(stack, len(names) * 2 * ENTRIES)
+    gone = await stack.http.post("/v1/chat/completions", json=chat)
+    assert gone.status_code == 404
     caught_up = await _until_entries(stack, len(names) * 2 * ENTRIES)
     assert MISSING_HEADER not in caught_up.headers
     assert caught_up.json()["timeline"] == whole.json()["timeline"]

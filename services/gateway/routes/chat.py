@@ -21,6 +21,7 @@ from services.gateway.bodies import strict
 from services.gateway.bus import Bus, BusError
 from services.gateway.deps import bus, writer
 from services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
+from services.gateway.scatter import missing
 from shared.settings import Settings
 from shared.timestamps import now
 from shared.wire import (
@@ -81,6 +82,9 @@ async def _body(request: Request) -> bytes:
 async def _instance(nats: Bus, model: str) -> InstanceState:
     states = decode(await nats.query("instances"), list[InstanceState])
     serving = [s for s in states if model in (s.runnerSpecId, s.modelId)]
+    if not serving and (away := missing()):
+        raise fail(503, f"no instance of {model!r} in the partitions that answered; "
+                        f"partition {', '.join(map(str, away))} did not")  # fmt: skip
     if not serving:
         raise fail(404, f"no instance serves model {model!r}")
     ready = [s for s in serving if s.ready]
@@ -190,7 +194,9 @@ def _settled(sending: asyncio.Task[None]) -> None:
 async def _ranks_alive(nats: Bus, instance_id: str) -> None:
     """A 502 naming the rank when a rank of the instance is lost (or the instance gone)."""
     try:
-        states = decode(await nats.query("instances"), list[InstanceState])
+        # of the instance's partition alone: an instance missing from the answer is gone
+        asked = {"instanceId": instance_id}
+        states = decode(await nats.query("instances", asked), list[InstanceState])
     except (BusError, WireError):
         return  # cannot tell now; the deadline still holds
     state = next((s for s in states if s.instanceId == instance_id), None)
