@@ -1,21 +1,24 @@
-"""A simulated cluster of 1,000 nodes x 8 ranks driven into the real aggregator.
+"""A simulated cluster of 10,000 nodes x 8 ranks driven into real aggregators: one, then
+the same load into several partitioned aggregators, each figure next to the other.
 
 Every simulated node is an agent's real publish path: one `TelemetryPublisher` (batches,
 `Nats-Msg-Id`, acks), a `Heartbeat` in the nodes bucket, and answers to the aggregator's
 live-diagnostics probes. Each node runs one 8-rank instance whose ranks move together
 through tasks (prompt build, KV lookup, prefill barrier and forward, decode barrier, one
 `decode_stream` entry per token, parser, idle), and every rank sends an MLX memory snapshot
-once a second. The aggregator is the real `rankscope aggregator` process.
+every `--memory-every` seconds. The aggregators are
+real `rankscope aggregator` processes (`RANKSCOPE_AGGREGATOR_PARTITION` each) behind a real
+`rankscope gateway`, which every query goes through.
 
 Measured while the load runs, from this process:
 - sustained events/s (flight entries + memory snapshots acknowledged by JetStream) and
-  entries/s the aggregator stored;
-- end-to-end lag: a probe node records an entry, then asks the aggregator's timeline for it
+  entries/s the aggregators stored;
+- end-to-end lag: a probe node records an entry, then asks the gateway's timeline for it
   every 5 ms until it is there (publish batching included);
-- query p99: timeline of one instance (limit 1000) and the diagnosis, 20 a second;
-- aggregator RSS (VmRSS, peak VmHWM).
+- query p99: timeline of one instance (limit 1000) and the diagnosis, 10 a second each;
+- aggregators' CPU and RSS (VmRSS, peak VmHWM).
 
-    .venv/bin/python bench/scale.py [--nodes 1000] [--ranks 8] [--seconds 60]
+    .venv/bin/python bench/scale.py [--nodes 10000] [--ranks 8] [--partitions 4] [--seconds 60]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import functools
 import heapq
 import itertools
@@ -39,8 +43,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from pathlib import Path
+from typing import Any
 
+import httpx
 import nats
+from common import free_port
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -63,7 +70,7 @@ from shared.wire import (
     Phase,
     RunnerAssignment,
     RunnerRef,
-    TimelineQuery,
+    RunnerSupervisorDiagnostics,
     decode,
     encode,
 )
@@ -78,6 +85,7 @@ class Load:
     """What every simulated node does."""
 
     ranks: int
+    memory_every: float
     tokens_per_s: float
     idle_s: tuple[float, float]
     tokens: tuple[int, int]
@@ -214,7 +222,35 @@ def _describe(node_id: str) -> NodeInfo:
     )
 
 
-async def _be_nodes(nc: Client, layout: Layout, names: list[str], stop: asyncio.Event) -> None:
+def _diagnostics(node_id: str, ranks: int) -> NodeDiagnostics:
+    """What the node's agent answers a probe: it supervises its instance's ranks."""
+    return NodeDiagnostics(
+        nodeId=node_id,
+        friendlyName=node_id,
+        address="10.0.0.1",
+        generatedAt=now(),
+        runners=[
+            RunnerSupervisorDiagnostics(
+                runnerId=a.runnerId,
+                nodeId=node_id,
+                instanceId=f"{node_id}-job",
+                modelId="bench-model",
+                deviceRank=a.deviceRank,
+                worldSize=a.worldSize,
+                startLayer=a.startLayer,
+                endLayer=a.endLayer,
+                nLayers=a.nLayers,
+                processAlive=True,
+                statusKind="RunnerReady",
+            )
+            for a in _placed(node_id, ranks).assignments
+        ],
+    )
+
+
+async def _be_nodes(
+    nc: Client, layout: Layout, names: list[str], ranks: int, stop: asyncio.Event
+) -> None:
     """What an agent does for the aggregator besides telemetry: heartbeats (every node once
     per 3 s, a thirtieth of them every 0.1 s) and answers to live-diagnostics probes."""
     mine = set(names)
@@ -222,10 +258,7 @@ async def _be_nodes(nc: Client, layout: Layout, names: list[str], stop: asyncio.
     async def answer(msg: Msg) -> None:
         node_id = untoken(msg.subject.split(".")[-2])
         if node_id in mine:
-            diagnostics = NodeDiagnostics(
-                nodeId=node_id, friendlyName=node_id, address="10.0.0.1", generatedAt=now()
-            )
-            await msg.respond(encode(diagnostics))
+            await msg.respond(encode(_diagnostics(node_id, ranks)))
 
     probes = await nc.subscribe(f"{layout.subjects.prefix}.node.*.diagnostics", cb=answer)
     kv = await nc.jetstream().key_value(layout.nodes_bucket.bucket)
@@ -253,9 +286,9 @@ async def _simulate(
     scripts = {n: node.script(rng) for n, node in nodes.items()}
 
     pumping = asyncio.create_task(publisher.run(stop))
-    beating = asyncio.create_task(_be_nodes(nc, layout, names, stop))
+    beating = asyncio.create_task(_be_nodes(nc, layout, names, load.ranks, stop))
     begun = time.monotonic()
-    due = [(begun + rng.random(), n, "memory") for n in names]
+    due = [(begun + rng.random() * load.memory_every, n, "memory") for n in names]
     due += [(begun + next(scripts[n]), n, "task") for n in names]
     heapq.heapify(due)
     while (moment := time.monotonic()) < begun + seconds:
@@ -263,7 +296,7 @@ async def _simulate(
             at, name, kind = heapq.heappop(due)
             if kind == "memory":
                 nodes[name].sample_memory()
-                heapq.heappush(due, (at + 1.0, name, kind))
+                heapq.heappush(due, (at + load.memory_every, name, kind))
             else:
                 heapq.heappush(due, (at + next(scripts[name]), name, kind))
         await asyncio.sleep(min(max(due[0][0] - time.monotonic(), 0.0), 0.02))
@@ -306,38 +339,43 @@ class _Measured:
     findings: dict[str, int]
 
 
-async def _measure(url: str, nodes: int, seconds: float) -> _Measured:
-    """Probe lag and query latency while the simulated cluster runs."""
+async def _measure(
+    url: str, gateway: str, nodes: int, seconds: float, partitions: int
+) -> _Measured:
+    """Probe lag and query latency through the gateway while the simulated cluster runs."""
     layout = Layout()
     nc = await nats.connect(url)
     js = nc.jetstream()
+    http = httpx.AsyncClient(base_url=gateway, timeout=10)
     publisher = TelemetryPublisher(js=js)
-    probe = _Node(PROBE_NODE, Load(1, 1.0, (0, 0), (0, 0)), layout, publisher)
+    probe = _Node(PROBE_NODE, Load(1, 1.0, 1.0, (0, 0), (0, 0)), layout, publisher)
     await js.publish(layout.subjects.placement(f"{PROBE_NODE}-job"), encode(_placed(PROBE_NODE, 1)))
     stop = asyncio.Event()
     pumping = asyncio.create_task(publisher.run(stop))
-    being = asyncio.create_task(_be_nodes(nc, layout, [PROBE_NODE], stop))
+    being = asyncio.create_task(_be_nodes(nc, layout, [PROBE_NODE], 1, stop))
     lags: list[float] = []
-    queries: dict[str, list[float]] = {"timeline": [], "diagnosis": [], "health": []}
+    queries: dict[str, list[float]] = {"timeline": [], "diagnosis": []}
     rng = random.Random(7)
     kinds: collections.Counter[str] = collections.Counter()
 
-    async def ask(view: str, body: bytes) -> bytes:
+    async def ask(view: str, path: str, **params: object) -> bytes:
         started = time.perf_counter()
-        reply = await nc.request(layout.subjects.query(view), body, timeout=10)
+        reply = await http.get(path, params=params)
         queries[view].append((time.perf_counter() - started) * 1000)
-        return reply.data
+        reply.raise_for_status()
+        return reply.content
 
     async def lag_probes() -> None:
-        wanted = encode(TimelineQuery(instanceId=f"{PROBE_NODE}-job", limit=1))
         for number in range(1_000_000):
             if stop.is_set():
                 return
-            probe.record(Phase.DECODE_STREAM, "token", "probe", probe=number)
+            probe.record(Phase.IDLE, "probe", None, probe=number)  # not working: never stuck
             sent = time.perf_counter()
             while True:
-                reply = await nc.request(layout.subjects.query("timeline"), wanted, timeout=10)
-                shown = decode(reply.data, ClusterTimeline).timeline
+                reply = await http.get(
+                    "/v1/cluster/timeline", params={"instanceId": f"{PROBE_NODE}-job", "limit": 1}
+                )
+                shown = decode(reply.content, ClusterTimeline).timeline
                 if shown and shown[-1].attrs.get("probe") == number:
                     break
                 await asyncio.sleep(0.005)
@@ -347,35 +385,40 @@ async def _measure(url: str, nodes: int, seconds: float) -> _Measured:
     async def query_load() -> None:
         while not stop.is_set():
             instance = f"node-{rng.randrange(nodes)}-job"
-            await ask("timeline", encode(TimelineQuery(instanceId=instance, limit=1000)))
-            findings = decode(await ask("diagnosis", b"{}"), Diagnosis).findings
+            await ask("timeline", "/v1/cluster/timeline", instanceId=instance, limit=1000)
+            findings = decode(await ask("diagnosis", "/v1/cluster/diagnosis"), Diagnosis).findings
             kinds.update(f.kind.value for f in findings)
-            await ask("health", b"")
             await asyncio.sleep(0.1)
 
     tasks = [asyncio.create_task(lag_probes()), asyncio.create_task(query_load())]
-    health_before = await _health(nc, layout)
+    entries_before = sum(int(h["entries"]) for h in await _health(nc, layout, partitions))
     await asyncio.sleep(seconds)
-    health_after = await _health(nc, layout)
+    entries_after = sum(int(h["entries"]) for h in await _health(nc, layout, partitions))
     stop.set()
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, pumping, being, return_exceptions=True)
+    await http.aclose()
     await nc.close()
-    stored = int(str(health_after["entries"])) - int(str(health_before["entries"]))
-    return _Measured(lags, queries, stored, dict(kinds))
+    return _Measured(lags, queries, entries_after - entries_before, dict(kinds))
 
 
-async def _health(nc: Client, layout: Layout) -> dict[str, object]:
-    reply = await nc.request(layout.subjects.query("health"), b"", timeout=10)
-    return decode(reply.data, dict[str, object])
+async def _health(nc: Client, layout: Layout, partitions: int) -> list[dict[str, Any]]:
+    """The health of each partition's aggregator."""
+    subjects = layout.subjects
+    replies = [
+        await nc.request(subjects.query("health", i, partitions), b"", timeout=30)
+        for i in range(partitions)
+    ]
+    return [decode(reply.data, dict[str, Any]) for reply in replies]
 
 
-async def _final_health(url: str) -> dict[str, object]:
+async def _settled(url: str, partitions: int) -> list[dict[str, Any]]:
     nc = await nats.connect(url)
-    health = await _health(nc, Layout())
-    await nc.close()
-    return health
+    try:
+        return await _health(nc, Layout(), partitions)
+    finally:
+        await nc.close()
 
 
 async def _place(url: str, names: list[str], ranks: int) -> None:
@@ -383,35 +426,64 @@ async def _place(url: str, names: list[str], ranks: int) -> None:
     js = nc.jetstream()
     await ensure(js, Layout())
     layout = Layout()
-    acks = [
-        await js.publish_async(layout.subjects.placement(f"{n}-job"), encode(_placed(n, ranks)))
-        for n in names
-    ]
-    await asyncio.gather(*acks)
+    for first in range(0, len(names), 1000):
+        acks = [
+            await js.publish_async(layout.subjects.placement(f"{n}-job"), encode(_placed(n, ranks)))
+            for n in names[first : first + 1000]
+        ]
+        await asyncio.gather(*acks)
     await nc.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=1000)
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--warmup", type=float, default=15.0)
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--tokens-per-s", type=float, default=10.0)
-    parser.add_argument(
-        "--idle", type=float, nargs=2, default=(60.0, 140.0), metavar=("MIN", "MAX")
-    )
-    args = parser.parse_args()
-    load = Load(ranks=args.ranks, tokens_per_s=args.tokens_per_s, idle_s=args.idle, tokens=(16, 64))
-    names = [f"node-{i}" for i in range(args.nodes)]
+async def _until_ready(gateway: str) -> None:
+    async with httpx.AsyncClient(base_url=gateway) as http:
+        for _ in range(1200):
+            with contextlib.suppress(httpx.TransportError):
+                if (await http.get("/readyz")).status_code == 200:
+                    return
+            await asyncio.sleep(0.1)
+    raise RuntimeError("the gateway never became ready")
+
+
+@dataclass(slots=True)
+class _Run:
+    partitions: int
+    measured: _Measured
+    published: float
+    dropped: int
+    cpu: float
+    rss: list[int]
+    gaps: int
+    bad: dict[str, int]
+
+
+def _run(args: argparse.Namespace, load: Load, names: list[str], partitions: int) -> _Run:
+    """The whole load into `partitions` aggregators, on a NATS server of its own."""
     with EmbeddedNats(store_dir=Path(tempfile.mkdtemp())) as server:
         asyncio.run(_place(server.url, names, args.ranks))
-        aggregator = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "aggregator", "--node-id", "bench"],
-            cwd=REPO,
-            env={**os.environ, "RANKSCOPE_NATS_URL": server.url, "RANKSCOPE_LOG_LEVEL": "error"},
+        port = free_port()
+        env = {
+            **os.environ,
+            "RANKSCOPE_NATS_URL": server.url,
+            "RANKSCOPE_LOG_LEVEL": "error",
+            "RANKSCOPE_AGGREGATOR_PARTITIONS": str(partitions),
+            "RANKSCOPE_GATEWAY_PORT": str(port),
+            "RANKSCOPE_DATA_DIR": tempfile.mkdtemp(),
+            "RANKSCOPE_ACCESS_LOG": "false",
+        }
+        aggregators = [
+            subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "aggregator", "--node-id", f"bench-{i}"],
+                cwd=REPO,
+                env={**env, "RANKSCOPE_AGGREGATOR_PARTITION": str(i)},
+            )
+            for i in range(partitions)
+        ]
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "gateway"], cwd=REPO, env=env
         )
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(_until_ready(url))
         context = multiprocessing.get_context("spawn")
         out = context.Queue()
         total = args.warmup + args.seconds + 2
@@ -424,38 +496,89 @@ def main() -> None:
         for worker in workers:
             worker.start()
         time.sleep(args.warmup)
-        cpu = [_cpu_seconds(aggregator.pid), _cpu_seconds(server.pid or 0)]
-        measured = asyncio.run(_measure(server.url, args.nodes, args.seconds))
-        cpu = [_cpu_seconds(aggregator.pid) - cpu[0], _cpu_seconds(server.pid or 0) - cpu[1]]
-        rss, peak = _rss(aggregator.pid)
+        before = sum(_cpu_seconds(a.pid) for a in aggregators)
+        measured = asyncio.run(_measure(server.url, url, args.nodes, args.seconds, partitions))
+        cpu = sum(_cpu_seconds(a.pid) for a in aggregators) - before
+        rss = [_rss(a.pid)[1] for a in aggregators]
         totals = [out.get() for _ in workers]
         for worker in workers:
             worker.join()
         time.sleep(2)
-        final = asyncio.run(_final_health(server.url))
-        aggregator.terminate()
-        aggregator.wait()
-    gaps = final["missingSeqs"]
-    assert isinstance(gaps, dict)
-    print(f"{args.nodes} nodes x {args.ranks} ranks, {args.seconds:.0f} s measured")
-    print(f"published: {sum(t[0] for t in totals) / total:,.0f} events/s acknowledged "
-          f"(flight entries + memory snapshots)")  # fmt: skip
-    print(f"aggregator stored: {measured.stored / args.seconds:,.0f} flight entries/s")
-    print(f"lag publish -> visible in a query: {_summary(measured.lags, '.0f')} "
-          f"({len(measured.lags)} probes)")  # fmt: skip
-    for view, times in measured.queries.items():
-        print(f"query {view}: {_summary(times, '.1f')}")
-    print(f"CPU: aggregator {cpu[0] / args.seconds:.0%} of a core, "
-          f"nats-server {cpu[1] / args.seconds:.0%}")  # fmt: skip
-    print(f"aggregator RSS {rss / 2**20:.0f} MiB (peak {peak / 2**20:.0f} MiB)")
-    print(f"findings seen under load: {measured.findings or 'none'}; "
-          f"bad messages: {final['badMessages'] or 'none'}; "
-          f"entries dropped by publishers: {sum(t[1] for t in totals)}; "
-          f"runners with seq gaps once the load stopped: {len(gaps)}")  # fmt: skip
+        final = asyncio.run(_settled(server.url, partitions))
+        for process in [*aggregators, gateway]:
+            process.terminate()
+            process.wait()
+    bad: collections.Counter[str] = collections.Counter()
+    for health in final:
+        bad.update(health["badMessages"])
+    return _Run(
+        partitions=partitions,
+        measured=measured,
+        published=sum(t[0] for t in totals) / total,
+        dropped=sum(t[1] for t in totals),
+        cpu=cpu / args.seconds,
+        rss=rss,
+        gaps=sum(len(h["missingSeqs"]) for h in final),
+        bad=dict(bad),
+    )
 
 
-def _summary(values: list[float], style: str) -> str:
-    return f"p50 {statistics.median(values):{style}} ms, p99 {_percentile(values, 0.99):{style}} ms"
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=10_000)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--warmup", type=float, default=20.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--memory-every", type=float, default=30.0)
+    parser.add_argument("--tokens-per-s", type=float, default=10.0)
+    parser.add_argument(
+        "--idle", type=float, nargs=2, default=(1200.0, 2800.0), metavar=("MIN", "MAX")
+    )
+    args = parser.parse_args()
+    load = Load(
+        ranks=args.ranks,
+        memory_every=args.memory_every,
+        tokens_per_s=args.tokens_per_s,
+        idle_s=args.idle,
+        tokens=(16, 64),
+    )
+    names = [f"node-{i}" for i in range(args.nodes)]
+    runs = [_run(args, load, names, p) for p in sorted({1, args.partitions})]
+    print(f"{args.nodes:,} nodes x {args.ranks} ranks, {args.seconds:.0f} s measured each")
+    rows = {
+        "published, events/s acknowledged": lambda r: f"{r.published:,.0f}",
+        "stored, flight entries/s": lambda r: f"{r.measured.stored / args.seconds:,.0f}",
+        "lag publish -> query, p50 / p99 ms": lambda r: _summary(r.measured.lags),
+        "timeline of one instance, p50 / p99 ms": lambda r: _summary(
+            r.measured.queries["timeline"]
+        ),
+        "diagnosis, p50 / p99 ms": lambda r: _summary(r.measured.queries["diagnosis"]),
+        "aggregators' CPU, cores": lambda r: f"{r.cpu:.2f}",
+        "largest aggregator peak RSS, MiB": lambda r: f"{max(r.rss) / 2**20:,.0f}",
+        "lost: publisher drops / runners with gaps": lambda r: f"{r.dropped} / {r.gaps}",
+        "bad messages / findings seen": lambda r: (
+            f"{sum(r.bad.values())} / {sum(r.measured.findings.values())}"
+        ),
+    }
+    print(f"{'':44}" + "".join(f"{f'{r.partitions} aggregator(s)':>24}" for r in runs))
+    for label, shown in rows.items():
+        print(f"{label:44}" + "".join(f"{shown(r):>24}" for r in runs))
+    for run in runs:
+        print(f"findings seen by kind, {run.partitions} aggregator(s): {run.measured.findings}")
+    if len(runs) == 2:
+        single, split = runs
+        ratio = _percentile(split.measured.queries["timeline"], 0.99) / _percentile(
+            single.measured.queries["timeline"], 0.99
+        )
+        print(f"timeline p99, {split.partitions} partitions / 1: {ratio:.2f}")
+
+
+def _summary(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.1f} / {_percentile(values, 0.99):.1f}"
 
 
 if __name__ == "__main__":
