@@ -21,6 +21,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 from nats.aio.msg import Msg
@@ -28,6 +29,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 from shared.subjects import kv_key
@@ -57,6 +59,20 @@ _HEARTBEAT, _NO_MESSAGES, _EXPIRED = "100", "404", "408"
 
 class _RestartError(Exception):
     """The consumer cannot go on; a new one starts after the last handled message."""
+
+
+class _RefilteredError(Exception):
+    """Subjects were added or removed: a new consumer follows what is left."""
+
+
+@dataclass(slots=True)
+class _Rewind:
+    """Subjects added while following, whose messages up to `until` (handled before they
+    were followed) are delivered again: `done`, the last sequence gone over for them."""
+
+    added: Callable[[str], bool]
+    done: int
+    until: int
 
 
 def _positions(reply: str) -> tuple[int, int, int]:
@@ -121,11 +137,44 @@ class Follower:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._refiltered = False
+        self._rewinds: list[_Rewind] = []
 
     async def start(self) -> None:
         """Create the first consumer (errors reach the caller) and start pulling."""
         await self._open()
         self._task = asyncio.create_task(self._run(), name=f"follow {self._stream}")
+
+    async def widen(self, subjects: Sequence[str], added: Callable[[str], bool]) -> None:
+        """Follow `subjects` too, from their first stored message on: what of theirs lies
+        before the last handled message is handled next, in stream order, then what comes
+        after it; `added(subject)` tells their messages from the others'.
+
+        Raises:
+            NatsError, TimeoutError: the stream could not say where they start.
+        """
+        fresh = [s for s in subjects if s not in self._subjects]
+        if not fresh:
+            return
+        starts = []
+        for subject in fresh:
+            with contextlib.suppress(NotFoundError):
+                found = await self._js.get_msg(self._stream, seq=1, subject=subject, next=True)
+                starts.append(found.seq or 0)
+        self._subjects += fresh
+        first = min(starts, default=0)
+        if first and first <= self.last_seq:
+            self._rewinds.append(_Rewind(added=added, done=first - 1, until=self.last_seq))
+        self._refiltered = True
+        self._wake.set()
+
+    def narrow(self, subjects: Sequence[str]) -> None:
+        """Stop following `subjects` (of those added by `widen`), from the next message."""
+        kept = [s for s in self._subjects if s not in subjects]
+        if kept and kept != self._subjects:
+            self._subjects = kept
+            self._refiltered = True
+            self._wake.set()
 
     async def stop(self) -> None:
         """Stop following and remove the consumer."""
@@ -140,7 +189,8 @@ class Follower:
         """A new consumer starting after the last handled message, and its inbox."""
         policy, start = self._deliver_policy, None
         if self.last_seq:
-            policy, start = DeliverPolicy.BY_START_SEQUENCE, self.last_seq + 1
+            start = min((r.done + 1 for r in self._rewinds), default=self.last_seq + 1)
+            policy = DeliverPolicy.BY_START_SEQUENCE
         inbox = self._nc.new_inbox()
         self._arrived.clear()
         # the client holds what the pulls asked for (at most 2.5 batches when an expired
@@ -204,6 +254,10 @@ class Follower:
                 if self._subscription is None:
                     await self._open()
                 await self._consume()
+            except _RefilteredError:
+                self._refiltered = False
+                await self._close()
+                continue
             except _RestartError as why:
                 log.warning(
                     "following %s: %s; resuming after seq %d", self._stream, why, self.last_seq
@@ -220,6 +274,8 @@ class Follower:
         self._requested = 0
         await self._pull()
         while True:
+            if self._refiltered:
+                raise _RefilteredError
             if not self._arrived:
                 self._wake.clear()
                 try:
@@ -251,17 +307,33 @@ class Follower:
             raise _RestartError(f"delivery {consumer_seq} after {self._delivered}")
         self._delivered = consumer_seq
         if stream_seq <= self.last_seq:
-            return  # a new consumer's first delivery repeats nothing, but be sure
+            await self._again(msg, stream_seq)
+        else:
+            self._rewinds.clear()
+            await self._apply(msg, stream_seq)
+            self.last_seq = stream_seq
+            self.handled += 1
+            if not self.caught_up.is_set() and (consumer_seq >= self._target or pending == 0):
+                self.caught_up.set()
+        if consumer_seq % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
+
+    async def _again(self, msg: Msg, stream_seq: int) -> None:
+        """A message handled before: handled now only if it is of subjects added since
+        and not yet gone over for them."""
+        due = [r for r in self._rewinds if r.done < stream_seq <= r.until]
+        if any(r.added(msg.subject) for r in due):
+            await self._apply(msg, stream_seq)
+            self.handled += 1
+        for rewind in due:
+            rewind.done = stream_seq
+        self._rewinds = [r for r in self._rewinds if r.done < r.until]
+
+    async def _apply(self, msg: Msg, stream_seq: int) -> None:
         try:
             await self._handle(msg)
         except Exception:
             log.exception("handling %s seq %d failed; skipped", msg.subject, stream_seq)
-        self.last_seq = stream_seq
-        self.handled += 1
-        if not self.caught_up.is_set() and (consumer_seq >= self._target or pending == 0):
-            self.caught_up.set()
-        if self.handled % YIELD_EVERY == 0:
-            await asyncio.sleep(0)
 
 
 async def follow(

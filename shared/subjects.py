@@ -97,6 +97,11 @@ class Subjects:
         """The telemetry of every rank of one node."""
         return f"{self.prefix}.runner.{token(node_id)}.>"
 
+    def runner_of_instance(self, instance_id: str | None) -> str:
+        """The telemetry of every rank of one instance (None: of none, a subject that no
+        message has, as `=` alone is no escaped id)."""
+        return f"{self.prefix}.runner.*.{'=' if instance_id is None else token(instance_id)}.>"
+
     def runner_status_all(self) -> str:
         """Every rank's status changes."""
         return f"{self.prefix}.runner.*.*.*.status"
@@ -121,6 +126,11 @@ class Subjects:
     def task_statuses(self, instance_id: str) -> str:
         """Status of an instance's tasks from every node."""
         return f"{self.tasks(instance_id)}.status.*"
+
+    def tasks_of_instance(self, instance_id: str | None) -> tuple[str, str]:
+        """Tasks asked of one instance, and their status (None: of none)."""
+        tasks = f"{self.prefix}.tasks.=" if instance_id is None else self.tasks(instance_id)
+        return tasks, f"{tasks}.>"
 
     def tasks_all(self) -> str:
         """Tasks and task status of every instance."""

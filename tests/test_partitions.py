@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 
 from shared.nats_server import CONFIG, EmbeddedNats
 from shared.partitions import Partition, partition_of
@@ -24,7 +25,7 @@ async def test_partition_matches_the_nats_server_mapping(tmp_path: Path, count: 
         nc = await nats.connect(server.url)
         routed: dict[str, int] = {}
 
-        async def note(msg: nats.aio.msg.Msg) -> None:
+        async def note(msg: Msg) -> None:
             _, part, routed_token = msg.subject.split(".", 2)
             routed[routed_token] = int(part)
 

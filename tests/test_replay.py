@@ -5,6 +5,7 @@ repeats a message."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,60 @@ async def test_a_nats_restart_mid_follow_loses_and_repeats_nothing(tmp_path: Pat
 )
 def test_the_stored_time_is_read_off_the_ack_subject(reply: str | None, stored: int | None) -> None:
     assert stored_ns(reply) == stored
+
+
+async def test_subjects_added_while_following_come_from_their_start_each_message_once(
+    nc: Client, layout: Layout
+) -> None:
+    js = nc.jetstream()
+    await ensure(js, layout)
+    subjects = layout.subjects
+    a, b, c = (subjects.runner_of_instance(i) for i in "abc")
+
+    def sent(instance: str, n: int) -> str:
+        return subjects.runner("n", instance, 0, "phase") + f"|{n}"
+
+    async def publish(instance: str, n: int) -> None:
+        await js.publish(subjects.runner("n", instance, 0, "phase"), str(n).encode())
+
+    seen: list[str] = []
+    changed = asyncio.Event()
+
+    async def keep(msg: Msg) -> None:
+        seen.append(f"{msg.subject}|{msg.data.decode()}")
+        changed.set()
+
+    async def until(count: int) -> None:
+        while len(seen) < count:
+            changed.clear()
+            await asyncio.wait_for(changed.wait(), WAIT)
+
+    for n in range(3):
+        for instance in "abc":
+            await publish(instance, n)
+    follower = await follow(js, a, keep)
+    await until(3)
+    assert seen == [sent("a", n) for n in range(3)]
+
+    def of(*tokens: str) -> Callable[[str], bool]:
+        return lambda subject: subjects.instance_token(subject) in tokens
+
+    await follower.widen([b], of("b"))  # b's messages went by before: gone over again
+    await follower.widen([c], of("c"))  # and c's, while b's are gone over
+    await publish("a", 3)
+    await publish("b", 3)
+    await until(11)
+    expected = [sent(i, n) for i in "abc" for n in range(4) if (i, n) != ("c", 3)]
+    assert sorted(seen) == sorted(expected)  # each once
+    for instance in "abc":  # each subject's in order
+        mine = [m for m in seen if m.startswith(sent(instance, 0)[:-1])]
+        assert mine == sorted(mine)
+    assert seen.index(sent("a", 3)) > max(seen.index(sent(i, 2)) for i in "bc")
+    follower.narrow([b])
+    await publish("b", 4)
+    await publish("a", 4)
+    await until(12)
+    assert seen[-1] == sent("a", 4)  # b no longer followed
+    assert sent("b", 4) not in seen
+    assert follower.restarts == 0  # refilters are not restarts
+    await follower.stop()

@@ -39,7 +39,7 @@ from shared.jetstream import Layout
 from shared.partitions import Partition
 from shared.replay import Follower, follow, follow_bucket, stored_ns
 from shared.storage import Storage
-from shared.subjects import AGGREGATOR_SERVICE, kv_key, untoken
+from shared.subjects import AGGREGATOR_SERVICE, kv_key, token, untoken
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     Diagnosis,
@@ -94,6 +94,8 @@ EVIDENCE_WAIT_S = 5.0
 """Longest the aggregator waits for an agent's evidence of a new finding."""
 UNPUBLISHED_FINDINGS = 10_000
 """Findings kept for the diagnosis stream while NATS is out; the oldest go first."""
+FOLLOW_RELEASED_S = 300.0
+"""How long a partition still follows a released instance's telemetry (its last words)."""
 CLOCK_TOLERANCE_S = 2.0
 """How far a node's clock may be from the NATS server's before the aggregator says so."""
 
@@ -160,6 +162,13 @@ class AggregatorService:
             clock=clock,
         )
         self._placed_at: dict[str, float] = {}
+        self._wanted: set[str] = set()
+        """Its instances placed, whose tasks and telemetry it wants to follow."""
+        self._followed: set[str] = set()
+        """Its instances whose tasks and telemetry it follows."""
+        self._released: dict[str, float] = {}
+        """When each of its instances was released (followed a while longer)."""
+        self._more = asyncio.Event()
         self._placed_elsewhere: dict[str, set[str]] = {}
         """The nodes of each instance of another partition."""
         self._heartbeats: dict[str, float] = {}
@@ -210,6 +219,13 @@ class AggregatorService:
             else:
                 self._placed_elsewhere.pop(event.instanceId, None)
             return
+        if not self.partition.whole:
+            if isinstance(event, InstanceCreated):
+                self._wanted.add(event.instanceId)
+                self._released.pop(event.instanceId, None)
+            else:
+                self._released[event.instanceId] = self._clock()
+            self._more.set()
         self.state.apply_placement(event)
         self._placed_at[event.instanceId] = self._clock()
 
@@ -223,25 +239,19 @@ class AggregatorService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Rebuild from the streams, then follow them until `stop` is set."""
-        subjects = self._layout.subjects
         after = await self._restore()
-        folded = {
-            self._layout.placement_stream.name: (subjects.placement_all(), self._on_placement),
-            self._layout.tasks_stream.name: (subjects.tasks_all(), self._on_task),
-            self._layout.runner_stream.name: (subjects.runner_all(), self._on_telemetry),
-        }
-        self._folding = {
-            name: await follow(self._js, subject, handle, after=after.get(name, 0))
-            for name, (subject, handle) in folded.items()
-        }
+        await self._follow_streams(after)
+        widening = (
+            [] if self.partition.whole else [asyncio.create_task(self._follow_more_forever(stop))]
+        )
         self._followers = followers = [
             *self._folding.values(),
             await follow_bucket(self._js, self._layout.nodes_bucket.bucket, self._on_node),
         ]
         for follower in followers:
             await follower.caught_up.wait()
-        self.ready.set()
         queries = await self._serve_queries()
+        self.ready.set()
         log.info(
             "aggregator of partition %s caught up: %d entries from %d runners",
             self.partition,
@@ -249,6 +259,7 @@ class AggregatorService:
             len(self.state.runners),
         )
         loops = [
+            *widening,
             asyncio.create_task(self._diagnose_forever(stop)),
             asyncio.create_task(self._probe_forever(stop)),
             asyncio.create_task(self._freeze_heap_forever(stop)),
@@ -263,6 +274,89 @@ class AggregatorService:
         await queries.stop()
         for follower in followers:
             await follower.stop()
+
+    async def _follow_streams(self, after: dict[str, int]) -> None:
+        """Follow placements, tasks and telemetry from `after` (by stream). Of a partition,
+        only its instances' tasks and telemetry: the server filters them by instance, once
+        the placements it holds say which instances are its own."""
+        layout, subjects = self._layout, self._layout.subjects
+        placements = await follow(
+            self._js,
+            subjects.placement_all(),
+            self._on_placement,
+            after=after.get(layout.placement_stream.name, 0),
+        )
+        if self.partition.whole:
+            runner, tasks = [subjects.runner_all()], [subjects.tasks_all()]
+        else:
+            followed = set(self.state.instances)  # restored from the snapshot
+            await placements.caught_up.wait()
+            if not after.get(layout.runner_stream.name):
+                followed |= self._wanted  # from the start: nothing to go over again
+            self._followed = followed
+            runner, tasks = self._filters(followed)
+        self._folding = {
+            layout.placement_stream.name: placements,
+            layout.tasks_stream.name: await follow(
+                self._js,
+                tasks[0],
+                self._on_task,
+                also=tasks[1:],
+                after=after.get(layout.tasks_stream.name, 0),
+            ),
+            layout.runner_stream.name: await follow(
+                self._js,
+                runner[0],
+                self._on_telemetry,
+                also=runner[1:],
+                after=after.get(layout.runner_stream.name, 0),
+            ),
+        }
+
+    def _filters(self, instance_ids: set[str]) -> tuple[list[str], list[str]]:
+        """The telemetry and task subjects of these instances (of none: subjects unused,
+        since a consumer without a filter would get everything)."""
+        subjects = self._layout.subjects
+        ids: list[str | None] = [*sorted(instance_ids)] or [None]
+        runner = [subjects.runner_of_instance(i) for i in ids]
+        tasks = [subject for i in ids for subject in subjects.tasks_of_instance(i)]
+        return runner, tasks
+
+    async def _follow_more_forever(self, stop: asyncio.Event) -> None:
+        """Of a partition: follow the tasks and telemetry of its instances placed since it
+        started too, from their first message (older ones are gone over again for them);
+        stop following those released `FOLLOW_RELEASED_S` ago."""
+        subjects = self._layout.subjects
+        runner = self._folding[self._layout.runner_stream.name]
+        tasks = self._folding[self._layout.tasks_stream.name]
+        while not stop.is_set():
+            if new := self._wanted - self._followed:
+                tokens = {token(i) for i in new}
+
+                def added(subject: str, tokens: set[str] = tokens) -> bool:
+                    return subjects.instance_token(subject) in tokens
+
+                runner_subjects, task_subjects = self._filters(new)
+                try:
+                    await runner.widen(runner_subjects, added)
+                    await tasks.widen(task_subjects, added)
+                except (NatsError, TimeoutError) as exc:
+                    log.warning("cannot follow instances %s yet: %s", sorted(new), exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                self._followed |= new
+            moment = self._clock()
+            if done := {i for i, at in self._released.items() if moment - at > FOLLOW_RELEASED_S}:
+                runner_subjects, task_subjects = self._filters(done)
+                runner.narrow(runner_subjects)
+                tasks.narrow(task_subjects)
+                self._followed -= done
+                self._wanted -= done
+                for instance_id in done:
+                    del self._released[instance_id]
+            self._more.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._more.wait(), 1.0)
 
     async def _serve_queries(self) -> Service:
         """Answer queries from now on: it joins its partition's queue group only once its

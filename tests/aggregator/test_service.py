@@ -20,6 +20,7 @@ from services.aggregator.service import VIEWS, AggregatorService
 from services.aggregator.store import EntryStore
 from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
 from shared.jetstream import Layout, ensure
+from shared.partitions import Partition
 from shared.subjects import token
 from shared.timestamps import format_ts, now
 from shared.wire import (
@@ -39,7 +40,7 @@ from shared.wire import (
     encode,
 )
 from tests.agents_stand_in import answer_probes
-from tests.aggregator.builders import at, entries, placed, rank, status
+from tests.aggregator.builders import at, entries, instances_by_partition, placed, rank, status
 from tests.aggregator.running import WAIT, aggregator, publish, query, until
 from tests.ranktable.builders import node_info
 
@@ -495,3 +496,26 @@ async def test_seqs_acknowledged_but_never_received_show_as_unseen(
     await responder.unsubscribe()
     assert (first.lastSeq, first.acknowledgedSeq, first.unseenSeqs) == (119, 149, 30)
     assert (second.acknowledgedSeq, second.unseenSeqs) == (None, 0)
+
+
+async def test_a_partition_is_delivered_its_own_instances_alone(
+    nc: Client, js_ready: Layout
+) -> None:
+    mine, theirs = instances_by_partition(2, 2)[0], instances_by_partition(2, 2)[1]
+    early, late = mine
+    for name in [early, *theirs]:
+        await publish(nc, js_ready, placed(name))
+    for name in [late, early, *theirs]:  # `late` reports before its placement arrives
+        await publish(nc, js_ready, entries(rank(0, name), (0, 1, Phase.CREATED, None)))
+    async with aggregator(nc, js_ready, partition=Partition(0, 2)) as running:
+        service = running.service
+        await until(lambda: early in service.state.instances)
+        await publish(nc, js_ready, placed(late))
+        await publish(nc, js_ready, entries(rank(0, late), (1, 2, Phase.IDLE, None)))
+        await until(lambda: service.state.store.size == 3)
+        folded = service._folding
+        telemetry = folded[js_ready.runner_stream.name]
+        assert telemetry.handled == 3  # its own, late's first gone over again: no other
+        assert {v.ref.instanceId for v in service.state.runners.values()} == set(mine)
+        held = service.state.timeline(TimelineQuery(instanceId=late), local_node_id="x")
+        assert [e.at for e in held.timeline] == [at(1), at(2)]  # from before it was placed
