@@ -169,9 +169,15 @@ class Follower:
         self._wake.set()
 
     def narrow(self, subjects: Sequence[str]) -> None:
-        """Stop following `subjects` (of those added by `widen`), from the next message."""
+        """Stop following `subjects` from the next message on.
+
+        Raises:
+            ValueError: none would be left.
+        """
         kept = [s for s in self._subjects if s not in subjects]
-        if kept and kept != self._subjects:
+        if not kept:
+            raise ValueError("a follower needs a subject left: without one it gets everything")
+        if kept != self._subjects:
             self._subjects = kept
             self._refiltered = True
             self._wake.set()

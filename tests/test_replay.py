@@ -270,4 +270,6 @@ async def test_subjects_added_while_following_come_from_their_start_each_message
     assert seen[-1] == sent("a", 4)  # b no longer followed
     assert sent("b", 4) not in seen
     assert follower.restarts == 0  # refilters are not restarts
+    with pytest.raises(ValueError, match="subject left"):
+        follower.narrow([a, c])  # it would then get everything
     await follower.stop()

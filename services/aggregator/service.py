@@ -294,7 +294,7 @@ class AggregatorService:
             if not after.get(layout.runner_stream.name):
                 followed |= self._wanted  # from the start: nothing to go over again
             self._followed = followed
-            runner, tasks = self._filters(followed)
+            runner, tasks = self._filters([None, *sorted(followed)])
         self._folding = {
             layout.placement_stream.name: placements,
             layout.tasks_stream.name: await follow(
@@ -313,11 +313,11 @@ class AggregatorService:
             ),
         }
 
-    def _filters(self, instance_ids: set[str]) -> tuple[list[str], list[str]]:
-        """The telemetry and task subjects of these instances (of none: subjects unused,
-        since a consumer without a filter would get everything)."""
+    def _filters(self, ids: list[str | None]) -> tuple[list[str], list[str]]:
+        """The telemetry and task subjects of these instances; None's are subjects no
+        message has, which keep a consumer's filter from ever being empty (it would then
+        get everything)."""
         subjects = self._layout.subjects
-        ids: list[str | None] = [*sorted(instance_ids)] or [None]
         runner = [subjects.runner_of_instance(i) for i in ids]
         tasks = [subject for i in ids for subject in subjects.tasks_of_instance(i)]
         return runner, tasks
@@ -336,7 +336,7 @@ class AggregatorService:
                 def added(subject: str, tokens: set[str] = tokens) -> bool:
                     return subjects.instance_token(subject) in tokens
 
-                runner_subjects, task_subjects = self._filters(new)
+                runner_subjects, task_subjects = self._filters([*sorted(new)])
                 try:
                     await runner.widen(runner_subjects, added)
                     await tasks.widen(task_subjects, added)
@@ -347,7 +347,7 @@ class AggregatorService:
                 self._followed |= new
             moment = self._clock()
             if done := {i for i, at in self._released.items() if moment - at > FOLLOW_RELEASED_S}:
-                runner_subjects, task_subjects = self._filters(done)
+                runner_subjects, task_subjects = self._filters([*sorted(done)])
                 runner.narrow(runner_subjects)
                 tasks.narrow(task_subjects)
                 self._followed -= done

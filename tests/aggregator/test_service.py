@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from services.aggregator.diagnosis import Thresholds
-from services.aggregator.service import VIEWS, AggregatorService
+from services.aggregator.service import FOLLOW_RELEASED_S, VIEWS, AggregatorService
 from services.aggregator.store import EntryStore
 from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
 from shared.jetstream import Layout, ensure
@@ -28,9 +28,11 @@ from shared.wire import (
     Diagnosis,
     Finding,
     FindingKind,
+    InstanceReleased,
     NodeDiagnostics,
     Phase,
     PlacementRunnerDiagnostics,
+    ReleaseCause,
     RunnerHistory,
     RunnerStatusKind,
     RunnerSupervisorDiagnostics,
@@ -519,3 +521,27 @@ async def test_a_partition_is_delivered_its_own_instances_alone(
         assert {v.ref.instanceId for v in service.state.runners.values()} == set(mine)
         held = service.state.timeline(TimelineQuery(instanceId=late), local_node_id="x")
         assert [e.at for e in held.timeline] == [at(1), at(2)]  # from before it was placed
+
+
+async def test_a_partition_stops_following_an_instance_a_while_after_its_release(
+    nc: Client, js_ready: Layout
+) -> None:
+    (name, _), _ = instances_by_partition(2, 2).values()
+    moment = [1000.0]
+    await publish(nc, js_ready, placed(name))
+    await publish(nc, js_ready, entries(rank(0, name), (0, 1, Phase.CREATED, None)))
+    async with aggregator(
+        nc, js_ready, partition=Partition(0, 2), clock=lambda: moment[0]
+    ) as running:
+        telemetry = running.service._folding[js_ready.runner_stream.name]
+        released = InstanceReleased(
+            at=at(2), instanceId=name, cause=ReleaseCause.SPEC_DELETED, reason="spec deleted"
+        )
+        await nc.jetstream().publish(js_ready.subjects.placement(name), encode(released))
+        await publish(nc, js_ready, entries(rank(0, name), (1, 3, Phase.IDLE, None)))
+        await until(lambda: telemetry.handled == 2)  # its last words, after the release
+        moment[0] += FOLLOW_RELEASED_S + 1
+        await until(lambda: not running.service._followed)
+        await publish(nc, js_ready, entries(rank(0, name), (2, 4, Phase.IDLE, None)))
+        await asyncio.sleep(0.5)
+        assert telemetry.handled == 2  # no longer delivered
