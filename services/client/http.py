@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 from httpx_sse import SSEError, connect_sse
+
+from shared.headers import MISSING_PARTITIONS_HEADER
 
 __all__ = ["ClientError", "Gateway"]
 
@@ -47,6 +50,12 @@ class Gateway:
             raise self._unreachable(error) from None
         if answer.is_error:
             raise self._refused(answer)
+        if missing := answer.headers.get(MISSING_PARTITIONS_HEADER):
+            print(
+                f"partial answer: aggregator partition {missing} did not answer; "
+                "their instances are not shown",
+                file=sys.stderr,
+            )
         return self._json(answer.content or b"null")
 
     def _json(self, data: bytes) -> Any:

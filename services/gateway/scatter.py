@@ -15,12 +15,13 @@ import msgspec
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.headers import MISSING_PARTITIONS_HEADER
 from shared.timestamps import now
 from shared.wire import TimelineQuery, decode, encode
 
 __all__ = ["MISSING_HEADER", "MissingPartitions", "merge", "missing", "with_missing"]
 
-MISSING_HEADER = "Rankscope-Missing-Partitions"
+MISSING_HEADER = MISSING_PARTITIONS_HEADER
 
 _missing: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "missing_partitions", default=None

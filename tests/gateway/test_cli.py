@@ -28,7 +28,7 @@ SPEC = {
 }
 
 
-async def _cli(*args: str) -> tuple[int, str, str]:
+async def cli(*args: str) -> tuple[int, str, str]:
     run = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -47,12 +47,12 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
     url = str(stack.http.base_url).rstrip("/")
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
-    assert await _cli("runners", "--url", url, "create", str(spec)) == (0, "created llm\n", "")
-    code, _, err = await _cli("runners", "--url", url, "create", str(spec))
+    assert await cli("runners", "--url", url, "create", str(spec)) == (0, "created llm\n", "")
+    code, _, err = await cli("runners", "--url", url, "create", str(spec))
     assert (code, err) == (1, "rankscope: 409: runner 'llm' already exists\n")
-    again = await _cli("runners", "--url", url, "create", "--if-missing", str(spec))
+    again = await cli("runners", "--url", url, "create", "--if-missing", str(spec))
     assert again == (0, "exists llm\n", "")  # as compose's demo service runs it on every up
-    code, out, _ = await _cli("runners", "--url", url, "list")
+    code, out, _ = await cli("runners", "--url", url, "list")
     assert code == 0
     assert out.splitlines()[0].split() == [
         "ID",
@@ -65,34 +65,34 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
     ]
     assert out.splitlines()[1].split()[:4] == ["llm", "tiny", "2", "1"]
     for _ in range(100):
-        code, out, _ = await _cli("placement", "--url", url, "--json")
+        code, out, _ = await cli("placement", "--url", url, "--json")
         if code == 0 and len(json.loads(out)) == 2:
             break
         await asyncio.sleep(0.1)
     assert [p["startLayer"] for p in json.loads(out)] == [0, 6]
-    code, out, _ = await _cli("ranktable", "llm-0", "--url", url)
+    code, out, _ = await cli("ranktable", "llm-0", "--url", url)
     assert code == 0
     assert json.loads(out)["status"] == "initializing"
     # The nodes are inventory entries with no agent behind them: once the aggregator's
     # probes go unanswered, their ranks are dead and `diagnose` says so with exit code 1.
     for _ in range(100):
-        code, out, _ = await _cli("diagnose", "--url", url)
+        code, out, _ = await cli("diagnose", "--url", url)
         if code == 1:
             break
         assert out == "no findings: every instance is healthy\n"
         await asyncio.sleep(0.1)
     assert out.startswith("dead_rank          llm-0: rank 0 (node-a): node unreachable")
-    code, out, _ = await _cli("diagnose", "--url", url, "--verbose")
+    code, out, _ = await cli("diagnose", "--url", url, "--verbose")
     assert code == 1
     assert "\n    rank 0 node-a culprit: " in out
     for _ in range(100):  # kept in the diagnosis stream once published
-        code, out, _ = await _cli("diagnose", "--url", url, "--history")
+        code, out, _ = await cli("diagnose", "--url", url, "--history")
         if out.startswith("dead_rank"):
             break
         await asyncio.sleep(0.1)
     assert code == 0  # history is not an alarm
     assert out.startswith("dead_rank          llm-0: rank 0 (node-a): node unreachable")
-    code, out, _ = await _cli("timeline", "--url", url, "--json")
+    code, out, _ = await cli("timeline", "--url", url, "--json")
     assert code == 0
     assert set(json.loads(out)) >= {"runners", "timeline", "unreachableNodes"}
 
@@ -100,19 +100,19 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
 async def test_errors_are_one_line_with_a_non_zero_exit(stack_for: Any) -> None:
     stack: Stack = await stack_for()
     url = str(stack.http.base_url).rstrip("/")
-    code, out, err = await _cli("runners", "--url", url, "delete", "nope")
+    code, out, err = await cli("runners", "--url", url, "delete", "nope")
     assert (code, out) == (1, "")
     assert err == "rankscope: 404: runner 'nope' not found\n"
-    code, out, err = await _cli("runners", "--url", url, "delete", "a?b c#")
+    code, out, err = await cli("runners", "--url", url, "delete", "a?b c#")
     assert (code, err) == (1, "rankscope: 404: runner 'a?b c#' not found\n")
-    code, out, err = await _cli("runners", "--url", url, "delete", "*" * 200)
+    code, out, err = await cli("runners", "--url", url, "delete", "*" * 200)
     assert (code, out) == (2, "")
     assert err == (
         "rankscope runners delete: argument id: an id of 200 characters escapes to 600 (`.`, "
         "`*`, `>`, white space and non-ASCII take 3 per byte), over the limit of 512 "
         "(see --help)\n"
     )
-    code, _, err = await _cli("placement", "--url", "http://127.0.0.1:1")
+    code, _, err = await cli("placement", "--url", "http://127.0.0.1:1")
     assert code == 1
     assert err.startswith("rankscope: cannot reach http://127.0.0.1:1")
     assert len(err.splitlines()) == 1
@@ -147,21 +147,21 @@ def _not_rankscope(
 
 
 async def test_what_is_not_a_spec_or_not_rankscope_is_one_line_too(tmp_path: Path) -> None:
-    code, out, err = await _cli("runners", "create", str(tmp_path / "missing.json"))
+    code, out, err = await cli("runners", "create", str(tmp_path / "missing.json"))
     assert (code, out) == (1, "")
     assert err.startswith("rankscope: cannot read the spec file ")
     assert len(err.splitlines()) == 1
     broken = tmp_path / "broken.json"
     broken.write_text('{"id": ')
-    code, _, err = await _cli("runners", "create", str(broken))
+    code, _, err = await cli("runners", "create", str(broken))
     assert code == 1
     assert err.startswith(f"rankscope: cannot read the spec file {broken}: Expecting value")
     with _not_rankscope() as url:
-        code, _, err = await _cli("placement", "--url", url)
+        code, _, err = await cli("placement", "--url", url)
     assert code == 1
     assert err == f"rankscope: 404: File not found (not rankscope's gateway at {url}?)\n"
     with _not_rankscope(_AnswersJson) as url:
-        code, _, err = await _cli("ranktable", "job-0", "--follow", "--url", url)
+        code, _, err = await cli("ranktable", "job-0", "--follow", "--url", url)
     assert code == 1
     assert err == (
         f"rankscope: {url}/v1/jobs/job-0/ranktable/stream is not an event stream "

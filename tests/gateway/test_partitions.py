@@ -18,6 +18,7 @@ from shared.wire import Phase
 from tests.aggregator.builders import entries, instances_by_partition, placed, rank
 from tests.aggregator.running import publish
 from tests.gateway.conftest import Stack
+from tests.gateway.test_cli import cli
 
 pytestmark = pytest.mark.nats
 
@@ -107,6 +108,11 @@ async def test_partitions_answer_as_one_and_name_the_missing_one(stack_for: Any)
     ready = await stack.http.get("/readyz")
     assert ready.status_code == 503
     assert "partition 1" in ready.json()["reason"]
+    url = str(stack.http.base_url)
+    code, out, err = await cli("timeline", "--url", url)
+    assert code == 0
+    assert "partial answer: aggregator partition 1 did not answer" in err
+    assert out.count("Z  rank ") == len(owned[0]) * 2 * ENTRIES  # the partition left
     metrics = (await stack.http.get("/metrics")).text
     assert "rankscope_aggregator_partitions_missing 1" in metrics
 
