@@ -13,7 +13,7 @@ confirmed dead; whatever the victims do meanwhile does not change it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from services.aggregator.views import ClusterState, RunnerView
@@ -269,6 +269,7 @@ def diagnose(
     placed_at: Callable[[str], float],
     thresholds: Thresholds = Thresholds(),
     outage: tuple[FindingKind, str, str] | None = None,
+    instances: Iterable[InstanceCreated] | None = None,
 ) -> dict[str, Incident]:
     """The open incident of every live instance that has one, by instance id; during an
     outage of NATS or JetStream, that outage (under the empty id) and the incidents open
@@ -284,6 +285,8 @@ def diagnose(
         outage: (kind, since, why) when the aggregator cannot reach NATS or JetStream
             does not store: what it holds is stale, so no incident opens or clears
             meanwhile.
+        instances: the instances judged, as they are now (all by default; one released
+            since is not).
     """
     if outage is not None:
         kind, since, why = outage
@@ -298,7 +301,10 @@ def diagnose(
         )
         return {**incidents, "": Incident(bus, previous.opened if previous else now)}
     found: dict[str, Incident] = {}
-    for instance in state.instances.values():
+    for picked in state.instances.values() if instances is None else instances:
+        instance = state.instances.get(picked.instanceId)
+        if instance is None:
+            continue  # released since it was picked
         views = [state.runners[a.runnerId] for a in instance.assignments]
         judge = _Judge(state, views, now, placed_at(instance.instanceId), thresholds)
         previous = incidents.get(instance.instanceId)

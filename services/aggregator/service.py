@@ -10,7 +10,7 @@ import gc
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib.metadata import version
 from typing import Any
 
@@ -94,6 +94,8 @@ EVIDENCE_WAIT_S = 5.0
 """Longest the aggregator waits for an agent's evidence of a new finding."""
 UNPUBLISHED_FINDINGS = 10_000
 """Findings kept for the diagnosis stream while NATS is out; the oldest go first."""
+JUDGE_SLICE = 500
+"""Instances judged between two turns of the queries (a few ms of work)."""
 FOLLOW_RELEASED_S = 300.0
 """How long a partition still follows a released instance's telemetry (its last words)."""
 CLOCK_TOLERANCE_S = 2.0
@@ -510,17 +512,36 @@ class AggregatorService:
             return FindingKind.JETSTREAM_STORAGE, storage.failing_since_wall or "", storage.why()
         return None
 
-    def evaluate(self) -> tuple[list[Finding], list[Finding]]:
-        """Diagnose now; returns (findings opened or changed, findings that cleared)."""
-        found = diagnose(
+    def _judged(
+        self, instances: Iterable[InstanceCreated], outage: tuple[FindingKind, str, str] | None
+    ) -> dict[str, Incident]:
+        return diagnose(
             self.state,
             now=self._clock(),
             wall=now(),
             incidents=self._incidents,
             placed_at=lambda i: self._placed_at.get(i, self._clock()),
             thresholds=self._thresholds,
-            outage=self._outage(),
+            outage=outage,
+            instances=instances,
         )
+
+    async def evaluate(self) -> tuple[list[Finding], list[Finding]]:
+        """Diagnose now, `JUDGE_SLICE` instances at a time between turns of the queries;
+        returns (findings opened or changed, findings that cleared)."""
+        instances = list(self.state.instances.values())
+        outage = self._outage()
+        if outage is not None:
+            return self._settle(self._judged(instances, outage))
+        found: dict[str, Incident] = {}
+        for start in range(0, len(instances), JUDGE_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            found |= self._judged(instances[start : start + JUDGE_SLICE], None)
+        return self._settle(found)
+
+    def _settle(self, found: dict[str, Incident]) -> tuple[list[Finding], list[Finding]]:
+        """Keep what `found` says, capturing evidence of the incidents it opens."""
         before = self._incidents
         opened = [
             i.finding
@@ -601,7 +622,7 @@ class AggregatorService:
 
     async def _diagnose_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            appeared, cleared = self.evaluate()
+            appeared, cleared = await self.evaluate()
             for finding in [*appeared, *cleared]:
                 verb = "open" if finding.open else "cleared"
                 log.warning("finding %s %s: %s", finding.kind.value, verb, finding.summary)

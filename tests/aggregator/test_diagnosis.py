@@ -10,11 +10,13 @@ from shared.wire import (
     Finding,
     FindingKind,
     FlightEntry,
+    InstanceReleased,
     MemorySampled,
     MlxMemorySnapshot,
     Phase,
     PhaseEntries,
     RankRole,
+    ReleaseCause,
     RunnerStatusChanged,
     RunnerStatusKind,
     UnreachableNode,
@@ -381,3 +383,34 @@ def test_a_second_rank_found_dead_widens_the_incident_it_does_not_start_another(
     (wider,) = _run(state, clock)
     assert (first.culpritRanks, wider.culpritRanks) == ([1], [1, 2])
     assert wider.since == first.since
+
+
+def test_instances_judged_in_slices_are_judged_as_they_are_now() -> None:
+    state, clock = _setup()
+    state.apply_placement(placed("j"))
+    state.apply_placement(placed("k"))
+    for name in ("i", "j"):
+        state.apply_telemetry(entries(rank(0, name), (0, 1, Phase.PREFILL_PIPELINE, 7)))
+        state.apply_telemetry(entries(rank(1, name), (0, 1, Phase.DECODE_BARRIER, 8)))
+    stale = placed("i", world=3)  # picked for a slice; placed as 2 ranks since
+    released = InstanceReleased(
+        at=at(1), instanceId="k", cause=ReleaseCause.SPEC_DELETED, reason="spec deleted"
+    )
+    slices = [[stale], [state.instances["j"], state.instances["k"]]]
+    state.apply_placement(released)  # k released after it was picked
+    clock.now += 11
+    found = {
+        instance_id: incident.finding
+        for part in slices
+        for instance_id, incident in diagnose(
+            state,
+            now=clock.now,
+            wall=at(0),
+            incidents={},
+            placed_at=lambda i: 990.0,
+            thresholds=LIMITS,
+            instances=part,
+        ).items()
+    }
+    assert sorted(found) == ["i", "j"]
+    assert [e.runnerId for e in found["i"].evidence] == ["i-r0", "i-r1"]  # as placed now
