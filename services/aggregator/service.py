@@ -297,23 +297,14 @@ class AggregatorService:
                 followed |= self._wanted  # from the start: nothing to go over again
             self._followed = followed
             runner, tasks = self._filters([None, *sorted(followed)])
-        self._folding = {
-            layout.placement_stream.name: placements,
-            layout.tasks_stream.name: await follow(
-                self._js,
-                tasks[0],
-                self._on_task,
-                also=tasks[1:],
-                after=after.get(layout.tasks_stream.name, 0),
-            ),
-            layout.runner_stream.name: await follow(
-                self._js,
-                runner[0],
-                self._on_telemetry,
-                also=runner[1:],
-                after=after.get(layout.runner_stream.name, 0),
-            ),
-        }
+        self._folding = {layout.placement_stream.name: placements}
+        for name, (filters, handle) in {
+            layout.tasks_stream.name: (tasks, self._on_task),
+            layout.runner_stream.name: (runner, self._on_telemetry),
+        }.items():
+            self._folding[name] = await follow(
+                self._js, filters[0], handle, also=filters[1:], after=after.get(name, 0)
+            )
 
     def _filters(self, ids: list[str | None]) -> tuple[list[str], list[str]]:
         """The telemetry and task subjects of these instances; None's are subjects no
