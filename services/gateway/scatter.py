@@ -19,9 +19,7 @@ from shared.headers import MISSING_PARTITIONS_HEADER
 from shared.timestamps import now
 from shared.wire import TimelineQuery, decode, encode
 
-__all__ = ["MISSING_HEADER", "MissingPartitions", "merge", "missing", "with_missing"]
-
-MISSING_HEADER = MISSING_PARTITIONS_HEADER
+__all__ = ["MissingPartitions", "merge", "missing", "with_missing"]
 
 _missing: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "missing_partitions", default=None
@@ -180,7 +178,7 @@ class MissingPartitions:
         async def sent(message: Message) -> None:
             if message["type"] == "http.response.start" and missing:
                 shown = ",".join(str(i) for i in sorted(set(missing)))
-                MutableHeaders(scope=message).append(MISSING_HEADER, shown)
+                MutableHeaders(scope=message).append(MISSING_PARTITIONS_HEADER, shown)
             await send(message)
 
         try:

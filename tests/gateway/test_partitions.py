@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.gateway.scatter import MISSING_HEADER
+from shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
 from shared.subjects import AGGREGATOR_SERVICE
 from shared.wire import Phase
 from tests.aggregator.builders import entries, instances_by_partition, placed, rank

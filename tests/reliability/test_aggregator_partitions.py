@@ -18,8 +18,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from services.gateway.scatter import MISSING_HEADER
 from shared.connection import close, connect
+from shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings, to_environ
