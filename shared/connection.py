@@ -103,12 +103,18 @@ class Lifeline:
     def __enter__(self) -> Lifeline:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
         """Raises:
-        ConnectionLostError: the connection closed for good.
+        ConnectionLostError: the connection closed for good, also when a call on the
+            closed client raised before nats-py's closed callback ran.
         """
+        if self.reason is None and isinstance(exc, nats.errors.ConnectionClosedError):
+            self.reason = "the NATS connection closed for good"
+            log.error("%s; stopping so that this service is restarted", self.reason)
         if self.reason is not None:
-            raise ConnectionLostError(self.reason)
+            raise ConnectionLostError(self.reason) from exc
 
 
 _closing: weakref.WeakSet[Client] = weakref.WeakSet()

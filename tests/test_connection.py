@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+import nats
 import pytest
 
 from shared.connection import ConnectionLostError, Lifeline, Reachability, close, connect
@@ -122,6 +123,17 @@ async def test_a_connection_the_server_drops_for_good_stops_the_service(nats_url
     assert nc.is_closed, "nats-py does not reconnect after a protocol error"
     with pytest.raises(ConnectionLostError, match=r"(?i)maximum control line"), lifeline:
         pass  # the service has stopped: leaving its lifeline fails it
+
+
+async def test_a_call_that_finds_the_client_closed_fails_the_lifeline_before_its_callback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stop = asyncio.Event()
+    lifeline = Lifeline(stop)
+    # a publish on a client the server closed can raise before nats-py's closed callback ran
+    with pytest.raises(ConnectionLostError, match="closed for good"), lifeline:
+        raise nats.errors.ConnectionClosedError
+    assert "closed for good" in caplog.text
 
 
 async def test_closing_a_connection_on_purpose_is_no_loss(nats_url: str) -> None:
