@@ -6,18 +6,26 @@ the last sequence folded in. It is a cache, never the truth: it is written atomi
 (temporary file, fsync, rename) with a CRC, and one that does not decode, fails its CRC,
 comes from another incarnation of a stream (deleted and made again) or runs past a
 stream's end is ignored with a log line, and the views are rebuilt by a full replay.
+
+A forked copy of the aggregator encodes and writes it: encoding hundreds of MB holds the
+interpreter for most of a second, and the aggregator's loop pauses only for the fork.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
 import os
+import signal
+import time
+import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 
@@ -177,6 +185,30 @@ def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
     state.version += 1
 
 
+def _in_copy(work: Callable[[], None], report: int) -> NoReturn:
+    """Run `work` in a forked copy and leave, saying why on `report` when it fails. The
+    copy dies of the signals that stop the aggregator, and runs nothing of the parent's
+    on its way out (no loop, no atexit, no buffered output)."""
+    code = 0
+    try:
+        with contextlib.suppress(ValueError):  # forked off the main thread: nothing to reset
+            signal.set_wakeup_fd(-1)
+            for stop in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(stop, signal.SIG_DFL)
+        gc.disable()
+        work()
+    except BaseException as exc:  # whatever it is, the parent hears of it
+        os.write(report, str(exc).encode()[:4096])
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _reap(pid: int) -> int:
+    """The exit code of a copy that has closed its end of the pipe (it is exiting)."""
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Millions of new objects would set off full collections that find nothing to free."""
@@ -195,21 +227,67 @@ class SnapshotFile:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    @staticmethod
-    def encode(snapshot: Snapshot) -> bytes:
-        """The snapshot's bytes (encode right after `capture`, without awaiting between:
-        the image shares the store's batches)."""
-        return msgspec.msgpack.encode(snapshot)
-
-    def write(self, body: bytes) -> None:
-        """Replace the file with an encoded snapshot (blocking: run it in a thread)."""
+    def _write(self, snapshot: Snapshot, parent: int) -> None:
+        """Replace the file with `snapshot` (blocking), unless the aggregator `parent`
+        that forked this copy is gone: a successor may have written a newer one."""
+        body = msgspec.msgpack.encode(snapshot)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        with temporary.open("wb") as out:
-            out.write(_MAGIC + zlib.crc32(body).to_bytes(4, "big") + body)
-            out.flush()
-            os.fsync(out.fileno())
-        temporary.replace(self.path)
+        temporary = self._temporary(os.getpid())
+        try:
+            with temporary.open("wb") as out:
+                out.write(_MAGIC + zlib.crc32(body).to_bytes(4, "big") + body)
+                out.flush()
+                os.fsync(out.fileno())
+            if os.getppid() != parent:
+                raise OSError("the aggregator that took it is gone")
+            temporary.replace(self.path)
+        finally:
+            temporary.unlink(missing_ok=True)
+
+    async def keep(self, state: ClusterState, positions: dict[str, Position]) -> float:
+        """Write what `state` holds now, covering `positions`, from a forked copy of this
+        process; returns once it is written, with the seconds the fork held this process.
+        Cancelled, the copy is stopped and leaves nothing behind.
+
+        Raises:
+            OSError: the copy could not write it (with the copy's reason).
+        """
+        reasons, report = os.pipe()
+        parent, started = os.getpid(), time.perf_counter()
+        with warnings.catch_warnings():  # the copy takes no lock another thread could hold
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            os.close(reasons)
+            _in_copy(lambda: self._write(capture(state, positions), parent), report)
+        paused = time.perf_counter() - started
+        os.close(report)
+        loop, said = asyncio.get_running_loop(), bytearray()
+        ended = loop.create_future()
+
+        def on_readable() -> None:  # the copy's reason, then the end of it as it exits
+            if chunk := os.read(reasons, 4096):
+                said.extend(chunk)
+            elif not ended.done():
+                ended.set_result(None)
+
+        loop.add_reader(reasons, on_readable)
+        try:
+            await ended
+        except asyncio.CancelledError:
+            os.kill(pid, signal.SIGKILL)
+            _reap(pid)
+            self._temporary(pid).unlink(missing_ok=True)
+            raise
+        finally:
+            loop.remove_reader(reasons)
+            os.close(reasons)
+        if code := _reap(pid):
+            raise OSError(said.decode(errors="replace") or f"the copy writing it ended with {code}")
+        return paused
+
+    def _temporary(self, pid: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{pid}.tmp")
 
     def read(self) -> Snapshot | None:
         """The snapshot kept, or None when there is none or it cannot be trusted

@@ -4,6 +4,8 @@ ignored, never trusted."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,61 @@ async def test_a_snapshot_of_streams_since_made_again_is_ignored(
         await until(lambda: running.service.state.store.size == 2 * 2)
         history = running.service.state.history()
     assert [(h.firstSeq, h.lastSeq) for h in history] == [(200, 201), (200, 201)]
+
+
+async def test_a_snapshot_that_cannot_be_written_says_why_and_the_aggregator_goes_on(
+    nc: Client, js_ready: Layout, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("a file where the snapshots' folder should be")
+    snapshots = SnapshotFile(tmp_path / "file" / "aggregator.snapshot")
+    await publish(nc, js_ready, placed())
+    await _history(nc, js_ready, 0, 10)
+    async with aggregator(nc, js_ready, snapshots=snapshots) as running:
+        await until(lambda: running.service.state.store.size == 2 * 8)
+        await running.service.snapshot()
+        await _history(nc, js_ready, 10, 10)
+        await until(lambda: running.service.state.store.size == 2 * 17)  # still folding
+    refused = [r.getMessage() for r in caplog.records if "snapshot not written" in r.getMessage()]
+    assert len(refused) == 2  # the one asked for, and the one on the way out
+    assert all("File exists" in message for message in refused)  # the copy's own reason
+
+
+def _beside(snapshots: SnapshotFile) -> list[str]:
+    """Files named after the snapshot besides it."""
+    path = snapshots.path
+    return [p.name for p in path.parent.glob(f"{path.name}*") if p != path]
+
+
+def _children() -> set[str]:
+    """Processes this one started that have not been reaped yet."""
+    return {
+        pid
+        for task in Path("/proc/self/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    }
+
+
+async def test_a_snapshot_cancelled_while_its_copy_writes_leaves_nothing_behind(
+    nc: Client, js_ready: Layout, tmp_path: Path
+) -> None:
+    snapshots = await _snapshotted(nc, js_ready, tmp_path)
+    kept = snapshots.path.read_bytes()
+    await _history(nc, js_ready, 100, 100)
+    async with aggregator(nc, js_ready, snapshots=snapshots) as running:
+        await until(lambda: running.service.state.store.size == 2 * 171)
+        before = _children()
+        for _ in range(20):
+            writing = asyncio.create_task(running.service.snapshot())
+            await asyncio.sleep(0)
+            writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writing
+            assert _beside(snapshots) == []  # no temporary file
+            assert _children() == before  # the copy stopped and reaped, no zombie
+            running.service.state.version += 1  # something changed: the next one writes
+        await running.service.snapshot()
+        assert snapshots.path.read_bytes() != kept
+    *restored, read = await _rebuilt(nc, js_ready, snapshots)
+    *replayed, _ = await _rebuilt(nc, js_ready, None)
+    assert restored == replayed
+    assert read == 0
