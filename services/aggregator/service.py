@@ -8,6 +8,7 @@ import contextlib
 import functools
 import gc
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -636,14 +637,45 @@ class AggregatorService:
 
     # Unreachable nodes
 
-    async def _probe(self, node_id: str) -> set[str] | None:
-        """The runners `node_id`'s agent supervises, or None when it does not answer."""
+    async def _ask_nodes(self, targets: list[str]) -> list[set[str] | None]:
+        """Ask every node of `targets` at once, on one inbox, under one deadline: the
+        runners each agent supervises, or None for a node that did not answer in time
+        (one subscription and one timer for the round, however many nodes)."""
+        inbox, replies, everyone = self._nc.new_inbox(), dict[int, bytes](), asyncio.Event()
+        ping = math.ceil(self._probe_timeout)  # nats-py takes whole seconds
+
+        async def on_reply(msg: Msg) -> None:
+            with contextlib.suppress(ValueError):
+                index = int(msg.subject.rpartition(".")[2])
+                if 0 <= index < len(targets):
+                    replies[index] = msg.data  # empty when no agent listens there
+            if len(replies) == len(targets):
+                everyone.set()
+
+        subscription = await self._nc.subscribe(f"{inbox}.*", cb=on_reply)
         try:
-            reply = await self._nc.request(
-                self._layout.subjects.node_diagnostics(node_id), b"", timeout=self._probe_timeout
-            )
-            answer = decode(reply.data, NodeDiagnostics)
-        except (NatsError, TimeoutError, WireError):
+            for index, node_id in enumerate(targets):
+                subject = self._layout.subjects.node_diagnostics(node_id)
+                await self._nc.publish(subject, reply=f"{inbox}.{index}")
+            await self._nc.flush(ping)  # the deadline starts once the server has them all
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(everyone.wait(), self._probe_timeout)
+            if not everyone.is_set():  # answers the server sent in time are read, not
+                await self._nc.flush(ping)  # blamed on a busy aggregator
+                while subscription.pending_msgs:  # noqa: ASYNC110 - nats-py's queue, no event
+                    await asyncio.sleep(0)
+        except (NatsError, TimeoutError):
+            pass  # the bus is out: every node unanswered, as the round then says
+        finally:
+            with contextlib.suppress(NatsError):
+                await subscription.unsubscribe()
+        return [self._listed(node_id, replies.get(i)) for i, node_id in enumerate(targets)]
+
+    def _listed(self, node_id: str, reply: bytes | None) -> set[str] | None:
+        """The runners a node's answer lists as its own, or None when it gave none."""
+        try:
+            answer = decode(reply or b"", NodeDiagnostics)
+        except WireError:
             return None
         listed = set()
         for runner in answer.runners:
@@ -674,7 +706,7 @@ class AggregatorService:
         elsewhere = set().union(*self._placed_elsewhere.values())
         spare = {n for n in self._heartbeats if n not in elsewhere and self.partition.owns(n)}
         targets = sorted(self.state.placed_nodes() | spare)
-        answers = await asyncio.gather(*(self._probe(n) for n in targets))
+        answers = await self._ask_nodes(targets)
         if None in answers and not await self.reach.check():
             return
         on: dict[str, list[RunnerView]] = {}

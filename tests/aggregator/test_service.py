@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -321,6 +324,96 @@ async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
         assert unreachable["node-1"].error.startswith("no heartbeat")
         timeline = decode((await query(nc, js_ready, "timeline")).data, ClusterTimeline)
         assert {u.nodeId for u in timeline.unreachableNodes} == {"node-0", "node-1"}
+
+
+async def test_one_probe_round_tells_every_answering_node_from_every_silent_one(
+    nc: Client, js_ready: Layout
+) -> None:
+    kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
+    nodes = [f"node-{i}" for i in range(200)]
+    for node_id in nodes:
+        await kv.put(token(node_id), encode(node_info(node_id, 8)))
+
+    async def answer(msg: Msg) -> None:
+        node_id = msg.subject.rpartition(".")[0].rpartition(".")[2]
+        number = int(node_id.removeprefix("node-"))
+        reply = NodeDiagnostics(nodeId=node_id, friendlyName="", address="", generatedAt=now())
+        if number % 4 == 0:
+            await msg.respond(encode(reply))
+        elif number % 4 == 1:
+            await msg.respond(b"{not json")
+        elif number % 4 == 2:
+            await asyncio.sleep(1.0)  # after the round's deadline
+            await msg.respond(encode(reply))
+        # and the rest say nothing
+
+    for node_id in nodes[:150]:  # the last 50 have no agent at all
+        await nc.subscribe(js_ready.subjects.node_diagnostics(node_id), cb=answer)
+    async with aggregator(nc, js_ready, probe_interval=60, probe_timeout=0.5) as running:
+        await running.service.probe()
+        silent = set(running.service.state.unreachable)
+    answered = {n for i, n in enumerate(nodes) if i < 150 and i % 4 == 0}
+    assert silent == set(nodes) - answered
+
+
+def _answer_elsewhere(
+    url: str, layout: Layout, nodes: list[str], up: threading.Event, done: threading.Event
+) -> None:
+    """Agents of `nodes` answering probes at once, on a loop of their own until `done`."""
+
+    async def serve() -> None:
+        agents = await nats.connect(url)
+        for node_id in nodes:
+            said = encode(  # big: reading them all takes the aggregator several turns
+                NodeDiagnostics(
+                    nodeId=node_id, friendlyName="x" * 50_000, address="", generatedAt=now()
+                )
+            )
+
+            async def answer(msg: Msg, said: bytes = said) -> None:
+                await msg.respond(said)
+
+            await agents.subscribe(layout.subjects.node_diagnostics(node_id), cb=answer)
+        await agents.flush()
+        up.set()
+        await asyncio.to_thread(done.wait)
+        await agents.close()
+
+    asyncio.run(serve())
+
+
+async def test_answers_in_time_count_though_the_aggregator_was_too_busy_to_read_them(
+    nc: Client, js_ready: Layout, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
+    nodes = [f"node-{i}" for i in range(20)]
+    for node_id in [*nodes, "node-without-agent"]:
+        await kv.put(token(node_id), encode(node_info(node_id, 8)))
+    up, done = threading.Event(), threading.Event()
+    agents = threading.Thread(target=_answer_elsewhere, args=(nats_url, js_ready, nodes, up, done))
+    agents.start()
+    try:
+        assert await asyncio.to_thread(up.wait, WAIT)
+        async with aggregator(nc, js_ready, probe_interval=60, probe_timeout=0.3) as running:
+            publish, flush, probes_out = nc.publish, nc.flush, []
+
+            async def publish_noting(subject: str, *args: Any, **kwargs: Any) -> None:
+                probes_out.append(subject.endswith(".diagnostics"))
+                await publish(subject, *args, **kwargs)
+
+            async def flush_then_stall(timeout: int = 10) -> None:  # noqa: ASYNC109
+                await flush(timeout)
+                if any(probes_out):  # the probes are out: the loop stalls past the deadline
+                    asyncio.get_running_loop().call_soon(time.sleep, 0.6)
+                probes_out.clear()
+
+            monkeypatch.setattr(nc, "publish", publish_noting)
+            monkeypatch.setattr(nc, "flush", flush_then_stall)
+            await running.service.probe()
+            assert set(running.service.state.unreachable) == {"node-without-agent"}
+    finally:
+        done.set()
+        await asyncio.to_thread(agents.join)
 
 
 async def test_a_node_whose_clock_is_off_is_flagged_and_a_bad_heartbeat_dead_lettered(
