@@ -88,7 +88,7 @@ SLICE_ENTRIES = 2_000
 """Entries built between two turns of the other queries."""
 
 SNAPSHOT_WORK_SHARE = 50
-"""Snapshots are taken at most once per this many times the last one took to write."""
+"""Snapshots are taken at most once per this many times the CPU seconds the last one took."""
 
 
 EVIDENCE_WAIT_S = 5.0
@@ -150,7 +150,7 @@ class AggregatorService:
         self._snapshots = snapshots
         self._snapshot_interval = snapshot_interval
         self._snapshot_version = -1
-        self._write_s = 0.0
+        self._snapshot_cpu_s = 0.0
         self._streams: dict[str, str] = {}
         self.ready = asyncio.Event()
         self.dead_letters = DeadLetters(
@@ -421,10 +421,10 @@ class AggregatorService:
         return {name: position.seq for name, position in snapshot.positions.items()}
 
     async def _snapshot_forever(self, stop: asyncio.Event) -> None:
-        """Snapshot every `snapshot_interval`, or less often when writing takes long: the
-        copy that writes one keeps a core busy meanwhile, under 2% of the time."""
+        """Snapshot every `snapshot_interval`, or less often when one takes much CPU: the
+        copies that write them use under 2% of a core."""
         while not stop.is_set():
-            wait = max(self._snapshot_interval, SNAPSHOT_WORK_SHARE * self._write_s)
+            wait = max(self._snapshot_interval, SNAPSHOT_WORK_SHARE * self._snapshot_cpu_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
             if not stop.is_set():
@@ -442,16 +442,16 @@ class AggregatorService:
         }
         started, version, size = time.perf_counter(), self.state.version, self.state.store.size
         try:
-            paused = await self._snapshots.keep(self.state, positions)
+            paused, self._snapshot_cpu_s = await self._snapshots.keep(self.state, positions)
             megabytes = self._snapshots.path.stat().st_size / 1e6
         except OSError as exc:
             log.warning("snapshot not written to %s: %s", self._snapshots.path, exc)
             return
-        self._write_s = written = time.perf_counter() - started
+        written = time.perf_counter() - started
         self._snapshot_version = version
-        log.info("snapshot of %d entries: %.1f MB, written in %.2f s by a copy of this process; "
-                 "queries paused %.1f ms for the copy", size, megabytes, written,
-                 paused * 1000)  # fmt: skip
+        log.info("snapshot of %d entries: %.1f MB, written in %.2f s (%.2f s of CPU) by a copy "
+                 "of this process; queries paused %.1f ms for the copy", size, megabytes, written,
+                 self._snapshot_cpu_s, paused * 1000)  # fmt: skip
 
     async def _on_node(self, entry: KeyValue.Entry) -> None:
         node_id = untoken(entry.key)

@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 _MAGIC = b"RSSNAP1\n"
 
+_COPY_NICENESS = 10
+"""How much lower than the aggregator's the priority of the copy writing a snapshot is."""
+
 
 class Position(msgspec.Struct, array_like=True, frozen=True):
     """How far into one stream a snapshot goes."""
@@ -187,8 +190,9 @@ def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
 
 def _in_copy(work: Callable[[], None], report: int) -> NoReturn:
     """Run `work` in a forked copy and leave, saying why on `report` when it fails. The
-    copy dies of the signals that stop the aggregator, and runs nothing of the parent's
-    on its way out (no loop, no atexit, no buffered output)."""
+    copy yields the CPU to the aggregator and its neighbours, dies of the signals that stop
+    the aggregator, and runs nothing of the parent's on its way out (no loop, no atexit,
+    no buffered output)."""
     code = 0
     try:
         with contextlib.suppress(ValueError):  # forked off the main thread: nothing to reset
@@ -196,6 +200,7 @@ def _in_copy(work: Callable[[], None], report: int) -> NoReturn:
             for stop in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(stop, signal.SIG_DFL)
         gc.disable()
+        os.nice(_COPY_NICENESS)
         work()
     except BaseException as exc:  # whatever it is, the parent hears of it
         os.write(report, str(exc).encode()[:4096])
@@ -204,9 +209,11 @@ def _in_copy(work: Callable[[], None], report: int) -> NoReturn:
         os._exit(code)
 
 
-def _reap(pid: int) -> int:
-    """The exit code of a copy that has closed its end of the pipe (it is exiting)."""
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+def _reap(pid: int) -> tuple[int, float]:
+    """The exit code and CPU seconds of a copy that has closed its end of the pipe (it is
+    exiting)."""
+    _, status, usage = os.wait4(pid, 0)
+    return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
 @contextlib.contextmanager
@@ -244,9 +251,12 @@ class SnapshotFile:
         finally:
             temporary.unlink(missing_ok=True)
 
-    async def keep(self, state: ClusterState, positions: dict[str, Position]) -> float:
+    async def keep(
+        self, state: ClusterState, positions: dict[str, Position]
+    ) -> tuple[float, float]:
         """Write what `state` holds now, covering `positions`, from a forked copy of this
-        process; returns once it is written, with the seconds the fork held this process.
+        process; returns once it is written, with the seconds the fork held this process
+        and the CPU seconds the copy took.
         Cancelled, the copy is stopped and leaves nothing behind.
 
         Raises:
@@ -282,9 +292,10 @@ class SnapshotFile:
         finally:
             loop.remove_reader(reasons)
             os.close(reasons)
-        if code := _reap(pid):
+        code, cpu = _reap(pid)
+        if code:
             raise OSError(said.decode(errors="replace") or f"the copy writing it ended with {code}")
-        return paused
+        return paused, cpu
 
     def _temporary(self, pid: int) -> Path:
         return self.path.with_name(f"{self.path.name}.{pid}.tmp")
