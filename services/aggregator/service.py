@@ -641,14 +641,15 @@ class AggregatorService:
         """Ask every node of `targets` at once, on one inbox, under one deadline: the
         runners each agent supervises, or None for a node that did not answer in time
         (one subscription and one timer for the round, however many nodes)."""
-        inbox, replies, everyone = self._nc.new_inbox(), dict[int, bytes](), asyncio.Event()
+        inbox, everyone = self._nc.new_inbox(), asyncio.Event()
+        replies: dict[int, set[str] | None] = {}
         ping = math.ceil(self._probe_timeout)  # nats-py takes whole seconds
 
-        async def on_reply(msg: Msg) -> None:
+        async def on_reply(msg: Msg) -> None:  # read as they come, not all in one block
             with contextlib.suppress(ValueError):
                 index = int(msg.subject.rpartition(".")[2])
-                if 0 <= index < len(targets):
-                    replies[index] = msg.data  # empty when no agent listens there
+                if 0 <= index < len(targets) and index not in replies:
+                    replies[index] = self._listed(targets[index], msg.data)
             if len(replies) == len(targets):
                 everyone.set()
 
@@ -669,12 +670,13 @@ class AggregatorService:
         finally:
             with contextlib.suppress(NatsError):
                 await subscription.unsubscribe()
-        return [self._listed(node_id, replies.get(i)) for i, node_id in enumerate(targets)]
+        return [replies.get(i) for i in range(len(targets))]
 
-    def _listed(self, node_id: str, reply: bytes | None) -> set[str] | None:
-        """The runners a node's answer lists as its own, or None when it gave none."""
+    def _listed(self, node_id: str, reply: bytes) -> set[str] | None:
+        """The runners a node's answer lists as its own, or None when it gave none (an
+        empty reply: no agent listens there)."""
         try:
-            answer = decode(reply or b"", NodeDiagnostics)
+            answer = decode(reply, NodeDiagnostics)
         except WireError:
             return None
         listed = set()
