@@ -8,7 +8,6 @@ import contextlib
 import functools
 import gc
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -16,10 +15,12 @@ from importlib.metadata import version
 from typing import Any
 
 import msgspec
+from nats.aio.client import NO_RESPONDERS_STATUS as NO_RESPONDERS
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.api import Header
 from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
@@ -90,6 +91,13 @@ SLICE_ENTRIES = 2_000
 SNAPSHOT_WORK_SHARE = 50
 """Snapshots are taken at most once per this many times the CPU seconds the last one took."""
 
+
+MISSED_ROUNDS = 2
+"""Probe rounds in a row a node must leave unanswered to be called unreachable: one late
+answer is a busy node. A node where no agent listens at all (NATS says so at once) is
+unreachable from the first round."""
+
+NO_AGENT = "no agent answers live diagnostics there (NATS: no responders)"
 
 EVIDENCE_WAIT_S = 5.0
 """Longest the aggregator waits for an agent's evidence of a new finding."""
@@ -178,6 +186,8 @@ class AggregatorService:
         self.clock_offsets: dict[str, float] = {}
         """Seconds each node's clock is ahead of the NATS server's (negative: behind)."""
         self._silent_probes: dict[str, float] = {}
+        self._missed_rounds: dict[str, int] = {}
+        """Probe rounds in a row each node gave no usable answer in."""
         self._incidents: dict[str, Incident] = {}
         self._evidence: dict[tuple[str, str], dict[str, RunnerEvidence]] = {}
         """What the agents captured of each open incident's ranks, by (instance, since)."""
@@ -637,19 +647,23 @@ class AggregatorService:
 
     # Unreachable nodes
 
-    async def _ask_nodes(self, targets: list[str]) -> list[set[str] | None]:
+    async def _ask_nodes(self, targets: list[str]) -> list[set[str] | str | None]:
         """Ask every node of `targets` at once, on one inbox, under one deadline: the
-        runners each agent supervises, or None for a node that did not answer in time
-        (one subscription and one timer for the round, however many nodes)."""
+        runners each agent supervises; why a node is silent when NATS says so at once (no
+        agent listens there); or None for a node that gave no usable answer in time. One
+        subscription and one timer for the round, however many nodes."""
         inbox, everyone = self._nc.new_inbox(), asyncio.Event()
-        replies: dict[int, set[str] | None] = {}
-        ping = math.ceil(self._probe_timeout)  # nats-py takes whole seconds
+        replies: dict[int, set[str] | str | None] = {}
 
         async def on_reply(msg: Msg) -> None:  # read as they come, not all in one block
             with contextlib.suppress(ValueError):
                 index = int(msg.subject.rpartition(".")[2])
                 if 0 <= index < len(targets) and index not in replies:
-                    replies[index] = self._listed(targets[index], msg.data)
+                    replies[index] = (
+                        NO_AGENT
+                        if (msg.headers or {}).get(Header.STATUS) == NO_RESPONDERS
+                        else self._listed(targets[index], msg.data)
+                    )
             if len(replies) == len(targets):
                 everyone.set()
 
@@ -658,14 +672,15 @@ class AggregatorService:
             for index, node_id in enumerate(targets):
                 subject = self._layout.subjects.node_diagnostics(node_id)
                 await self._nc.publish(subject, reply=f"{inbox}.{index}")
-            await self._nc.flush(ping)  # the deadline starts once the server has them all
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(everyone.wait(), self._probe_timeout)
-            if not everyone.is_set():  # answers the server sent in time are read, not
-                await self._nc.flush(ping)  # blamed on a busy aggregator
+            # a ping answered: the server has them all, and the deadline starts
+            if await self.reach.check():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(everyone.wait(), self._probe_timeout)
+            if not everyone.is_set() and await self.reach.check():
+                # answers the server sent in time are read, not blamed on a busy aggregator
                 while subscription.pending_msgs:  # noqa: ASYNC110 - nats-py's queue, no event
                     await asyncio.sleep(0)
-        except (NatsError, TimeoutError):
+        except NatsError:
             pass  # the bus is out: every node unanswered, as the round then says
         finally:
             with contextlib.suppress(NatsError):
@@ -673,8 +688,7 @@ class AggregatorService:
         return [replies.get(i) for i in range(len(targets))]
 
     def _listed(self, node_id: str, reply: bytes) -> set[str] | None:
-        """The runners a node's answer lists as its own, or None when it gave none (an
-        empty reply: no agent listens there)."""
+        """The runners a node's answer lists as its own, or None when it is no answer."""
         try:
             answer = decode(reply, NodeDiagnostics)
         except WireError:
@@ -709,48 +723,49 @@ class AggregatorService:
         spare = {n for n in self._heartbeats if n not in elsewhere and self.partition.owns(n)}
         targets = sorted(self.state.placed_nodes() | spare)
         answers = await self._ask_nodes(targets)
-        if None in answers and not await self.reach.check():
+        if any(not isinstance(a, set) for a in answers) and not await self.reach.check():
             return
         on: dict[str, list[RunnerView]] = {}
         for view in self.state.runners.values():
             on.setdefault(view.ref.nodeId, []).append(view)
         for node_id, listed in zip(targets, answers, strict=True):
-            if listed is not None:
+            if isinstance(listed, set):
                 self.state.note_listed(node_id, listed, on.get(node_id, []))
         moment, ttl = self._clock(), self._layout.node_ttl_s
         unreachable: dict[str, UnreachableNode] = {}
         for node_id, listed in zip(targets, answers, strict=True):
-            answered = listed is not None
-            if answered:
+            if isinstance(listed, set):
                 self._silent_probes.pop(node_id, None)
+                self._missed_rounds.pop(node_id, None)
             else:
                 self._silent_probes.setdefault(node_id, moment)
+                self._missed_rounds[node_id] = self._missed_rounds.get(node_id, 0) + 1
             node = self.state.nodes.get(node_id)
             url = node.address if node else None
             beat = self._heartbeats.get(node_id)
+            silent = moment - self._silent_probes.get(node_id, moment)
             if node is None:
                 age = (
                     f"for {moment - beat:.1f}s"
                     if beat is not None
                     else "since this aggregator started"
                 )
-                unreachable[node_id] = UnreachableNode(
-                    nodeId=node_id,
-                    url=url,
-                    error=f"no heartbeat {age} (TTL {ttl:g}s); entry expired or never written",
+                error = f"no heartbeat {age} (TTL {ttl:g}s); entry expired or never written"
+            elif isinstance(listed, str):
+                error = listed
+            elif listed is None and self._missed_rounds[node_id] >= MISSED_ROUNDS:
+                error = (
+                    f"no answer to live diagnostics within {self._probe_timeout:g}s, "
+                    f"{self._missed_rounds[node_id]} rounds in a row (silent for {silent:.1f}s)"
                 )
-            elif not answered:
-                silent = moment - self._silent_probes[node_id]
-                unreachable[node_id] = UnreachableNode(
-                    nodeId=node_id,
-                    url=url,
-                    error=f"no answer to live diagnostics within {self._probe_timeout:g}s "
-                    f"(silent for {silent:.1f}s)",
-                )
+            else:
+                continue
+            unreachable[node_id] = UnreachableNode(nodeId=node_id, url=url, error=error)
         self.state.unreachable = unreachable
 
     def _after_outage(self) -> None:
         self._silent_probes.clear()
+        self._missed_rounds.clear()
         moment = self._clock()
         self._heartbeats = dict.fromkeys(self._heartbeats, moment)
         culprits = {r for i in self._incidents.values() for r in i.finding.culpritRunnerIds}

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from services.aggregator.diagnosis import Thresholds
-from services.aggregator.service import FOLLOW_RELEASED_S, VIEWS, AggregatorService
+from services.aggregator.service import FOLLOW_RELEASED_S, NO_AGENT, VIEWS, AggregatorService
 from services.aggregator.store import EntryStore
 from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
 from shared.jetstream import Layout, ensure
@@ -320,25 +320,26 @@ async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
         unreachable = running.service.state.unreachable
         assert set(unreachable) == {"node-0", "node-1"}
         assert unreachable["node-0"].url == "10.1.1.1"
-        assert unreachable["node-0"].error.startswith("no answer to live diagnostics within 0.2s")
+        assert unreachable["node-0"].error == NO_AGENT
         assert unreachable["node-1"].error.startswith("no heartbeat")
         timeline = decode((await query(nc, js_ready, "timeline")).data, ClusterTimeline)
         assert {u.nodeId for u in timeline.unreachableNodes} == {"node-0", "node-1"}
 
 
-async def test_one_probe_round_tells_every_answering_node_from_every_silent_one(
+async def test_a_node_is_unreachable_at_once_without_an_agent_else_after_two_silent_rounds(
     nc: Client, js_ready: Layout
 ) -> None:
     kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
     nodes = [f"node-{i}" for i in range(200)]
     for node_id in nodes:
         await kv.put(token(node_id), encode(node_info(node_id, 8)))
+    misbehave = asyncio.Event()
 
     async def answer(msg: Msg) -> None:
         node_id = msg.subject.rpartition(".")[0].rpartition(".")[2]
         number = int(node_id.removeprefix("node-"))
         reply = NodeDiagnostics(nodeId=node_id, friendlyName="", address="", generatedAt=now())
-        if number % 4 == 0:
+        if number % 4 == 0 or not misbehave.is_set():
             await msg.respond(encode(reply))
         elif number % 4 == 1:
             await msg.respond(b"{not json")
@@ -351,15 +352,25 @@ async def test_one_probe_round_tells_every_answering_node_from_every_silent_one(
         await nc.subscribe(js_ready.subjects.node_diagnostics(node_id), cb=answer)
     async with aggregator(nc, js_ready, probe_interval=60, probe_timeout=0.5) as running:
         await running.service.probe()
-        silent = set(running.service.state.unreachable)
+        at_first = dict(running.service.state.unreachable)
+        misbehave.set()
+        await running.service.probe()
+        once = dict(running.service.state.unreachable)
+        await running.service.probe()
+        twice = running.service.state.unreachable
+    assert set(at_first) == set(once) == set(nodes[150:])  # one silent round: a busy node
+    assert {u.error for u in at_first.values()} == {NO_AGENT}
     answered = {n for i, n in enumerate(nodes) if i < 150 and i % 4 == 0}
-    assert silent == set(nodes) - answered
+    assert set(twice) == set(nodes) - answered  # late, garbled or mute two rounds in a row
+    assert twice["node-1"].error.startswith(
+        "no answer to live diagnostics within 0.5s, 2 rounds in a row"
+    )
 
 
 def _answer_elsewhere(
     url: str, layout: Layout, nodes: list[str], up: threading.Event, done: threading.Event
 ) -> None:
-    """Agents of `nodes` answering probes at once, on a loop of their own until `done`."""
+    """Agents of `nodes` answering probes in 0.15 s, on a loop of their own until `done`."""
 
     async def serve() -> None:
         agents = await nats.connect(url)
@@ -371,6 +382,7 @@ def _answer_elsewhere(
             )
 
             async def answer(msg: Msg, said: bytes = said) -> None:
+                await asyncio.sleep(0.15)  # well within the deadline
                 await msg.respond(said)
 
             await agents.subscribe(layout.subjects.node_diagnostics(node_id), cb=answer)
@@ -403,8 +415,9 @@ async def test_answers_in_time_count_though_the_aggregator_was_too_busy_to_read_
 
             async def flush_then_stall(timeout: int = 10) -> None:  # noqa: ASYNC109
                 await flush(timeout)
-                if any(probes_out):  # the probes are out: the loop stalls past the deadline
-                    asyncio.get_running_loop().call_soon(time.sleep, 0.6)
+                if any(probes_out):  # the probes are out: the loop stalls while the
+                    # answers come and past the deadline
+                    asyncio.get_running_loop().call_later(0.05, time.sleep, 0.6)
                 probes_out.clear()
 
             monkeypatch.setattr(nc, "publish", publish_noting)
