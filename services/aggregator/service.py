@@ -94,8 +94,12 @@ SNAPSHOT_WORK_SHARE = 50
 
 MISSED_ROUNDS = 2
 """Probe rounds in a row a node must leave unanswered to be called unreachable: one late
-answer is a busy node. A node where no agent listens at all (NATS says so at once) is
-unreachable from the first round."""
+answer is a busy node. A node where no agent listens at all (NATS says so at once), or
+whose heartbeat is overdue too, is unreachable from the first round."""
+
+OVERDUE_TTL_SHARE = 0.5
+"""A node's heartbeat is overdue once it is older than this share of the TTL: agents beat
+every third of it, so one beat is missed and the next late."""
 
 NO_AGENT = "no agent answers live diagnostics there (NATS: no responders)"
 
@@ -703,11 +707,18 @@ class AggregatorService:
     async def _probe_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self.probe()
+            if suspects := self._suspects():  # silent once: asked again at once, not judged
+                await self.probe(suspects)  # on the next full round
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self._probe_interval)
 
-    async def probe(self) -> None:
-        """Ask every node of interest at once, under one deadline, and record who is silent.
+    def _suspects(self) -> list[str]:
+        """Nodes that left the last round unanswered and are not yet called unreachable."""
+        return sorted(n for n in self._missed_rounds if n not in self.state.unreachable)
+
+    async def probe(self, only: list[str] | None = None) -> None:
+        """Ask every node of interest (or `only` these) at once, under one deadline, and
+        record who is silent.
 
         Only while NATS answers, before and after the round: when the bus itself is out,
         silence says nothing of the nodes, and once it is back every rank starts afresh.
@@ -717,11 +728,17 @@ class AggregatorService:
             return
         if was_out:
             self._after_outage()
-        # the nodes of its instances, and its share of the nodes no partition places on:
-        # every node is probed by one partition at least
-        elsewhere = set().union(*self._placed_elsewhere.values())
-        spare = {n for n in self._heartbeats if n not in elsewhere and self.partition.owns(n)}
-        targets = sorted(self.state.placed_nodes() | spare)
+        if only is None:
+            # the nodes of its instances, and its share of the nodes no partition places
+            # on: every node is probed by one partition at least
+            elsewhere = set().union(*self._placed_elsewhere.values())
+            spare = {n for n in self._heartbeats if n not in elsewhere and self.partition.owns(n)}
+            targets = sorted(self.state.placed_nodes() | spare)
+            for gone in (set(self._missed_rounds) | set(self._silent_probes)) - set(targets):
+                self._missed_rounds.pop(gone, None)  # no longer asked: no longer suspect
+                self._silent_probes.pop(gone, None)
+        else:
+            targets = only
         answers = await self._ask_nodes(targets)
         if any(not isinstance(a, set) for a in answers) and not await self.reach.check():
             return
@@ -731,37 +748,44 @@ class AggregatorService:
         for node_id, listed in zip(targets, answers, strict=True):
             if isinstance(listed, set):
                 self.state.note_listed(node_id, listed, on.get(node_id, []))
-        moment, ttl = self._clock(), self._layout.node_ttl_s
-        unreachable: dict[str, UnreachableNode] = {}
+        moment = self._clock()
+        unreachable = {} if only is None else dict(self.state.unreachable)
         for node_id, listed in zip(targets, answers, strict=True):
-            if isinstance(listed, set):
-                self._silent_probes.pop(node_id, None)
-                self._missed_rounds.pop(node_id, None)
-            else:
-                self._silent_probes.setdefault(node_id, moment)
-                self._missed_rounds[node_id] = self._missed_rounds.get(node_id, 0) + 1
-            node = self.state.nodes.get(node_id)
-            url = node.address if node else None
-            beat = self._heartbeats.get(node_id)
-            silent = moment - self._silent_probes.get(node_id, moment)
-            if node is None:
-                age = (
-                    f"for {moment - beat:.1f}s"
-                    if beat is not None
-                    else "since this aggregator started"
-                )
-                error = f"no heartbeat {age} (TTL {ttl:g}s); entry expired or never written"
-            elif isinstance(listed, str):
-                error = listed
-            elif listed is None and self._missed_rounds[node_id] >= MISSED_ROUNDS:
-                error = (
-                    f"no answer to live diagnostics within {self._probe_timeout:g}s, "
-                    f"{self._missed_rounds[node_id]} rounds in a row (silent for {silent:.1f}s)"
-                )
-            else:
-                continue
-            unreachable[node_id] = UnreachableNode(nodeId=node_id, url=url, error=error)
+            unreachable.pop(node_id, None)
+            if (found := self._silence(node_id, listed, moment)) is not None:
+                unreachable[node_id] = found
         self.state.unreachable = unreachable
+
+    def _silence(
+        self, node_id: str, listed: set[str] | str | None, moment: float
+    ) -> UnreachableNode | None:
+        """Note what `node_id` answered this round: why it is unreachable, if it is."""
+        if isinstance(listed, set):
+            self._silent_probes.pop(node_id, None)
+            self._missed_rounds.pop(node_id, None)
+        else:
+            self._silent_probes.setdefault(node_id, moment)
+            self._missed_rounds[node_id] = self._missed_rounds.get(node_id, 0) + 1
+        node, ttl = self.state.nodes.get(node_id), self._layout.node_ttl_s
+        beat = self._heartbeats.get(node_id)
+        asked = f"no answer to live diagnostics within {self._probe_timeout:g}s"
+        since = f" (silent for {moment - self._silent_probes.get(node_id, moment):.1f}s)"
+        if node is None:
+            age = (
+                f"for {moment - beat:.1f}s" if beat is not None else "since this aggregator started"
+            )
+            error = f"no heartbeat {age} (TTL {ttl:g}s); entry expired or never written"
+        elif isinstance(listed, str):
+            error = listed
+        elif listed is None and (beat is None or moment - beat > ttl * OVERDUE_TTL_SHARE):
+            # two signals agree, well before the rank-table service gives the node up at
+            # the TTL and releases its instances (which ends their judging)
+            error = f"{asked} and no heartbeat for {moment - (beat or moment):.1f}s{since}"
+        elif listed is None and self._missed_rounds[node_id] >= MISSED_ROUNDS:
+            error = f"{asked}, {self._missed_rounds[node_id]} rounds in a row{since}"
+        else:
+            return None
+        return UnreachableNode(nodeId=node_id, url=node.address if node else None, error=error)
 
     def _after_outage(self) -> None:
         self._silent_probes.clear()

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -365,6 +366,67 @@ async def test_a_node_is_unreachable_at_once_without_an_agent_else_after_two_sil
     assert twice["node-1"].error.startswith(
         "no answer to live diagnostics within 0.5s, 2 rounds in a row"
     )
+
+
+async def test_a_silent_node_whose_heartbeat_is_overdue_is_unreachable_from_its_first_round(
+    nc: Client, js_ready: Layout
+) -> None:
+    kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
+    for node_id in ("node-0", "node-1"):
+        await kv.put(token(node_id), encode(node_info(node_id, 8)))
+    moment, mute = [1000.0], asyncio.Event()
+    answers = {n: answer_to(n) for n in ("node-0", "node-1")}
+
+    async def answer(msg: Msg) -> None:
+        if not mute.is_set():
+            await answers[msg.subject.rpartition(".")[0].rpartition(".")[2]](msg)
+
+    for node_id in answers:
+        await nc.subscribe(js_ready.subjects.node_diagnostics(node_id), cb=answer)
+    async with aggregator(
+        nc, js_ready, probe_interval=60, probe_timeout=0.3, clock=lambda: moment[0]
+    ) as running:
+        await until(lambda: len(running.service._heartbeats) == 2)
+        await running.service.probe()
+        assert running.service.state.unreachable == {}
+        mute.set()  # both fall silent; node-1 still beats, node-0 does not
+        moment[0] += js_ready.node_ttl_s * 0.6
+        await kv.put(token("node-1"), encode(node_info("node-1", 8)))
+        await until(lambda: running.service._heartbeats["node-1"] == moment[0])
+        await running.service.probe()
+        unreachable = running.service.state.unreachable
+    assert set(unreachable) == {"node-0"}  # node-1: one silent round, a busy node
+    assert unreachable["node-0"].error.startswith(
+        "no answer to live diagnostics within 0.3s and no heartbeat for 6.0s"
+    )
+
+
+async def test_a_node_silent_once_is_asked_again_at_once_not_a_probe_interval_later(
+    nc: Client, js_ready: Layout
+) -> None:
+    kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
+    await kv.put(token("node-0"), encode(node_info("node-0", 8)))
+    asked: list[float] = []
+
+    async def count(msg: Msg) -> None:
+        asked.append(time.monotonic())
+
+    await nc.subscribe(js_ready.subjects.node_diagnostics("node-0"), cb=count)
+    async with aggregator(nc, js_ready, probe_interval=60, probe_timeout=0.3) as running:
+        await until(lambda: "node-0" in running.service.state.unreachable)
+        error = running.service.state.unreachable["node-0"].error
+    assert len(asked) == 2  # the round, and the recheck of the one silent node
+    assert error.startswith("no answer to live diagnostics within 0.3s, 2 rounds in a row")
+
+
+def answer_to(node_id: str) -> Callable[[Msg], Awaitable[None]]:
+    """A node's agent answering probes at once, listing no runner."""
+    reply = encode(NodeDiagnostics(nodeId=node_id, friendlyName="", address="", generatedAt=now()))
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(reply)
+
+    return answer
 
 
 def _answer_elsewhere(
