@@ -707,14 +707,32 @@ class AggregatorService:
     async def _probe_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self.probe()
-            if suspects := self._suspects():  # silent once: asked again at once, not judged
-                await self.probe(suspects)  # on the next full round
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._probe_interval)
+            next_round = self._clock() + self._probe_interval
+            # a node silent in the round is asked again, alone with the others that were,
+            # once its heartbeat is overdue too: both signals then name it well before the
+            # rank-table service gives it up at the TTL
+            last = None
+            while (due := self._recheck_due()) not in (None, last) and due < next_round:
+                last = due  # a recheck that changed nothing (NATS out) is not repeated
+                if await _stopped(stop, due - self._clock()):
+                    return
+                await self.probe(
+                    sorted(n for n in self._missed_rounds if n not in self.state.unreachable)
+                )
+            await _stopped(stop, next_round - self._clock())
 
-    def _suspects(self) -> list[str]:
-        """Nodes that left the last round unanswered and are not yet called unreachable."""
-        return sorted(n for n in self._missed_rounds if n not in self.state.unreachable)
+    def _recheck_due(self) -> float | None:
+        """When the heartbeat of the earliest node left silent, and not yet called
+        unreachable, will be overdue; None when there is no such node."""
+        overdue = self._layout.node_ttl_s * OVERDUE_TTL_SHARE
+        return min(
+            (
+                self._heartbeats[n] + overdue
+                for n in self._missed_rounds
+                if n not in self.state.unreachable and n in self._heartbeats
+            ),
+            default=None,
+        )
 
     async def probe(self, only: list[str] | None = None) -> None:
         """Ask every node of interest (or `only` these) at once, under one deadline, and
@@ -752,20 +770,21 @@ class AggregatorService:
         unreachable = {} if only is None else dict(self.state.unreachable)
         for node_id, listed in zip(targets, answers, strict=True):
             unreachable.pop(node_id, None)
-            if (found := self._silence(node_id, listed, moment)) is not None:
+            if (found := self._silence(node_id, listed, moment, full=only is None)) is not None:
                 unreachable[node_id] = found
         self.state.unreachable = unreachable
 
     def _silence(
-        self, node_id: str, listed: set[str] | str | None, moment: float
+        self, node_id: str, listed: set[str] | str | None, moment: float, *, full: bool
     ) -> UnreachableNode | None:
-        """Note what `node_id` answered this round: why it is unreachable, if it is."""
+        """Note what `node_id` answered this round (a full one, or a recheck of silent
+        nodes that counts no missed round): why it is unreachable, if it is."""
         if isinstance(listed, set):
             self._silent_probes.pop(node_id, None)
             self._missed_rounds.pop(node_id, None)
         else:
             self._silent_probes.setdefault(node_id, moment)
-            self._missed_rounds[node_id] = self._missed_rounds.get(node_id, 0) + 1
+            self._missed_rounds[node_id] = self._missed_rounds.get(node_id, 0) + full
         node, ttl = self.state.nodes.get(node_id), self._layout.node_ttl_s
         beat = self._heartbeats.get(node_id)
         asked = f"no answer to live diagnostics within {self._probe_timeout:g}s"
@@ -938,6 +957,13 @@ class AggregatorService:
             "followerRestarts": sum(f.restarts for f in self._followers),
             "clockOffsets": {n: round(o, 3) for n, o in self.clock_offsets.items()},
         }
+
+
+async def _stopped(stop: asyncio.Event, seconds: float) -> bool:
+    """Wait up to `seconds` for `stop`; whether it is set."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), max(0.0, seconds))
+    return stop.is_set()
 
 
 def _told(finding: Finding) -> tuple[object, ...]:

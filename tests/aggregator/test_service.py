@@ -401,22 +401,26 @@ async def test_a_silent_node_whose_heartbeat_is_overdue_is_unreachable_from_its_
     )
 
 
-async def test_a_node_silent_once_is_asked_again_at_once_not_a_probe_interval_later(
+async def test_a_silent_node_is_asked_again_once_its_heartbeat_is_overdue_not_a_round_later(
     nc: Client, js_ready: Layout
 ) -> None:
     kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
     await kv.put(token("node-0"), encode(node_info("node-0", 8)))
-    asked: list[float] = []
+    await kv.put(token("node-1"), encode(node_info("node-1", 8)))
+    asked: list[str] = []
 
-    async def count(msg: Msg) -> None:
-        asked.append(time.monotonic())
+    async def count(msg: Msg) -> None:  # node-0 reads, never answers
+        asked.append(msg.subject)
 
     await nc.subscribe(js_ready.subjects.node_diagnostics("node-0"), cb=count)
+    await nc.subscribe(js_ready.subjects.node_diagnostics("node-1"), cb=answer_to("node-1"))
     async with aggregator(nc, js_ready, probe_interval=60, probe_timeout=0.3) as running:
-        await until(lambda: "node-0" in running.service.state.unreachable)
+        await until(lambda: len(asked) == 1)
+        assert running.service.state.unreachable == {}  # one silent round: a busy node
+        await until(lambda: "node-0" in running.service.state.unreachable)  # in 5 s, not 60
         error = running.service.state.unreachable["node-0"].error
-    assert len(asked) == 2  # the round, and the recheck of the one silent node
-    assert error.startswith("no answer to live diagnostics within 0.3s, 2 rounds in a row")
+    assert len(asked) == 2  # the round, and the recheck of the silent node alone
+    assert error.startswith("no answer to live diagnostics within 0.3s and no heartbeat for 5.")
 
 
 def answer_to(node_id: str) -> Callable[[Msg], Awaitable[None]]:
