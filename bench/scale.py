@@ -55,6 +55,8 @@ from services.agent.publisher import TelemetryPublisher
 from shared.heartbeat import Heartbeat
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
+from shared.partitions import partition_of
+from shared.subjects import token as subject_token
 from shared.subjects import untoken
 from shared.timestamps import now
 from shared.wire import (
@@ -71,6 +73,7 @@ from shared.wire import (
     RunnerAssignment,
     RunnerRef,
     RunnerSupervisorDiagnostics,
+    TimelineQuery,
     decode,
     encode,
 )
@@ -354,7 +357,7 @@ async def _measure(
     pumping = asyncio.create_task(publisher.run(stop))
     being = asyncio.create_task(_be_nodes(nc, layout, [PROBE_NODE], 1, stop))
     lags: list[float] = []
-    queries: dict[str, list[float]] = {"timeline": [], "diagnosis": []}
+    queries: dict[str, list[float]] = {"timeline": [], "direct": [], "diagnosis": []}
     rng = random.Random(7)
     kinds: collections.Counter[str] = collections.Counter()
 
@@ -386,6 +389,15 @@ async def _measure(
         while not stop.is_set():
             instance = f"node-{rng.randrange(nodes)}-job"
             await ask("timeline", "/v1/cluster/timeline", instanceId=instance, limit=1000)
+            # the same, straight from its partition's aggregator: what the gateway adds
+            index = partition_of(subject_token(instance), partitions)
+            started = time.perf_counter()
+            await nc.request(
+                layout.subjects.query("timeline", index, partitions),
+                encode(TimelineQuery(instanceId=instance, limit=1000)),
+                timeout=10,
+            )
+            queries["direct"].append((time.perf_counter() - started) * 1000)
             findings = decode(await ask("diagnosis", "/v1/cluster/diagnosis"), Diagnosis).findings
             kinds.update(f.kind.value for f in findings)
             await asyncio.sleep(0.1)
@@ -553,6 +565,9 @@ def main() -> None:
         "lag publish -> query, p50 / p99 ms": lambda r: _summary(r.measured.lags),
         "timeline of one instance, p50 / p99 ms": lambda r: _summary(
             r.measured.queries["timeline"]
+        ),
+        "the same from its aggregator over NATS, ms": lambda r: _summary(
+            r.measured.queries["direct"]
         ),
         "diagnosis, p50 / p99 ms": lambda r: _summary(r.measured.queries["diagnosis"]),
         "aggregators' CPU, cores": lambda r: f"{r.cpu:.2f}",

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import gc
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -85,6 +86,8 @@ HEAVY_ENTRIES = 5_000
 """Timelines of more entries than this are built in a lane of their own, a slice at a
 time, so a small query never waits behind them for more than one slice."""
 
+SWEEP_S = 1.0
+"""How often the diagnosis judges every instance; in between, the ones that changed."""
 SLICE_ENTRIES = 2_000
 """Entries built between two turns of the other queries."""
 
@@ -193,6 +196,8 @@ class AggregatorService:
         self._missed_rounds: dict[str, int] = {}
         """Probe rounds in a row each node gave no usable answer in."""
         self._incidents: dict[str, Incident] = {}
+        self._swept = -math.inf
+        """When the diagnosis last judged every instance."""
         self._evidence: dict[tuple[str, str], dict[str, RunnerEvidence]] = {}
         """What the agents captured of each open incident's ranks, by (instance, since)."""
         self._capturing: set[asyncio.Task[None]] = set()
@@ -534,17 +539,27 @@ class AggregatorService:
         )
 
     async def evaluate(self) -> tuple[list[Finding], list[Finding]]:
-        """Diagnose now, `JUDGE_SLICE` instances at a time between turns of the queries;
-        returns (findings opened or changed, findings that cleared)."""
-        instances = list(self.state.instances.values())
+        """Diagnose the instances touched since the last call, and every instance once per
+        `SWEEP_S` (thresholds are crossed with time alone), `JUDGE_SLICE` instances at a
+        time between turns of the queries; returns (findings opened or changed, findings
+        that cleared)."""
         outage = self._outage()
         if outage is not None:
-            return self._settle(self._judged(instances, outage))
+            return self._settle(self._judged(list(self.state.instances.values()), outage))
+        instances, touched = self.state.instances, self.state.take_touched()
         found: dict[str, Incident] = {}
-        for start in range(0, len(instances), JUDGE_SLICE):
+        if (moment := self._clock()) >= self._swept + SWEEP_S:
+            self._swept, picked = moment, list(instances.values())
+        else:
+            picked = [instances[i] for i in touched if i in instances]
+            found = {i: kept for i, kept in self._incidents.items() if i in instances}
+        for start in range(0, len(picked), JUDGE_SLICE):
             if start:
                 await asyncio.sleep(0)
-            found |= self._judged(instances[start : start + JUDGE_SLICE], None)
+            judged = picked[start : start + JUDGE_SLICE]
+            for instance in judged:
+                found.pop(instance.instanceId, None)
+            found |= self._judged(judged, None)
         return self._settle(found)
 
     def _settle(self, found: dict[str, Incident]) -> tuple[list[Finding], list[Finding]]:
@@ -772,7 +787,7 @@ class AggregatorService:
             unreachable.pop(node_id, None)
             if (found := self._silence(node_id, listed, moment, full=only is None)) is not None:
                 unreachable[node_id] = found
-        self.state.unreachable = unreachable
+        self.state.set_unreachable(unreachable)
 
     def _silence(
         self, node_id: str, listed: set[str] | str | None, moment: float, *, full: bool

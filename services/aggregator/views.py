@@ -188,6 +188,9 @@ class ClusterState:
         self.duplicates = 0
         self.version = 0
         """Bumped by every applied event, so answers built from this state can be reused."""
+        self.touched: set[str] = set()
+        """Instances whose ranks, placement, tasks or nodes changed since the diagnosis
+        last took this set (`take_touched`)."""
 
     def _runner(self, ref: RunnerRef) -> RunnerView:
         view = self.runners.get(ref.runnerId)
@@ -216,6 +219,7 @@ class ClusterState:
             highest = event.seq
         self._check_jump(view, last, highest, stored_ns)
         self.version += 1
+        self.touched.add(view.ref.instanceId)
         view.heard = self._clock()
         if stored_ns is not None:
             view.stored_ns = stored_ns
@@ -270,6 +274,7 @@ class ClusterState:
     def apply_placement(self, event: PlacementEvent) -> None:
         """Apply a placement decision."""
         self.version += 1
+        self.touched.add(event.instanceId)
         if isinstance(event, InstanceReleased):
             self.instances.pop(event.instanceId, None)
             return
@@ -288,6 +293,7 @@ class ClusterState:
     def apply_task(self, event: TaskEvent) -> None:
         """Apply a task or a rank's status of one."""
         self.version += 1
+        self.touched.add(event.instanceId)
         tasks = self.tasks.setdefault(event.instanceId, OrderedDict())
         if isinstance(event, TaskCreated):
             tasks[event.taskId] = TaskView(created=event)
@@ -305,6 +311,7 @@ class ClusterState:
             view.unlisted = 0 if view.ref.runnerId in listed else view.unlisted + 1
             if view.alive != alive:
                 self.version += 1
+                self.touched.add(view.ref.instanceId)
 
     def note_acknowledged(self, runner_id: str, seq: int | None) -> None:
         """Record what a runner's agent says JetStream acknowledged of its telemetry."""
@@ -316,6 +323,7 @@ class ClusterState:
         """Count every runner but those in `keep` as heard from (and, if it ever reported,
         progressing) at `moment`: after an outage of NATS their silence meant nothing."""
         self.version += 1
+        self.touched.update(self.instances)
         for view in self.runners.values():
             if view.ref.runnerId in keep:
                 continue
@@ -323,6 +331,24 @@ class ClusterState:
                 view.heard = max(view.heard, moment)
             if view.progressed is not None:
                 view.progressed = max(view.progressed, moment)
+
+    def set_unreachable(self, unreachable: dict[str, UnreachableNode]) -> None:
+        """Record which nodes are unreachable now, touching the instances on those that
+        became unreachable or reachable."""
+        changed = self.unreachable.keys() ^ unreachable.keys()
+        self.unreachable = unreachable
+        if changed:
+            self.version += 1
+            self.touched.update(
+                i.instanceId
+                for i in self.instances.values()
+                if any(a.nodeId in changed for a in i.assignments)
+            )
+
+    def take_touched(self) -> set[str]:
+        """The instances touched since the last call."""
+        touched, self.touched = self.touched, set()
+        return touched
 
     def set_node(self, node_id: str, info: NodeInfo | None) -> None:
         """Record a node's inventory entry (None: it left or expired)."""

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from services.aggregator import service as service_module
 from services.aggregator.diagnosis import Thresholds
 from services.aggregator.service import FOLLOW_RELEASED_S, NO_AGENT, VIEWS, AggregatorService
 from services.aggregator.store import EntryStore
@@ -99,6 +100,29 @@ async def test_disagreement_appears_within_threshold_and_clears(
         cleared = await asyncio.wait_for(findings.get(), WAIT)
         assert cleared.kind is FindingKind.RANK_DISAGREEMENT
         assert not cleared.open
+
+
+async def test_changed_instances_are_judged_at_once_and_every_instance_as_time_passes(
+    nc: Client, js_ready: Layout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    findings: asyncio.Queue[Finding] = asyncio.Queue()
+
+    async def keep(msg: Msg) -> None:
+        await findings.put(decode(msg.data, Finding))
+
+    await nc.subscribe(js_ready.subjects.diagnosis("i"), cb=keep)
+    await answer_probes(nc, js_ready, placed())
+    async with aggregator(nc, js_ready, thresholds=Thresholds(working=1.0)):
+        await publish(nc, js_ready, placed())
+        await publish(nc, js_ready, entries(rank(0), (0, 1, Phase.PREFILL_PIPELINE, 7)))
+        await publish(nc, js_ready, entries(rank(1), (0, 1, Phase.DECODE_BARRIER, 8)))
+        # nothing arrives after these: only judging every instance sees them go stale
+        opened = await asyncio.wait_for(findings.get(), WAIT)
+        assert (opened.kind, opened.open) == (FindingKind.RANK_DISAGREEMENT, True)
+        monkeypatch.setattr(service_module, "SWEEP_S", 3600.0)  # no more sweeps
+        await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
+        cleared = await asyncio.wait_for(findings.get(), WAIT)  # judged: it changed
+        assert (cleared.kind, cleared.open) == (FindingKind.RANK_DISAGREEMENT, False)
 
 
 def _views(service: AggregatorService) -> tuple[object, ...]:

@@ -15,6 +15,7 @@ from shared.wire import (
     TaskStatus,
     TaskStatusChanged,
     TimelineQuery,
+    UnreachableNode,
 )
 from tests.aggregator.builders import at, entries, placed, rank, status
 
@@ -195,3 +196,19 @@ def test_queue_depth_counts_generations_not_yet_over_on_every_rank() -> None:
     report("t2", "i-r0", TaskStatus.CANCELLED)  # over on one rank only
     report("t3", "i-r0", TaskStatus.RUNNING)
     assert state.queued() == {"i": 2}
+
+
+def test_what_changes_an_instance_touches_it_for_the_next_diagnosis() -> None:
+    state = _state()
+    state.apply_placement(placed("other"))
+    assert state.take_touched() == {"i", "other"}
+    assert state.take_touched() == set()
+    state.apply_telemetry(entries(rank(0), (0, 1, Phase.IDLE, None)))
+    assert state.take_touched() == {"i"}
+    lost = {"node-1": UnreachableNode(nodeId="node-1", error="silent")}
+    state.set_unreachable(lost)
+    assert state.take_touched() == {"i", "other"}  # both have a rank on node-1
+    state.set_unreachable({"node-1": UnreachableNode(nodeId="node-1", error="still silent")})
+    assert state.take_touched() == set()  # still unreachable: nothing the judge sees changed
+    state.set_unreachable({})
+    assert state.take_touched() == {"i", "other"}
