@@ -38,7 +38,7 @@ def _moment(value: str | None, name: str) -> str | None:
     return value
 
 
-def _filters(
+async def _filters(
     instanceId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
     nodeId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
     modelId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
