@@ -1,24 +1,27 @@
-"""Runner-side pieces that need no NATS: the ring hostfile, the recorder's bound, exit causes,
-the crash breaker."""
+"""Runner-side pieces that need no NATS: the ring hostfile, the recorder's bound, the
+watchdog, exit causes, the crash breaker."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import queue
 import signal
+import time
 from typing import Any
 from unittest.mock import MagicMock
 
 from services.agent.publisher import TelemetryPublisher
+from services.agent.runner import watchdog as watchdog_module
 from services.agent.runner.channel import ENTRY
 from services.agent.runner.config import RunnerConfig
 from services.agent.runner.recorder import Recorder
 from services.agent.runner.shard import ring_hosts
-from services.agent.runner.watchdog import WEDGED_EXIT
+from services.agent.runner.watchdog import WEDGED_EXIT, Watchdog
 from services.agent.supervisor import RunnerSupervisor, exit_cause
 from shared.subjects import Subjects
-from shared.timestamps import now
-from shared.wire import MlxMemorySnapshot, Phase, RunnerAssignment, RunnerRef
+from shared.timestamps import now, parse_ts
+from shared.wire import Breadcrumb, MlxMemorySnapshot, Phase, RunnerAssignment, RunnerRef
 
 
 def _rank(rank: int, start: int, end: int) -> RunnerAssignment:
@@ -60,6 +63,62 @@ def test_full_queue_drops_and_counts_without_blocking() -> None:
     assert after[0] == ENTRY
     assert after[-1] == 3  # the next entry that fits says how many went missing before it
     recorder.flush()
+
+
+Guarded = tuple[str, float, float]
+"""A guarded call: its site, its deadline and how long its body takes, in seconds."""
+
+
+def _guard_in_turn(calls: list[Guarded], note_s: float, telemetry: Any) -> None:
+    """A runner's main thread, in brief: each call in turn under one watchdog."""
+    watchdog_module.WAIT_NOTE_S = note_s
+    control: Any = multiprocessing.get_context("spawn").Queue()
+    recorder = Recorder(telemetry=telemetry, control=control, memory=_snapshot)
+    watchdog = Watchdog(recorder)
+    for site, deadline, takes in calls:
+        with watchdog.guard(site, deadline):
+            time.sleep(takes)
+    recorder.flush()
+
+
+def _guarded(calls: list[Guarded], note_s: float) -> tuple[int | None, list[tuple[Any, ...]]]:
+    """The exit code of a process running `calls`, and the entries it recorded."""
+    context = multiprocessing.get_context("spawn")
+    telemetry: Any = context.Queue()
+    process = context.Process(target=_guard_in_turn, args=(calls, note_s, telemetry))
+    process.start()
+    entries = []
+    while process.is_alive() or not telemetry.empty():
+        try:
+            entries.append(telemetry.get(timeout=0.2))
+        except queue.Empty:
+            continue
+    process.join()
+    return process.exitcode, entries
+
+
+DECODING = [("decode_stream", 30.0, 0.0)] * 50
+"""A guard per token, each with the same deadline: the watchdog is not woken for them."""
+
+
+def test_a_short_deadline_after_many_long_ones_still_ends_the_wedged_runner() -> None:
+    code, entries = _guarded([*DECODING, ("cancel_check", 0.3, 1.5)], note_s=5.0)
+    assert code == WEDGED_EXIT  # not 0: the watchdog looked at 0.3 s, not at the 5 s note
+    (timeout,) = [e for e in entries if e[3] == Breadcrumb.COLLECTIVE_TIMEOUT]
+    assert timeout[4] == "cancel_check did not finish within 0.3s"
+    assert timeout[5]["site"] == "cancel_check"
+
+
+def test_a_long_wait_after_many_short_ones_is_noted_with_since_when_and_its_end() -> None:
+    code, entries = _guarded([*DECODING, ("decode_stream", 30.0, 0.8)], note_s=0.2)
+    assert code == 0
+    events = [e[3] for e in entries]
+    assert events == [Breadcrumb.COLLECTIVE_WAIT, Breadcrumb.COLLECTIVE_RESUMED]
+    wait, resumed = entries
+    parse_ts(wait[5]["since"])
+    assert wait[4] == f"waiting in decode_stream since {wait[5]['since']}"
+    assert resumed[5]["site"] == "decode_stream"
+    assert resumed[5]["waitedSeconds"] >= 0.8
 
 
 def test_exit_causes() -> None:

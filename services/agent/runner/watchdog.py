@@ -10,6 +10,7 @@ crash.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from services.agent.runner.recorder import Recorder
-from shared.timestamps import now
+from shared.timestamps import from_micros
 from shared.wire import Breadcrumb, Phase
 
 __all__ = ["WAIT_NOTE_S", "WEDGED_EXIT", "Watchdog"]
@@ -34,7 +35,11 @@ WAIT_NOTE_S = 2.0
 
 
 class Watchdog:
-    """One thread watching the deadline of whatever blocking call is in progress."""
+    """One thread watching the deadline of whatever blocking call is in progress.
+
+    Entering a guard wakes the thread only when it would otherwise look too late: while
+    decoding, a guard per token with the same deadline costs no thread switch (the thread
+    competes with the computing one for the rank's core)."""
 
     def __init__(self, recorder: Recorder) -> None:
         self._recorder = recorder
@@ -44,8 +49,12 @@ class Watchdog:
         self._noted = False
         self._site = ""
         self._phase: Phase | None = None
-        self._entered = ""
+        self._entered = 0
+        """When the guarded call was entered, in microseconds since the epoch (formatted
+        only when recorded)."""
         self._seconds = 0.0
+        self._wake_at = math.inf
+        """When the watching thread looks next (inf: only when woken)."""
         self.broke: str | None = None
         """The site of the collective (a guarded call with peers) in which the distributed
         backend raised, if it did: the ring lost a peer."""
@@ -63,8 +72,9 @@ class Watchdog:
         with self._lock:
             self._deadline, self._seconds = started + seconds, seconds
             self._note_at, self._noted = started + WAIT_NOTE_S, False
-            self._site, self._phase, self._entered = site, phase, now()
-            self._lock.notify()
+            self._site, self._phase, self._entered = site, phase, time.time_ns() // 1000
+            if min(self._deadline, self._note_at) < self._wake_at:
+                self._lock.notify()
         try:
             yield
         except Exception as exc:
@@ -86,6 +96,7 @@ class Watchdog:
         with self._lock:
             while True:
                 if self._deadline is None:
+                    self._wake_at = math.inf
                     self._lock.wait()
                     continue
                 moment = time.monotonic()
@@ -93,11 +104,13 @@ class Watchdog:
                     self._expire()
                 if not self._noted and moment >= self._note_at:
                     self._noted = True
+                    since = from_micros(self._entered)
                     self._record(
-                        Breadcrumb.COLLECTIVE_WAIT, f"waiting in {self._site} since {self._entered}"
+                        Breadcrumb.COLLECTIVE_WAIT, f"waiting in {self._site} since {since}"
                     )
                     continue
                 wake = self._deadline if self._noted else min(self._deadline, self._note_at)
+                self._wake_at = wake
                 self._lock.wait(wake - moment)
 
     def _record(self, event: str, detail: str, *, memory: bool = False) -> None:
@@ -105,7 +118,11 @@ class Watchdog:
             self._phase or self._recorder.phase,
             event,
             detail=detail,
-            attrs={"site": self._site, "since": self._entered, "timeoutSeconds": self._seconds},
+            attrs={
+                "site": self._site,
+                "since": from_micros(self._entered),
+                "timeoutSeconds": self._seconds,
+            },
             memory=memory,
         )
 
