@@ -7,6 +7,12 @@
    prompt-to-first-token; p50 and p99 of the difference. Target: added p50 <= 10 ms.
 3. Idle: CPU of each runner process over a quiet window. Target: <= 2% each.
 
+1 and 2 are measured twice, interleaved: with every process free to use every core, and
+with each rank's runner on a core of its own and plain mlx_lm on one core, as ranks on
+machines of their own would be, each with the cores plain mlx_lm has (a rank waiting on
+its peer spins a core in mlx's ring backend: sharing cores, it takes them from the rank
+that computes).
+
     .venv/bin/python bench/inference.py [--layers 8] [--hidden 512] [--tokens 128]
 """
 
@@ -15,9 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import mlx.core as mx
@@ -53,6 +61,12 @@ PROMPT = "Which node holds layer seven? How much memory does it hold?"
 NODES = ("node-a", "node-b")
 CHATS = 30
 ROUNDS = 5
+CORES = sorted(os.sched_getaffinity(0))
+SETTINGS = {
+    "shared": "every process on every core",
+    **({"own": "a core per rank, plain mlx_lm on one core"} if len(CORES) >= len(NODES) else {}),
+}
+"""Where the ranks and plain mlx_lm run: "own" gives each a core of its own."""
 
 
 class _Plain:
@@ -102,6 +116,24 @@ class _Stack:
             first = first or at
             if chunk.finishReason:
                 return first - started, at - first, chunk.completionTokens or 0
+
+
+def _pin(pid: int, cores: Collection[int]) -> None:
+    """Run every thread of process `pid` on `cores` only (threads it starts later inherit
+    the cores of the thread that starts them)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task.name), cores)
+
+
+def _plain_on(own: bool) -> None:
+    _pin(os.getpid(), CORES[:1] if own else CORES)
+
+
+def _stack_on(pids: list[int], own: bool) -> None:
+    _pin(os.getpid(), CORES)
+    for core, pid in zip(CORES, pids, strict=False):
+        _pin(pid, [core] if own else CORES)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -155,27 +187,39 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
         plain = _Plain(model_dir)
         plain.generate(4)
         await stack.generate("warm", 4)
-        plain_tps, stack_tps, busy = [], [], [0.0] * len(pids)
-        for round_ in range(ROUNDS):  # interleaved, so drifts of the machine hit both alike
-            _, seconds, count = plain.generate(tokens)
-            plain_tps.append((count - 1) / seconds)
-            before = [_cpu_seconds(p) for p in pids]
-            _, seconds, count = await stack.generate(f"decode-{round_}", tokens)
-            stack_tps.append((count - 1) / seconds)
-            busy = [(_cpu_seconds(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
-        plain_firsts, stack_firsts = [], []
+        tps: dict[tuple[str, str], list[float]] = {}
+        firsts: dict[tuple[str, str], list[float]] = {}
+        busy = [0.0] * len(pids)
+        for round_ in range(ROUNDS):  # interleaved, so drifts of the machine hit all alike
+            for setting in SETTINGS:
+                own = setting == "own"
+                _plain_on(own)
+                _, seconds, count = plain.generate(tokens)
+                tps.setdefault(("plain", setting), []).append((count - 1) / seconds)
+                _stack_on(pids, own)
+                before = [_cpu_seconds(p) for p in pids]
+                _, seconds, count = await stack.generate(f"decode-{setting}-{round_}", tokens)
+                tps.setdefault(("stack", setting), []).append((count - 1) / seconds)
+                if not own:
+                    busy = [
+                        (_cpu_seconds(p) - b) / seconds for p, b in zip(pids, before, strict=True)
+                    ]
         for i in range(CHATS):
-            plain_firsts.append(plain.generate(1)[0])
-            stack_firsts.append((await stack.generate(f"chat-{i}", 1))[0])
+            for setting in SETTINGS:
+                own = setting == "own"
+                _plain_on(own)
+                firsts.setdefault(("plain", setting), []).append(plain.generate(1)[0])
+                _stack_on(pids, own)
+                chat = await stack.generate(f"chat-{setting}-{i}", 1)
+                firsts.setdefault(("stack", setting), []).append(chat[0])
+        _stack_on(pids, False)
         await asyncio.sleep(1)
         before = [_cpu_seconds(p) for p in pids]
         await asyncio.sleep(idle_s)
         idle = [(_cpu_seconds(p) - b) / idle_s for p, b in zip(pids, before, strict=True)]
         return {
-            "plain_tps": statistics.median(plain_tps),
-            "stack_tps": statistics.median(stack_tps),
-            "plain_firsts": plain_firsts,
-            "stack_firsts": stack_firsts,
+            "tps": {key: statistics.median(values) for key, values in tps.items()},
+            "firsts": firsts,
             "idle": idle,
             "busy": busy,
         }
@@ -220,18 +264,21 @@ def main() -> None:
             Path(tmp) / "model", TinyModelSpec(layers=args.layers, hidden=args.hidden)
         )
         got = asyncio.run(_stack(model, args.layers, args.tokens, args.idle))
-    plain_tps, stack_tps = float(got["plain_tps"]), float(got["stack_tps"])  # type: ignore[arg-type]
-    plain_firsts: list[float] = got["plain_firsts"]  # type: ignore[assignment]
-    firsts: list[float] = got["stack_firsts"]  # type: ignore[assignment]
-    added = [s - p for s, p in zip(firsts, plain_firsts, strict=True)]
+    tps: dict[tuple[str, str], float] = got["tps"]  # type: ignore[assignment]
+    firsts: dict[tuple[str, str], list[float]] = got["firsts"]  # type: ignore[assignment]
     print(f"model: {args.layers} layers, hidden {args.hidden}; 2 ranks on one machine; "
           f"medians of {ROUNDS} interleaved rounds")  # fmt: skip
-    print(f"decode tokens/s    plain {plain_tps:8.1f}   stack {stack_tps:8.1f}   "
-          f"ratio {stack_tps / plain_tps:.2f}  (target >= 0.9)")  # fmt: skip
-    print(f"time to 1st token  plain p50 {_ms(plain_firsts, 50):6.1f} ms   "
-          f"stack p50 {_ms(firsts, 50):6.1f} ms")  # fmt: skip
-    print(f"added on a 1-token chat, paired  p50 {_ms(added, 50):6.1f} ms   "
-          f"p99 {_ms(added, 99):6.1f} ms  (target p50 <= 10 ms)")  # fmt: skip
+    for setting, heading in SETTINGS.items():
+        plain, stack = tps[("plain", setting)], tps[("stack", setting)]
+        plain_firsts, stack_firsts = firsts[("plain", setting)], firsts[("stack", setting)]
+        added = [s - p for s, p in zip(stack_firsts, plain_firsts, strict=True)]
+        print(f"{heading}:")
+        print(f"  decode tokens/s    plain {plain:8.1f}   stack {stack:8.1f}   "
+              f"ratio {stack / plain:.2f}  (target >= 0.9)")  # fmt: skip
+        print(f"  time to 1st token  plain p50 {_ms(plain_firsts, 50):6.1f} ms   "
+              f"stack p50 {_ms(stack_firsts, 50):6.1f} ms")  # fmt: skip
+        print(f"  added on a 1-token chat, paired  p50 {_ms(added, 50):6.1f} ms   "
+              f"p99 {_ms(added, 99):6.1f} ms  (target p50 <= 10 ms)")  # fmt: skip
     idle: list[float] = got["idle"]  # type: ignore[assignment]
     print("idle CPU per runner  " + "  ".join(f"{c:.1%}" for c in idle) + "  (target <= 2%)")
     busy: list[float] = got["busy"]  # type: ignore[assignment]
