@@ -102,7 +102,10 @@ whose heartbeat is overdue too, is unreachable from the first round."""
 
 OVERDUE_TTL_SHARE = 0.5
 """A node's heartbeat is overdue once it is older than this share of the TTL: agents beat
-every third of it, so one beat is missed and the next late."""
+every third of it, so one beat is missed and the next late. Older by this aggregator's
+clock, and by NATS's next to the newest heartbeat read from any node, unless none was
+read for as long: an aggregator behind in reading heartbeats sees every node's beat late,
+not one."""
 
 NO_AGENT = "no agent answers live diagnostics there (NATS: no responders)"
 
@@ -190,6 +193,12 @@ class AggregatorService:
         self._placed_elsewhere: dict[str, set[str]] = {}
         """The nodes of each instance of another partition."""
         self._heartbeats: dict[str, float] = {}
+        """When this aggregator read each node's last heartbeat, by its clock."""
+        self._beats_stored: dict[str, int] = {}
+        """When NATS stored each node's last heartbeat read (ns since the epoch)."""
+        self._newest_stored = 0
+        self._newest_read = -math.inf
+        """When the newest stored heartbeat, and the last of any node, were read."""
         self.clock_offsets: dict[str, float] = {}
         """Seconds each node's clock is ahead of the NATS server's (negative: behind)."""
         self._silent_probes: dict[str, float] = {}
@@ -485,8 +494,10 @@ class AggregatorService:
             self.dead_letters.reject(subject, entry.value, "node_undecodable", exc)
             return
         self.state.set_node(node_id, info)
-        self._heartbeats[node_id] = self._clock()
+        self._heartbeats[node_id] = self._newest_read = self._clock()
         if entry.created is not None:  # when NATS stored it, ns
+            self._beats_stored[node_id] = entry.created
+            self._newest_stored = max(self._newest_stored, entry.created)
             self._clock_offset(node_id, to_epoch(info.lastHeartbeat) - entry.created / 1e9)
 
     def _clock_offset(self, node_id: str, offset: float) -> None:
@@ -811,7 +822,7 @@ class AggregatorService:
             error = f"no heartbeat {age} (TTL {ttl:g}s); entry expired or never written"
         elif isinstance(listed, str):
             error = listed
-        elif listed is None and (beat is None or moment - beat > ttl * OVERDUE_TTL_SHARE):
+        elif listed is None and self._overdue(node_id, moment):
             # two signals agree, well before the rank-table service gives the node up at
             # the TTL and releases its instances (which ends their judging)
             error = f"{asked} and no heartbeat for {moment - (beat or moment):.1f}s{since}"
@@ -820,6 +831,20 @@ class AggregatorService:
         else:
             return None
         return UnreachableNode(nodeId=node_id, url=node.address if node else None, error=error)
+
+    def _overdue(self, node_id: str, moment: float) -> bool:
+        """Whether `node_id`'s heartbeat is overdue (`OVERDUE_TTL_SHARE`)."""
+        limit = self._layout.node_ttl_s * OVERDUE_TTL_SHARE
+        beat, stored = self._heartbeats.get(node_id), self._beats_stored.get(node_id)
+        if beat is None:
+            return True
+        if moment - beat <= limit:
+            return False
+        return (
+            stored is None
+            or self._newest_stored - stored > limit * 1e9
+            or moment - self._newest_read > limit
+        )
 
     def _after_outage(self) -> None:
         self._silent_probes.clear()
