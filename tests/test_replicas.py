@@ -5,14 +5,17 @@ three, losing a stream's leader loses no telemetry; a stream without a leader is
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.errors import ServiceUnavailableError
 
 from services.agent.publisher import TelemetryPublisher
 from shared.connection import close, connect
@@ -26,6 +29,8 @@ from tests.nats_cluster import nats_cluster, until_jetstream_answers
 
 ENTRIES = 3000
 """Per runner, of 4, in the leader-loss test."""
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -77,6 +82,17 @@ async def _leader(js: JetStreamContext, cluster: list[EmbeddedNats], stream: str
     return next(s for s in cluster if s.store_dir.name == placed.leader)
 
 
+async def _once_answered(ask: Callable[[], Awaitable[T]]) -> T:
+    """What `ask` returns once JetStream answers it: for a while after a server's loss
+    (its elections), JetStream may say it is temporarily unavailable."""
+    for _ in range(150):
+        try:
+            return await ask()
+        except (ServiceUnavailableError, TimeoutError):
+            await asyncio.sleep(0.2)
+    return await ask()
+
+
 def _kill(server: EmbeddedNats) -> None:
     assert server.pid is not None
     os.kill(server.pid, signal.SIGKILL)
@@ -126,8 +142,10 @@ async def test_killing_the_telemetry_stream_leader_loses_and_doubles_no_entry(
         stop.set()
         await running
         held: dict[str, list[int]] = {ref.runnerId: [] for ref in refs}
-        for position in range(1, (await js.stream_info(stream)).state.last_seq + 1):
-            batch = decode((await js.get_msg(stream, position)).data or b"", PhaseEntries)
+        last = (await _once_answered(functools.partial(js.stream_info, stream))).state.last_seq
+        for position in range(1, last + 1):
+            stored = await _once_answered(functools.partial(js.get_msg, stream, position))
+            batch = decode(stored.data or b"", PhaseEntries)
             held[batch.runner.runnerId] += [e.seq for e in batch.entries]
         for runner_id, seqs in held.items():
             assert sorted(seqs) == list(range(ENTRIES)), f"{runner_id}: lost or doubled"
