@@ -197,8 +197,9 @@ class AggregatorService:
         self._beats_stored: dict[str, int] = {}
         """When NATS stored each node's last heartbeat read (ns since the epoch)."""
         self._newest_stored = 0
+        """When NATS stored the newest heartbeat read from any node (ns since the epoch)."""
         self._newest_read = -math.inf
-        """When the newest stored heartbeat, and the last of any node, were read."""
+        """When this aggregator last read a heartbeat of any node, by its clock."""
         self.clock_offsets: dict[str, float] = {}
         """Seconds each node's clock is ahead of the NATS server's (negative: behind)."""
         self._silent_probes: dict[str, float] = {}
