@@ -29,7 +29,7 @@ from nats.micro.service import Service
 
 from services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from services.aggregator.snapshot import Position, SnapshotFile, restore
-from services.aggregator.views import ClusterState, RunnerView
+from services.aggregator.views import ClusterState
 from shared.connection import Reachability, slow_consumer_drops
 from shared.deadletter import DeadLetters
 from shared.inputs import (
@@ -787,12 +787,9 @@ class AggregatorService:
         answers = await self._ask_nodes(targets)
         if any(not isinstance(a, set) for a in answers) and not await self.reach.check():
             return
-        on: dict[str, list[RunnerView]] = {}
-        for view in self.state.runners.values():
-            on.setdefault(view.ref.nodeId, []).append(view)
         for node_id, listed in zip(targets, answers, strict=True):
             if isinstance(listed, set):
-                self.state.note_listed(node_id, listed, on.get(node_id, []))
+                self.state.note_listed(node_id, listed, self.state.runners.on_node(node_id))
         moment = self._clock()
         unreachable = {} if only is None else dict(self.state.unreachable)
         for node_id, listed in zip(targets, answers, strict=True):

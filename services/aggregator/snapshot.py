@@ -30,7 +30,7 @@ from typing import NoReturn
 import msgspec
 
 from services.aggregator.store import EntryStore, SeqTracker, StoreImage
-from services.aggregator.views import ClusterState, RunnerView, TaskView
+from services.aggregator.views import ClusterState, Runners, RunnerView, TaskView
 from shared.synopsis import Synopsis
 from shared.wire import (
     FlightEntry,
@@ -149,30 +149,32 @@ def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
     store = EntryStore.from_image(
         snapshot.store, per_runner=state.store.per_runner, total=state.store.total
     )
-    runners = {}
+    runners = Runners()
     for held in snapshot.runners:
         if len(held.starts) != len(held.ends):
             raise ValueError(f"runner {held.ref.runnerId!r}: seq runs do not pair up")
-        runners[held.ref.runnerId] = RunnerView(
-            ref=held.ref,
-            seqs=SeqTracker(starts=held.starts, ends=held.ends, seen=held.seen),
-            status=held.status,
-            synopsis=Synopsis(
-                phase=held.phase,
-                phase_since=held.phase_since,
-                detail=held.phase_detail,
-                last_at=held.last_at,
-                task_id=held.task_id,
-                command_id=held.command_id,
-                step=held.step,
-                memory=held.memory,
-                seq=held.folded,
-            ),
-            progressed=moment if held.progressed else None,
-            heard=moment if held.heard else None,
-            waiting_in=held.waiting_in,
-            gave_up=held.gave_up,
-            failure=held.failure,
+        runners.add(
+            RunnerView(
+                ref=held.ref,
+                seqs=SeqTracker(starts=held.starts, ends=held.ends, seen=held.seen),
+                status=held.status,
+                synopsis=Synopsis(
+                    phase=held.phase,
+                    phase_since=held.phase_since,
+                    detail=held.phase_detail,
+                    last_at=held.last_at,
+                    task_id=held.task_id,
+                    command_id=held.command_id,
+                    step=held.step,
+                    memory=held.memory,
+                    seq=held.folded,
+                ),
+                progressed=moment if held.progressed else None,
+                heard=moment if held.heard else None,
+                waiting_in=held.waiting_in,
+                gave_up=held.gave_up,
+                failure=held.failure,
+            )
         )
     state.store = store
     state.runners = runners

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, ItemsView, Iterable, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field
 
 import msgspec
@@ -50,7 +50,7 @@ from shared.wire import (
     encode,
 )
 
-__all__ = ["ClusterState", "RunnerView", "TaskView", "TimelinePlan"]
+__all__ = ["ClusterState", "RunnerView", "Runners", "TaskView", "TimelinePlan"]
 
 TASKS_PER_INSTANCE = 128
 UNLISTED = 2
@@ -104,6 +104,48 @@ class RunnerView:
     def ready(self) -> bool:
         """Whether the runner last reported itself ready or serving."""
         return self.status is not None and self.alive and self.status.statusKind in _READY
+
+
+class Runners(Mapping[str, RunnerView]):
+    """Every runner by id, also found by its instance and by its node (a query for one
+    instance looks at its ranks, not at every runner). A runner's ref never changes."""
+
+    def __init__(self, views: Iterable[RunnerView] = ()) -> None:
+        self._by_id: dict[str, RunnerView] = {}
+        self._of_instance: dict[str, list[RunnerView]] = {}
+        self._on_node: dict[str, list[RunnerView]] = {}
+        for view in views:
+            self.add(view)
+
+    def add(self, view: RunnerView) -> RunnerView:
+        """Hold `view`, whose runner id is new here."""
+        self._by_id[view.ref.runnerId] = view
+        self._of_instance.setdefault(view.ref.instanceId, []).append(view)
+        self._on_node.setdefault(view.ref.nodeId, []).append(view)
+        return view
+
+    def of_instance(self, instance_id: str) -> Collection[RunnerView]:
+        """The runners of one instance."""
+        return self._of_instance.get(instance_id, ())
+
+    def on_node(self, node_id: str) -> Collection[RunnerView]:
+        """The runners on one node."""
+        return self._on_node.get(node_id, ())
+
+    def __getitem__(self, runner_id: str) -> RunnerView:
+        return self._by_id[runner_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def values(self) -> ValuesView[RunnerView]:
+        return self._by_id.values()
+
+    def items(self) -> ItemsView[str, RunnerView]:
+        return self._by_id.items()
 
 
 class TimelinePlan:
@@ -180,7 +222,7 @@ class ClusterState:
     def __init__(self, *, store: EntryStore, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self._clock = clock
-        self.runners: dict[str, RunnerView] = {}
+        self.runners = Runners()
         self.instances: dict[str, InstanceCreated] = {}
         self.tasks: dict[str, OrderedDict[str, TaskView]] = {}
         self.nodes: dict[str, NodeInfo] = {}
@@ -194,9 +236,7 @@ class ClusterState:
 
     def _runner(self, ref: RunnerRef) -> RunnerView:
         view = self.runners.get(ref.runnerId)
-        if view is None:
-            view = self.runners[ref.runnerId] = RunnerView(ref=ref)
-        return view
+        return self.runners.add(RunnerView(ref=ref)) if view is None else view
 
     def apply_telemetry(
         self, event: RunnerTelemetry, raw: bytes | None = None, stored_ns: int | None = None
@@ -304,7 +344,7 @@ class ClusterState:
         if view is not None and event.runnerId is not None:
             view.statuses[event.runnerId] = event.taskStatus
 
-    def note_listed(self, node_id: str, listed: set[str], runners: list[RunnerView]) -> None:
+    def note_listed(self, node_id: str, listed: set[str], runners: Iterable[RunnerView]) -> None:
         """Record which of `runners` (those on `node_id`) its agent just listed as its own."""
         for view in runners:
             alive = view.alive
@@ -378,9 +418,15 @@ class ClusterState:
     # Views
 
     def _selected(self, query: TimelineQuery) -> list[RunnerView]:
+        if query.instanceId is not None:
+            candidates = self.runners.of_instance(query.instanceId)
+        elif query.nodeId is not None:
+            candidates = self.runners.on_node(query.nodeId)
+        else:
+            candidates = self.runners.values()
         return [
             view
-            for view in self.runners.values()
+            for view in candidates
             if (query.instanceId is None or view.ref.instanceId == query.instanceId)
             and (query.nodeId is None or view.ref.nodeId == query.nodeId)
             and (query.modelId is None or view.ref.modelId == query.modelId)

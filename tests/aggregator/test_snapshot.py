@@ -63,8 +63,13 @@ async def _history(nc: Client, layout: Layout, first: int, count: int) -> None:
 def _views(service: AggregatorService) -> tuple[object, ...]:
     state = service.state
     timeline = state.timeline(TimelineQuery(limit=100_000), local_node_id="agg")
+    filtered = [
+        state.timeline(query, local_node_id="agg")
+        for query in (TimelineQuery(instanceId="i"), TimelineQuery(nodeId="node-1"))
+    ]
     return (
         timeline.timeline,
+        [(f.timeline, [r.runnerId for r in f.runners]) for f in filtered],
         [(r.runnerId, r.phase, r.lastProgressAt, r.activeTaskId) for r in timeline.runners],
         state.history(),
         state.placement(local_node_id="agg"),

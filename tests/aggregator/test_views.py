@@ -72,6 +72,26 @@ def test_limit_keeps_the_newest_in_ascending_order_and_filters_apply() -> None:
     assert state.timeline(TimelineQuery(modelId="other"), local_node_id="a").runners == []
 
 
+def test_filters_by_instance_and_node_find_exactly_their_runners() -> None:
+    state = _state()
+    state.apply_placement(placed("j", world=1))  # its rank 0 shares node-0 with i's
+    for ref in (rank(0), rank(1), rank(0, "j", world=1)):
+        state.apply_telemetry(entries(ref, (0, 1, Phase.IDLE, None)))
+
+    def found(**filters: str) -> list[str]:
+        timeline = state.timeline(TimelineQuery(**filters), local_node_id="a")  # type: ignore[arg-type]
+        assert {e.runnerId for e in timeline.timeline} == {r.runnerId for r in timeline.runners}
+        return [r.runnerId for r in timeline.runners]
+
+    assert found(instanceId="j") == ["j-r0"]
+    assert found(instanceId="i") == ["i-r0", "i-r1"]
+    assert sorted(found(nodeId="node-0")) == ["i-r0", "j-r0"]
+    assert found(instanceId="i", nodeId="node-0") == ["i-r0"]
+    assert found(instanceId="j", nodeId="node-1") == []
+    assert found(instanceId="nowhere") == []
+    assert found(nodeId="node-1", modelId="other") == []
+
+
 def test_synopsis_tracks_phase_status_and_task() -> None:
     state = _state()
     state.apply_telemetry(status(rank(0), 0, RunnerStatusKind.RUNNING))
