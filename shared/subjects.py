@@ -26,6 +26,7 @@ __all__ = [
 TelemetryKind = Literal["phase", "memory", "status"]
 
 _SAFE = re.compile(r"[A-Za-z0-9_\-]")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_\-]+")
 _PREFIX = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 
 
@@ -50,6 +51,8 @@ def token(raw: str | int) -> str:
         raise ValueError("an empty id cannot name a subject")
     if len(text) > MAX_TOKEN:
         raise IdTooLongError(f"an id of {len(text):,} characters is over the limit of {MAX_TOKEN}")
+    if _ALL_SAFE.fullmatch(text):
+        return text
     escaped = "".join(
         c if _SAFE.match(c) else "".join(f"={b:02X}" for b in c.encode()) for c in text
     )
