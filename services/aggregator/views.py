@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, ItemsView, Iterable, Iterator, Mapping, ValuesView
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -106,20 +106,19 @@ class RunnerView:
         return self.status is not None and self.alive and self.status.statusKind in _READY
 
 
-class Runners(Mapping[str, RunnerView]):
+class Runners(dict[str, RunnerView]):
     """Every runner by id, also found by its instance and by its node (a query for one
-    instance looks at its ranks, not at every runner). A runner's ref never changes."""
+    instance looks at its ranks, not at every runner). Runners join by `add` only; a
+    runner's ref never changes."""
 
-    def __init__(self, views: Iterable[RunnerView] = ()) -> None:
-        self._by_id: dict[str, RunnerView] = {}
+    def __init__(self) -> None:
+        super().__init__()
         self._of_instance: dict[str, list[RunnerView]] = {}
         self._on_node: dict[str, list[RunnerView]] = {}
-        for view in views:
-            self.add(view)
 
     def add(self, view: RunnerView) -> RunnerView:
         """Hold `view`, whose runner id is new here."""
-        self._by_id[view.ref.runnerId] = view
+        self[view.ref.runnerId] = view
         self._of_instance.setdefault(view.ref.instanceId, []).append(view)
         self._on_node.setdefault(view.ref.nodeId, []).append(view)
         return view
@@ -131,21 +130,6 @@ class Runners(Mapping[str, RunnerView]):
     def on_node(self, node_id: str) -> Collection[RunnerView]:
         """The runners on one node."""
         return self._on_node.get(node_id, ())
-
-    def __getitem__(self, runner_id: str) -> RunnerView:
-        return self._by_id[runner_id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._by_id)
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-    def values(self) -> ValuesView[RunnerView]:
-        return self._by_id.values()
-
-    def items(self) -> ItemsView[str, RunnerView]:
-        return self._by_id.items()
 
 
 class TimelinePlan:
@@ -344,8 +328,8 @@ class ClusterState:
         if view is not None and event.runnerId is not None:
             view.statuses[event.runnerId] = event.taskStatus
 
-    def note_listed(self, node_id: str, listed: set[str], runners: Iterable[RunnerView]) -> None:
-        """Record which of `runners` (those on `node_id`) its agent just listed as its own."""
+    def note_listed(self, listed: set[str], runners: Iterable[RunnerView]) -> None:
+        """Record which of `runners` (those on one node) its agent just listed as its own."""
         for view in runners:
             alive = view.alive
             view.unlisted = 0 if view.ref.runnerId in listed else view.unlisted + 1
