@@ -113,8 +113,11 @@ EVIDENCE_WAIT_S = 5.0
 """Longest the aggregator waits for an agent's evidence of a new finding."""
 UNPUBLISHED_FINDINGS = 10_000
 """Findings kept for the diagnosis stream while NATS is out; the oldest go first."""
-JUDGE_SLICE = 500
-"""Instances judged between two turns of the queries (a few ms of work)."""
+JUDGE_SLICE = 100
+"""Instances judged between two turns of the queries (about a millisecond of work)."""
+PROBE_SLICE = 500
+"""Nodes asked, or whose answers are taken in, between two turns of the queries (a few ms
+of work)."""
 FOLLOW_RELEASED_S = 300.0
 """How long a partition still follows a released instance's telemetry (its last words)."""
 CLOCK_TOLERANCE_S = 2.0
@@ -703,6 +706,8 @@ class AggregatorService:
             for index, node_id in enumerate(targets):
                 subject = self._layout.subjects.node_diagnostics(node_id)
                 await self._nc.publish(subject, reply=f"{inbox}.{index}")
+                if index % PROBE_SLICE == PROBE_SLICE - 1:
+                    await asyncio.sleep(0)  # queries and ingest go on between slices
             # a ping answered: the server has them all, and the deadline starts
             if await self.reach.check():
                 with contextlib.suppress(TimeoutError):
@@ -787,15 +792,21 @@ class AggregatorService:
         answers = await self._ask_nodes(targets)
         if any(not isinstance(a, set) for a in answers) and not await self.reach.check():
             return
-        for node_id, listed in zip(targets, answers, strict=True):
-            if isinstance(listed, set):
-                self.state.note_listed(node_id, listed, self.state.runners.on_node(node_id))
         moment = self._clock()
         unreachable = {} if only is None else dict(self.state.unreachable)
-        for node_id, listed in zip(targets, answers, strict=True):
-            unreachable.pop(node_id, None)
-            if (found := self._silence(node_id, listed, moment, full=only is None)) is not None:
-                unreachable[node_id] = found
+        for start in range(0, len(targets), PROBE_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            for node_id, listed in zip(
+                targets[start : start + PROBE_SLICE],
+                answers[start : start + PROBE_SLICE],
+                strict=True,
+            ):
+                if isinstance(listed, set):
+                    self.state.note_listed(listed, self.state.runners.on_node(node_id))
+                unreachable.pop(node_id, None)
+                if (found := self._silence(node_id, listed, moment, full=only is None)) is not None:
+                    unreachable[node_id] = found
         self.state.set_unreachable(unreachable)
 
     def _silence(
@@ -803,13 +814,16 @@ class AggregatorService:
     ) -> UnreachableNode | None:
         """Note what `node_id` answered this round (a full one, or a recheck of silent
         nodes that counts no missed round): why it is unreachable, if it is."""
+        node = self.state.nodes.get(node_id)
         if isinstance(listed, set):
             self._silent_probes.pop(node_id, None)
             self._missed_rounds.pop(node_id, None)
+            if node is not None:
+                return None
         else:
             self._silent_probes.setdefault(node_id, moment)
             self._missed_rounds[node_id] = self._missed_rounds.get(node_id, 0) + full
-        node, ttl = self.state.nodes.get(node_id), self._layout.node_ttl_s
+        ttl = self._layout.node_ttl_s
         beat = self._heartbeats.get(node_id)
         asked = f"no answer to live diagnostics within {self._probe_timeout:g}s"
         since = f" (silent for {moment - self._silent_probes.get(node_id, moment):.1f}s)"

@@ -352,8 +352,9 @@ async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
 
 
 async def test_a_node_is_unreachable_at_once_without_an_agent_else_after_two_silent_rounds(
-    nc: Client, js_ready: Layout
+    nc: Client, js_ready: Layout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(service_module, "PROBE_SLICE", 64)  # 200 nodes asked in 4 slices
     kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
     nodes = [f"node-{i}" for i in range(200)]
     for node_id in nodes:

@@ -183,11 +183,11 @@ def test_a_runner_its_agent_no_longer_lists_is_not_alive() -> None:
         (instance,) = state.instance_states()
         return synopsis.processAlive, instance.ranks[0].lost
 
-    state.note_listed("node-0", set(), runners)  # once: it may not be started yet
+    state.note_listed(set(), runners)  # once: it may not be started yet
     assert alive() == (True, False)
-    state.note_listed("node-0", set(), runners)  # its agent restarted without it
+    state.note_listed(set(), runners)  # its agent restarted without it
     assert alive() == (False, True)
-    state.note_listed("node-0", {"i-r0"}, runners)
+    state.note_listed({"i-r0"}, runners)
     assert alive() == (True, False)
 
 
