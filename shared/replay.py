@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 BATCH = 512
 """Messages asked for in one pull: enough to hide the round trip, few enough to hold."""
 
-YIELD_EVERY = 64
+YIELD_EVERY = 16
 """Messages handled back to back before other tasks (queries) get a turn."""
 
 HEARTBEAT_S = 2.0
