@@ -5,7 +5,8 @@ acknowledges writes: the telemetry stops with nothing but timeouts on the agents
 service that writes its canary now and then learns it, with the server's reason when it
 gives one. On a NATS cluster each stream has its own leader, elected among its replicas:
 one that lost its quorum stores nothing while the canary's stream still does, so the
-check asks every stream's leader as well.
+check asks every stream's leader as well. An answer that does not come in time is asked
+for again once: on a loaded machine one late acknowledgement is no outage.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 STORAGE_CHECK_S = 2.0
 """Seconds between canary writes of a service watching JetStream."""
+ATTEMPTS = 2
+"""Tries of a check whose answers do not come in time before it counts as failed."""
 
 
 def _reason(error: Exception, timeout: float) -> str:
@@ -40,8 +43,12 @@ def _reason(error: Exception, timeout: float) -> str:
     return f"a write failed: {error or type(error).__name__}"
 
 
-class _LeaderlessError(Exception):
-    """A stream whose leader did not answer, in words."""
+class _NotStoredError(Exception):
+    """Why a check failed, in words; `late` when only an answer did not come in time."""
+
+    def __init__(self, reason: str, *, late: bool) -> None:
+        super().__init__(reason)
+        self.late = late
 
 
 class Storage:
@@ -81,16 +88,22 @@ class Storage:
 
     async def check(self) -> bool:
         """Ask every stream's leader, then write the canary; returns whether every stream
-        has a leader and JetStream stored the canary."""
-        try:
-            await asyncio.gather(*(self._led(name) for name in self._streams))
-            await self._js.publish(self._subject, now().encode(), timeout=self._timeout)
-        except _LeaderlessError as exc:
-            self._failing(str(exc))
-            return False
-        except (NatsError, APIError, TimeoutError) as exc:
-            self._failing(_reason(exc, self._timeout))
-            return False
+        has a leader and JetStream stored the canary. An answer that does not come in time
+        is asked for again once before it counts: one late answer on a loaded machine is
+        no outage, a leader lost or a server stopped stays silent the second time too."""
+        for attempt in range(ATTEMPTS):
+            try:
+                await asyncio.gather(*(self._led(name) for name in self._streams))
+                await self._js.publish(self._subject, now().encode(), timeout=self._timeout)
+            except _NotStoredError as exc:
+                reason, late = str(exc), exc.late
+            except (NatsError, APIError, TimeoutError) as exc:
+                reason, late = _reason(exc, self._timeout), isinstance(exc, TimeoutError)
+            else:
+                break
+            if not late or attempt + 1 == ATTEMPTS:
+                self._failing(reason)
+                return False
         if self.failing_since is not None:
             log.info("JetStream stores again after %.0fs", self._clock() - self.failing_since)
             self.failing_since = self.failing_since_wall = None
@@ -101,16 +114,19 @@ class Storage:
         try:
             info = await asyncio.wait_for(self._js.stream_info(name), self._timeout)
         except TimeoutError:
-            raise _LeaderlessError(
+            raise _NotStoredError(
                 f"stream {name} did not answer within {self._timeout:g}s (on a cluster: it has "
-                "no leader, its replicas lost their quorum)"
+                "no leader, its replicas lost their quorum)",
+                late=True,
             ) from None
         except APIError as exc:
-            raise _LeaderlessError(
-                f"stream {name}: {exc.description} (error {exc.err_code})"
+            raise _NotStoredError(
+                f"stream {name}: {exc.description} (error {exc.err_code})", late=False
             ) from None
         if info.cluster is not None and not info.cluster.leader:
-            raise _LeaderlessError(f"stream {name} has no leader (its replicas lost their quorum)")
+            raise _NotStoredError(
+                f"stream {name} has no leader (its replicas lost their quorum)", late=False
+            )
 
     def _failing(self, reason: str) -> None:
         self.reason = reason

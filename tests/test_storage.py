@@ -1,0 +1,72 @@
+"""The canary check on a real server paused (SIGSTOP): a late answer is asked again before
+it counts, a server silent past both tries is an outage with its reason, and the end of
+one is seen at the next check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from shared.connection import connect
+from shared.jetstream import Layout, ensure
+from shared.nats_server import EmbeddedNats
+from shared.settings import Settings
+from shared.storage import Storage
+
+TIMEOUT = 1.0
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A server of this test's own, to pause."""
+    with EmbeddedNats(store_dir=tmp_path / "nats") as started:
+        yield started
+
+
+@pytest.fixture
+async def storage(server: EmbeddedNats) -> AsyncIterator[Storage]:
+    client: Client = await connect(Settings(nats_url=server.url), "test")
+    layout, js = Layout(), client.jetstream()
+    await ensure(js, layout)
+    yield Storage(js, layout.subjects.canary("test"), timeout=TIMEOUT, streams=layout.stream_names)
+    with contextlib.suppress(Exception):
+        await client.close()
+
+
+def _pause_for(server: EmbeddedNats, seconds: float) -> None:
+    """Stop the server now, and let it go on after `seconds`."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    asyncio.get_running_loop().call_later(seconds, os.kill, server.pid, signal.SIGCONT)
+
+
+async def test_a_server_late_once_is_asked_again_and_still_storing(
+    server: EmbeddedNats, storage: Storage
+) -> None:
+    assert await storage.check()
+    _pause_for(server, TIMEOUT * 1.2)  # the first try times out, the second is answered
+    assert await storage.check(), storage.reason
+    assert storage.storing
+    assert storage.why() == ""
+
+
+async def test_a_server_silent_past_both_tries_is_an_outage_until_it_answers(
+    server: EmbeddedNats, storage: Storage
+) -> None:
+    assert await storage.check()
+    _pause_for(server, TIMEOUT * 3)
+    assert not await storage.check()
+    assert not storage.storing
+    assert f"did not answer within {TIMEOUT:g}s" in storage.reason
+    assert storage.why().startswith("JetStream not storing since ")
+    await asyncio.sleep(TIMEOUT * 1.5)  # the server goes on
+    assert await storage.check(), storage.reason
+    assert storage.storing
+    assert storage.why() == ""
