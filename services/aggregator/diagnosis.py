@@ -83,6 +83,8 @@ class _Judge:
     ) -> None:
         self.state, self.views, self.now = state, views, now
         self.placed, self.limits = placed, thresholds
+        self.newest_stored = max((v.stored_ns for v in views if v.stored_ns), default=None)
+        """When NATS stored the newest message of any of the ranks (ns since the epoch)."""
 
     def down(self, view: RunnerView) -> bool:
         """Not running (or unreachable), and not because it was shut down."""
@@ -90,12 +92,23 @@ class _Judge:
         return not gone and (not view.alive or view.ref.nodeId in self.state.unreachable)
 
     def frozen(self, view: RunnerView) -> bool:
-        """Running, yet silent: no memory sample for longer than a live runner allows."""
+        """Running, yet silent: no memory sample for longer than a live runner allows.
+
+        By NATS's clock where it stored the rank's messages: silent while a peer's messages
+        were stored that much later. An aggregator behind in reading (busy, paused, catching
+        up) reads a live rank's messages late, and its peer's a moment before them."""
         return (
             not self.down(view)
             and view.heard is not None
-            and self.now - view.heard > self.limits.silent
+            and self.silent_for(view) > self.limits.silent
         )
+
+    def silent_for(self, view: RunnerView) -> float:
+        """Seconds since the rank's last message: by NATS's clock as of its peers' newest,
+        where it stored them; else by this aggregator's, since it read the last."""
+        if view.stored_ns and self.newest_stored:
+            return (self.newest_stored - view.stored_ns) / 1e9
+        return self.now - (view.heard if view.heard is not None else self.now)
 
     def stale(self, view: RunnerView) -> bool:
         last = view.progressed if view.progressed is not None else self.placed
@@ -183,7 +196,7 @@ class _Judge:
         elif kind is FindingKind.RANK_DISAGREEMENT:
             text = f"{_ranks(culprits)} held in {_where(culprits[0])}"
         elif any(self.frozen(v) for v in culprits):
-            quiet = self.now - max(v.heard or self.now for v in culprits)
+            quiet = min(self.silent_for(v) for v in culprits)
             text = f"{_ranks(culprits)} went silent in {_where(culprits[0])} {quiet:.0f}s ago"
         else:
             text = f"{_ranks(culprits)} made no progress in {_where(culprits[0])}" + (

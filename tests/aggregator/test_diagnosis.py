@@ -125,6 +125,39 @@ def test_a_frozen_idle_rank_is_named_while_its_peer_still_talks() -> None:
     assert "rank 1 (node-1) went silent in idle 6s ago" in finding.summary
 
 
+STORED = 1_800_000_000 * 10**9
+"""When NATS stored the ranks' first messages (ns since the epoch)."""
+
+
+def _sample_stored(state: ClusterState, r: int, seq: int, stored_s: float) -> None:
+    memory = MlxMemorySnapshot(generatedAt=at(seq), source="mlx.core")
+    event = MemorySampled(runner=rank(r), seq=seq, snapshot=memory)
+    state.apply_telemetry(event, stored_ns=STORED + int(stored_s * 1e9))
+
+
+def _idle_stored(state: ClusterState) -> None:
+    for r in (0, 1):
+        state.apply_telemetry(entries(rank(r), (0, 1, Phase.IDLE, None)), stored_ns=STORED)
+
+
+def test_ranks_read_late_by_a_busy_aggregator_are_not_frozen() -> None:
+    state, clock = _setup()
+    _idle_stored(state)
+    clock.now += 6  # busy: it read nothing for 6 s of its own clock
+    _sample_stored(state, 0, 1, 0.2)  # stored a moment after rank 1's last, read only now
+    assert _run(state, clock) == []
+
+
+def test_a_rank_silent_by_nats_clock_while_its_peer_talks_is_frozen_however_late_read() -> None:
+    state, clock = _setup()
+    _idle_stored(state)
+    _sample_stored(state, 0, 1, 6)  # rank 0 spoke 6 s after rank 1 last did: read at once
+    (finding,) = _run(state, clock)
+    assert finding.culpritRanks == [1]
+    assert finding.kind is FindingKind.STALLED_RANK
+    assert "rank 1 (node-1) went silent in idle 6s ago" in finding.summary
+
+
 def test_an_idle_rank_while_its_peer_waits_in_a_collective_is_behind() -> None:
     state, clock = _setup()
     state.apply_telemetry(entries(rank(1), (0, 1, Phase.IDLE, None)))
