@@ -1,19 +1,20 @@
 """Inference through the stack next to plain mlx_lm, in one run, on one model.
 
 1. Decode tokens/s: plain `mlx_lm` in one process, then a 2-rank instance run by two
-   agents over a real NATS and an mlx ring (tokens counted from the output chunks a client
-   receives). Target: stack >= 0.9x plain: the median of each round's stack/plain ratio,
-   with the lowest and highest. Beside it, the CPU each process used while the stack
-   decoded (the runners; this process, which hosts both agents and the client; NATS).
+   `rankscope agent` processes over a real NATS and an mlx ring (tokens counted from the
+   output chunks a client receives). Target: stack >= 0.9x plain: the median of each
+   round's stack/plain ratio, with the lowest and highest. Beside it, the CPU each process
+   used while the stack decoded (runners, agents, the client, NATS).
 2. A 1-token chat: time from submitting the task to its last chunk, next to plain
    prompt-to-first-token; p50 and p99 of the difference. Target: added p50 <= 10 ms.
 3. Idle: CPU of each runner process over a quiet window. Target: <= 2% each.
 
 1 and 2 are measured twice, interleaved: with every process free to use every core, and
-with each rank's runner on a core of its own and plain mlx_lm on one core, as ranks on
-machines of their own would be, each with the cores plain mlx_lm has (a rank waiting on
-its peer spins a core in mlx's ring backend: sharing cores, it takes them from the rank
-that computes).
+with each rank's runner and its agent on a core of their own and plain mlx_lm on one
+core, as ranks on machines of their own would be, each with the cores plain mlx_lm has
+(a rank waiting on its peer spins a core in mlx's ring backend: sharing cores, it takes
+them from the rank that computes). The client and NATS, elsewhere in a deployment, use
+both cores.
 
     .venv/bin/python bench/inference.py [--layers 8] [--hidden 512] [--tokens 128]
 """
@@ -25,6 +26,8 @@ import asyncio
 import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Collection
@@ -39,11 +42,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from services.agent.main import serve_until
 from shared.connection import connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
-from shared.settings import Settings
+from shared.settings import Settings, to_environ
 from shared.timestamps import now
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 from shared.wire import (
@@ -59,6 +61,7 @@ from shared.wire import (
     encode,
 )
 
+REPO = Path(__file__).parent.parent
 PROMPT = "Which node holds layer seven? How much memory does it hold?"
 NODES = ("node-a", "node-b")
 CHATS = 30
@@ -66,7 +69,11 @@ ROUNDS = 7
 CORES = sorted(os.sched_getaffinity(0))
 SETTINGS = {
     "shared": "every process on every core",
-    **({"own": "a core per rank, plain mlx_lm on one core"} if len(CORES) >= len(NODES) else {}),
+    **(
+        {"own": "a core per rank and its agent, plain mlx_lm on one core"}
+        if len(CORES) >= len(NODES)
+        else {}
+    ),
 }
 """Where the ranks and plain mlx_lm run: "own" gives each a core of its own."""
 
@@ -132,10 +139,26 @@ def _plain_on(own: bool) -> None:
     _pin(os.getpid(), CORES[:1] if own else CORES)
 
 
-def _stack_on(pids: list[int], own: bool) -> None:
+def _stack_on(machines: list[list[int]], own: bool) -> None:
+    """Pin each machine's processes (its agent and runner) to a core of its own, or all to
+    every core; this process (the client) and NATS use every core."""
     _pin(os.getpid(), CORES)
-    for core, pid in zip(CORES, pids, strict=False):
-        _pin(pid, [core] if own else CORES)
+    for core, pids in zip(CORES, machines, strict=False):
+        for pid in pids:
+            _pin(pid, [core] if own else CORES)
+
+
+def _agent(settings: Settings) -> subprocess.Popen[bytes]:
+    """`rankscope agent` for one node, as an operator runs it (its log in its data dir)."""
+    settings.data_dir.mkdir(parents=True)
+    with (settings.data_dir / "agent.log").open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "agent"],
+            cwd=REPO,
+            env={**os.environ, **to_environ(settings)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -149,13 +172,7 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
     layout = Layout()
     nc = await connect(Settings(nats_url=server.url), "bench")
     await ensure(nc.jetstream(), layout)
-    stops = [asyncio.Event() for _ in NODES]
-    agents = [
-        asyncio.create_task(
-            serve_until(Settings(nats_url=server.url, node_id=n, data_dir=root / n), stop)
-        )
-        for n, stop in zip(NODES, stops, strict=True)
-    ]
+    agents = [_agent(Settings(nats_url=server.url, node_id=n, data_dir=root / n)) for n in NODES]
     half = layers // 2
     assignments = [
         RunnerAssignment(
@@ -185,15 +202,16 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
     )
     await nc.jetstream().publish(layout.subjects.placement("i"), encode(placed))
     try:
-        pids = await _ready_pids(nc, layout)
+        runners = await _ready_pids(nc, layout)
+        machines = [[a.pid, r] for a, r in zip(agents, runners, strict=True)]
         plain = _Plain(model_dir)
         plain.generate(4)
         await stack.generate("warm", 4)
         tps: dict[tuple[str, str], list[float]] = {}
         firsts: dict[tuple[str, str], list[float]] = {}
-        # while the stack decodes, CPU (cores) of: each runner, this process (both agents
-        # and the client), NATS
-        watched = [*pids, os.getpid(), server.pid or 0]
+        # while the stack decodes, CPU (cores) of: each runner, each agent, this process
+        # (the client), NATS
+        watched = [*runners, *(a.pid for a in agents), os.getpid(), server.pid or 0]
         busy: dict[str, list[list[float]]] = {}
         for round_ in range(ROUNDS):  # interleaved, so drifts of the machine hit all alike
             for setting in SETTINGS:
@@ -201,7 +219,7 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
                 _plain_on(own)
                 _, seconds, count = plain.generate(tokens)
                 tps.setdefault(("plain", setting), []).append((count - 1) / seconds)
-                _stack_on(pids, own)
+                _stack_on(machines, own)
                 before = [_cpu_seconds(p) for p in watched]
                 started = time.perf_counter()
                 _, seconds, count = await stack.generate(f"decode-{setting}-{round_}", tokens)
@@ -215,14 +233,15 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
                 own = setting == "own"
                 _plain_on(own)
                 firsts.setdefault(("plain", setting), []).append(plain.generate(1)[0])
-                _stack_on(pids, own)
+                _stack_on(machines, own)
                 chat = await stack.generate(f"chat-{setting}-{i}", 1)
                 firsts.setdefault(("stack", setting), []).append(chat[0])
-        _stack_on(pids, False)
+        _stack_on(machines, False)
         await asyncio.sleep(1)
-        before = [_cpu_seconds(p) for p in pids]
+        quiet = [*runners, *(a.pid for a in agents)]
+        before = [_cpu_seconds(p) for p in quiet]
         await asyncio.sleep(idle_s)
-        idle = [(_cpu_seconds(p) - b) / idle_s for p, b in zip(pids, before, strict=True)]
+        idle = [(_cpu_seconds(p) - b) / idle_s for p, b in zip(quiet, before, strict=True)]
         return {
             "tps": tps,
             "firsts": firsts,
@@ -233,9 +252,10 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
             },
         }
     finally:
-        for stop in stops:
-            stop.set()
-        await asyncio.gather(*agents)
+        for agent in agents:
+            agent.terminate()
+        for agent in agents:
+            agent.wait()
         await nc.close()
         server.stop()
 
@@ -292,12 +312,17 @@ def main() -> None:
         print(f"  added on a 1-token chat, paired  p50 {_ms(added, 50):6.1f} ms   "
               f"p99 {_ms(added, 99):6.1f} ms  (target p50 <= 10 ms)")  # fmt: skip
     idle: list[float] = got["idle"]  # type: ignore[assignment]
-    print("idle CPU per runner  " + "  ".join(f"{c:.1%}" for c in idle) + "  (target <= 2%)")
+    runners, agents = idle[: len(NODES)], idle[len(NODES) :]
+    print("idle CPU per runner  " + "  ".join(f"{c:.1%}" for c in runners)
+          + "  (target <= 2%), per agent " + "  ".join(f"{c:.1%}" for c in agents))  # fmt: skip
     busy: dict[str, list[float]] = got["busy"]  # type: ignore[assignment]
-    for setting, (*runners, agents, nats) in busy.items():
+    for setting, cpu in busy.items():
+        n = len(NODES)
+        runners, agents, (client, nats) = cpu[:n], cpu[n : 2 * n], cpu[2 * n :]
         print(f"CPU while the stack decodes, {setting}: runners "
-              + "  ".join(f"{c:.0%}" for c in runners)
-              + f", agents and client {agents:.1%}, NATS {nats:.1%}")  # fmt: skip
+              + "  ".join(f"{c:.0%}" for c in runners) + ", agents "
+              + "  ".join(f"{c:.1%}" for c in agents)
+              + f", client {client:.1%}, NATS {nats:.1%}")  # fmt: skip
 
 
 if __name__ == "__main__":
