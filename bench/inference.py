@@ -3,8 +3,10 @@
 1. Decode tokens/s: plain `mlx_lm` in one process, then a 2-rank instance run by two
    `rankscope agent` processes over a real NATS and an mlx ring (tokens counted from the
    output chunks a client receives). Target: stack >= 0.9x plain: the median of each
-   round's stack/plain ratio, with the lowest and highest. Beside it, the CPU each process
-   used while the stack decoded (runners, agents, the client, NATS).
+   round's stack/plain ratio, with the lowest and highest. Between them, the same split
+   without agents, recorder, watchdog or NATS (the runner's own ring joining and shard
+   loading, mlx-lm's loop): what the ring and the split cost by themselves. Below, the CPU
+   each process used while the stack decoded (runners, agents, the client, NATS).
 2. A 1-token chat: time from submitting the task to its last chunk, next to plain
    prompt-to-first-token; p50 and p99 of the difference. Target: added p50 <= 10 ms.
 3. Idle: CPU of each runner process over a quiet window. Target: <= 2% each.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Collection
+from multiprocessing.queues import Queue
 from pathlib import Path
 
 import mlx.core as mx
@@ -42,6 +46,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from shared.connection import connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
@@ -166,15 +171,10 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
 
 
-async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> dict[str, object]:
-    root = Path(tempfile.mkdtemp(prefix="rankscope-bench-"))
-    server = EmbeddedNats(store_dir=root / "nats", port=free_port()).start()
-    layout = Layout()
-    nc = await connect(Settings(nats_url=server.url), "bench")
-    await ensure(nc.jetstream(), layout)
-    agents = [_agent(Settings(nats_url=server.url, node_id=n, data_dir=root / n)) for n in NODES]
+def _assignments(layers: int) -> list[RunnerAssignment]:
+    """Half the layers on each node's rank, each rank listening on a port of its own."""
     half = layers // 2
-    assignments = [
+    return [
         RunnerAssignment(
             runnerId=f"i-a0-r{rank}",
             nodeId=node,
@@ -190,6 +190,71 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
             zip(NODES, (0, half), (half, layers), strict=True)
         )
     ]
+
+
+def _bare_rank(
+    model_dir: Path,
+    assignments: list[RunnerAssignment],
+    rank: int,
+    commands: Queue[int | None],
+    results: Queue[tuple[float, int]],
+) -> None:
+    """One rank of the bare split: the runner's own ring joining and shard loading, then
+    mlx-lm's generation loop for each token count it is given."""
+    group = connect_group(assignments[rank], ring_hosts(assignments))
+    shard = load_shard(model_dir, group, assignments, assignments[rank])
+    prompt = mx.array(shard.tokenizer.encode(PROMPT))
+    while (limit := commands.get()) is not None:
+        first, count = 0.0, 0
+        cache = make_prompt_cache(shard.model)
+        for _ in generate_step(prompt, shard.model, max_tokens=limit, prompt_cache=cache):
+            count += 1
+            if count == 1:
+                first = time.perf_counter()
+        results.put((time.perf_counter() - first, count))
+
+
+class _Bare:
+    """The same split without agents, recorder, watchdog or NATS: what the ring and the
+    split cost by themselves."""
+
+    def __init__(self, model_dir: Path, layers: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        assignments = _assignments(layers)
+        self.commands: list[Queue[int | None]] = [context.Queue() for _ in assignments]
+        self.results: Queue[tuple[float, int]] = context.Queue()
+        self.ranks = [
+            context.Process(
+                target=_bare_rank,
+                args=(model_dir, assignments, rank, commands, self.results),
+                daemon=True,
+            )
+            for rank, commands in enumerate(self.commands)
+        ]
+        for process in self.ranks:
+            process.start()
+
+    def generate(self, limit: int) -> tuple[float, int]:
+        """(first-to-last-token s, tokens) of one generation, the slower rank's."""
+        for commands in self.commands:
+            commands.put(limit)
+        return max(self.results.get(timeout=120) for _ in self.commands)
+
+    def close(self) -> None:
+        for commands in self.commands:
+            commands.put(None)
+        for process in self.ranks:
+            process.join()
+
+
+async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> dict[str, object]:
+    root = Path(tempfile.mkdtemp(prefix="rankscope-bench-"))
+    server = EmbeddedNats(store_dir=root / "nats", port=free_port()).start()
+    layout = Layout()
+    nc = await connect(Settings(nats_url=server.url), "bench")
+    await ensure(nc.jetstream(), layout)
+    agents = [_agent(Settings(nats_url=server.url, node_id=n, data_dir=root / n)) for n in NODES]
+    assignments = _assignments(layers)
     stack = _Stack(nc, layout)
     await nc.subscribe(layout.subjects.output_of_node(NODES[-1]), cb=stack.on_chunk)
     placed = InstanceCreated(
@@ -206,6 +271,8 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
         machines = [[a.pid, r] for a, r in zip(agents, runners, strict=True)]
         plain = _Plain(model_dir)
         plain.generate(4)
+        bare = _Bare(model_dir, layers)
+        bare.generate(4)
         await stack.generate("warm", 4)
         tps: dict[tuple[str, str], list[float]] = {}
         firsts: dict[tuple[str, str], list[float]] = {}
@@ -219,6 +286,9 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
                 _plain_on(own)
                 _, seconds, count = plain.generate(tokens)
                 tps.setdefault(("plain", setting), []).append((count - 1) / seconds)
+                _stack_on([[p.pid or 0] for p in bare.ranks], own)
+                seconds, count = bare.generate(tokens)
+                tps.setdefault(("bare", setting), []).append((count - 1) / seconds)
                 _stack_on(machines, own)
                 before = [_cpu_seconds(p) for p in watched]
                 started = time.perf_counter()
@@ -228,6 +298,7 @@ async def _stack(model_dir: Path, layers: int, tokens: int, idle_s: float) -> di
                 busy.setdefault(setting, []).append(
                     [(_cpu_seconds(p) - b) / elapsed for p, b in zip(watched, before, strict=True)]
                 )
+        bare.close()
         for i in range(CHATS):
             for setting in SETTINGS:
                 own = setting == "own"
@@ -298,15 +369,17 @@ def main() -> None:
     print(f"model: {args.layers} layers, hidden {args.hidden}; 2 ranks on one machine; "
           f"medians of {ROUNDS} interleaved rounds")  # fmt: skip
     for setting, heading in SETTINGS.items():
-        plain, stack = tps[("plain", setting)], tps[("stack", setting)]
-        ratios = [s / p for s, p in zip(stack, plain, strict=True)]  # a round's pair each
+        plain = tps[("plain", setting)]
         plain_firsts, stack_firsts = firsts[("plain", setting)], firsts[("stack", setting)]
         added = [s - p for s, p in zip(stack_firsts, plain_firsts, strict=True)]
         print(f"{heading}:")
-        print(f"  decode tokens/s    plain {statistics.median(plain):8.1f}   "
-              f"stack {statistics.median(stack):8.1f}   "
-              f"ratio {statistics.median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"
-              "  (target >= 0.9)")  # fmt: skip
+        print(f"  decode tokens/s, plain mlx_lm      {statistics.median(plain):6.1f}")
+        for kind, what in (("bare", "split, no agents"), ("stack", "the stack")):
+            split = tps[(kind, setting)]
+            ratios = [s / p for s, p in zip(split, plain, strict=True)]  # a round's pair each
+            print(f"    {what:<18} {statistics.median(split):6.1f}   ratio "
+                  f"{statistics.median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+                  + ("  (target >= 0.9)" if kind == "stack" else ""))  # fmt: skip
         print(f"  time to 1st token  plain p50 {_ms(plain_firsts, 50):6.1f} ms   "
               f"stack p50 {_ms(stack_firsts, 50):6.1f} ms")  # fmt: skip
         print(f"  added on a 1-token chat, paired  p50 {_ms(added, 50):6.1f} ms   "
