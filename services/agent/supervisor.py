@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from services.agent.publisher import TelemetryPublisher
-from services.agent.runner.channel import ENTRY, MEMORY, OUTPUT, STATUS, TASK
+from services.agent.runner.channel import (
+    ENTRIES,
+    ENTRY,
+    MEMORY,
+    OUTPUT,
+    STATUS,
+    TASK,
+    EntryMessage,
+)
 from services.agent.runner.config import RunnerConfig
 from services.agent.runner.process import PERMANENT_EXIT, STACK_SIGNAL, STOP, runner_main
 from services.agent.runner.watchdog import WEDGED_EXIT
@@ -219,29 +227,35 @@ class RunnerSupervisor:
             except RuntimeError:  # the agent's loop is gone: nobody is listening any more
                 return
 
+    def _entry(self, item: EntryMessage) -> None:
+        self._stacks_ready = True  # its first entry comes after it can dump its stacks
+        _, at, phase, event, detail, attrs, task_id, command_id, memory, dropped = item
+        if event == Breadcrumb.PEER_LOST:
+            self._lost_peer = str(attrs.get("site", phase))
+        if dropped:
+            attrs = {**attrs, "droppedBefore": dropped}
+            self.dropped_entries += dropped
+        self._record(
+            FlightEntry(
+                seq=self._next_seq(),
+                at=at,
+                phase=Phase(phase),
+                event=event,
+                detail=detail,
+                attrs=attrs,
+                taskId=task_id,
+                commandId=command_id,
+                mlxMemory=memory,
+            )
+        )
+
     def _handle(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == ENTRY:
-            self._stacks_ready = True  # its first entry comes after it can dump its stacks
-            _, at, phase, event, detail, attrs, task_id, command_id, memory, dropped = item
-            if event == Breadcrumb.PEER_LOST:
-                self._lost_peer = str(attrs.get("site", phase))
-            if dropped:
-                attrs = {**attrs, "droppedBefore": dropped}
-                self.dropped_entries += dropped
-            self._record(
-                FlightEntry(
-                    seq=self._next_seq(),
-                    at=at,
-                    phase=Phase(phase),
-                    event=event,
-                    detail=detail,
-                    attrs=attrs,
-                    taskId=task_id,
-                    commandId=command_id,
-                    mlxMemory=memory,
-                )
-            )
+            self._entry(item)
+        elif kind == ENTRIES:
+            for entry in item[1]:
+                self._entry(entry)
         elif kind == MEMORY:
             self.synopsis = replace(self.synopsis, memory=item[1])
             sample = MemorySampled(

@@ -13,7 +13,7 @@ from unittest.mock import MagicMock
 
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner import watchdog as watchdog_module
-from services.agent.runner.channel import ENTRY
+from services.agent.runner.channel import ENTRIES, ENTRY, OUTPUT
 from services.agent.runner.config import RunnerConfig
 from services.agent.runner.recorder import Recorder
 from services.agent.runner.shard import ring_hosts
@@ -62,6 +62,112 @@ def test_full_queue_drops_and_counts_without_blocking() -> None:
     after = telemetry.get(timeout=5)
     assert after[0] == ENTRY
     assert after[-1] == 3  # the next entry that fits says how many went missing before it
+    recorder.flush()
+
+
+def _drain(channel: Any, wait: float = 0.5) -> list[Any]:
+    """Everything on a queue within `wait` seconds of quiet."""
+    got = []
+    while True:
+        try:
+            got.append(channel.get(timeout=wait))
+        except queue.Empty:
+            return got
+
+
+def _entries(messages: list[Any]) -> list[Any]:
+    """The entries in telemetry messages, batches unpacked, in order."""
+    return [e for m in messages for e in (m[1] if m[0] == ENTRIES else [m])]
+
+
+def test_a_tokens_entries_and_text_wait_for_the_next_tokens_then_go_together() -> None:
+    context = multiprocessing.get_context("spawn")
+    telemetry: Any = context.Queue()
+    control: Any = context.Queue()
+    recorder = Recorder(telemetry=telemetry, control=control, memory=_snapshot, window=60)
+    recorder.record(Phase.DECODE_WAIT_FIRST_TOKEN, "first_token")
+    for index in range(5):
+        recorder.output("cmd", f"t{index} ")
+        recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index}, batch=True)
+    sent = _drain(telemetry)
+    assert [e[3] for e in _entries(sent)] == ["first_token"]  # the tokens' entries wait
+    assert _drain(control) == [(OUTPUT, "cmd", 0, "t0 ", None, None)]  # the first text goes
+    recorder.output("cmd", "t5", "stop", (3, 6))
+    assert _drain(control) == [(OUTPUT, "cmd", 1, "t1 t2 t3 t4 t5", "stop", (3, 6))]
+    recorder.record(Phase.COMPLETION, "stop")
+    (batch,) = _drain(telemetry)  # one message, one wakeup of the agent
+    assert batch[0] == ENTRIES
+    assert [(e[3], e[5].get("i")) for e in batch[1]] == [
+        *(("token", i) for i in range(5)),
+        ("stop", None),
+    ]
+    recorder.flush()
+
+
+def test_with_no_wait_between_tokens_each_goes_at_once() -> None:
+    context = multiprocessing.get_context("spawn")
+    telemetry: Any = context.Queue()
+    control: Any = context.Queue()
+    recorder = Recorder(telemetry=telemetry, control=control, memory=_snapshot, window=0)
+    for index in range(3):
+        recorder.output("cmd", f"t{index}")
+        recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index}, batch=True)
+    assert [m[0] for m in _drain(telemetry)] == [ENTRY] * 3
+    assert [(m[2], m[3]) for m in _drain(control)] == [(0, "t0"), (1, "t1"), (2, "t2")]
+    recorder.flush()
+
+
+def _stuck_after_tokens(telemetry: Any, control: Any, seen: Any) -> None:
+    """A rank that decodes three tokens, then hangs in its next step."""
+    watchdog_module.WAIT_NOTE_S = 0.2
+    recorder = Recorder(telemetry=telemetry, control=control, memory=_snapshot, window=60)
+    watchdog = Watchdog(recorder)
+    recorder.record(Phase.DECODE_WAIT_FIRST_TOKEN, "first_token")
+    for index in range(3):
+        recorder.output("cmd", f"t{index} ")
+        recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index}, batch=True)
+    with watchdog.guard("decode_stream", 30.0):
+        seen.wait(30)  # stuck until the test has seen what it needs
+    recorder.flush()
+
+
+def test_a_rank_stuck_mid_decode_has_its_waiting_tokens_out_with_its_wait_note() -> None:
+    context = multiprocessing.get_context("spawn")
+    telemetry: Any = context.Queue()
+    control: Any = context.Queue()
+    seen = context.Event()
+    process = context.Process(target=_stuck_after_tokens, args=(telemetry, control, seen))
+    process.start()
+    try:
+        assert telemetry.get(timeout=30)[3] == "first_token"
+        batch = telemetry.get(timeout=30)  # while it is still stuck
+        assert [(e[3], e[5].get("i")) for e in batch[1]] == [
+            ("token", 0),
+            ("token", 1),
+            ("token", 2),
+            (Breadcrumb.COLLECTIVE_WAIT, None),
+        ]
+        chunks = [control.get(timeout=5), control.get(timeout=5)]
+        assert [(c[2], c[3], c[4]) for c in chunks] == [(0, "t0 ", None), (1, "t1 t2 ", None)]
+    finally:
+        seen.set()
+        process.join(30)
+    assert process.exitcode == 0
+
+
+def test_a_dropped_batch_counts_every_entry_in_it() -> None:
+    context = multiprocessing.get_context("spawn")
+    telemetry: Any = context.Queue(1)
+    recorder = Recorder(telemetry=telemetry, control=context.Queue(), memory=_snapshot, window=60)
+    recorder.record(Phase.DECODE_WAIT_FIRST_TOKEN, "first_token")  # fills the queue
+    for index in range(3):
+        recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index}, batch=True)
+    recorder.record(Phase.PARSER, "finalize")  # the four go as one, and find no room
+    assert recorder.dropped == 4
+    assert telemetry.get(timeout=5)[3] == "first_token"
+    recorder.record(Phase.COMPLETION, "stop")
+    after = telemetry.get(timeout=5)
+    assert (after[3], after[-1]) == ("stop", 4)
     recorder.flush()
 
 

@@ -109,13 +109,19 @@ class Generation:
         assert request is not None
 
         def record(
-            phase: Phase, event: str, *, attrs: Attrs | None = None, memory: bool = False
+            phase: Phase,
+            event: str,
+            *,
+            attrs: Attrs | None = None,
+            memory: bool = False,
+            batch: bool = False,
         ) -> None:
             self._recorder.record(
                 phase,
                 event,
                 attrs=attrs,
                 memory=memory,
+                batch=batch,
                 task_id=task.taskId,
                 command_id=task.commandId,
             )
@@ -158,7 +164,8 @@ class Generation:
         )
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
-        produced, finish, started, chunk = 0, "length", time.perf_counter(), 0
+        produced, finish, started = 0, "length", time.perf_counter()
+        command = task.commandId or task.taskId
         votes: mx.array | None = None
         current = first
         while current is not None:
@@ -170,8 +177,7 @@ class Generation:
             detokenizer.add_token(token)
             segment = detokenizer.last_segment  # reading it consumes it
             if self._config.is_last_stage and segment:
-                self._recorder.output(task.commandId or task.taskId, chunk, segment)
-                chunk += 1
+                self._recorder.output(command, segment)
             if produced % CANCEL_CHECK_EVERY == 0:
                 if self._agreed(votes):
                     record(Phase.CANCEL_OBSERVED, "agreed", attrs=self._attrs(tokens=produced))
@@ -179,7 +185,12 @@ class Generation:
                     break
                 votes = self._vote(task.taskId)
             self.step += 1
-            record(Phase.DECODE_STREAM, "token", attrs=self._attrs(token_index=produced))
+            record(
+                Phase.DECODE_STREAM,
+                "token",
+                attrs=self._attrs(token_index=produced),
+                batch=True,
+            )
             with self._watchdog.guard("decode_stream", timeouts.collective):
                 current = next(tokens, None)
         record(Phase.PARSER, "finalize")
@@ -187,11 +198,7 @@ class Generation:
         elapsed = time.perf_counter() - started
         if self._config.is_last_stage:
             self._recorder.output(
-                task.commandId or task.taskId,
-                chunk,
-                detokenizer.last_segment,
-                finish,
-                (len(prompt), produced),
+                command, detokenizer.last_segment, finish, (len(prompt), produced)
             )
         record(
             Phase.COMPLETION,

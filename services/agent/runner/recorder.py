@@ -2,30 +2,51 @@
 
 Entries go into a bounded queue to the agent with `put_nowait`; when the agent falls
 behind, entries are dropped and the count rides along with the next entry that fits.
+
+What comes once a token (its entry, its text) goes at most once a `BATCH_WINDOW_S`: at
+hundreds of tokens a second, each message to the agent (a wakeup of the agent, of NATS
+and of every client) carries several tokens. Anything else sends what waits before it at
+once, so a rank that stops in a collective has it all out with its `collective_wait`.
 """
 
 from __future__ import annotations
 
+import math
 import queue
+import threading
+import time
 from collections.abc import Callable
 from multiprocessing.queues import Queue
 from typing import Any
 
-from services.agent.runner.channel import ENTRY, MEMORY, OUTPUT, STATUS, TASK
+from services.agent.runner.channel import (
+    ENTRIES,
+    ENTRY,
+    MEMORY,
+    OUTPUT,
+    STATUS,
+    TASK,
+    EntryMessage,
+)
 from shared.timestamps import now
 from shared.wire import Attrs, MlxMemorySnapshot, Phase, RunnerStatusKind, TaskStatus
 
-__all__ = ["Recorder"]
+__all__ = ["BATCH_WINDOW_S", "Recorder"]
+
+BATCH_WINDOW_S = 0.025
+"""Longest a token's entry or text waits for the next tokens' before going to the agent."""
 
 
 class Recorder:
-    """Records phase transitions, memory, status, task status and output of one runner.
+    """Records phase transitions, memory, status, task status and output of one runner;
+    safe to call from any thread (the watchdog records from its own).
 
     Args:
         telemetry: bounded queue for entries and memory snapshots (may drop).
         control: queue for status, task status and output (never drops).
         memory: takes an MLX memory snapshot.
         enabled: record entries at all (off only to measure what recording costs).
+        window: seconds a token's entry or text may wait for the next ones.
     """
 
     def __init__(
@@ -35,14 +56,25 @@ class Recorder:
         control: Queue[Any],
         memory: Callable[[], MlxMemorySnapshot],
         enabled: bool = True,
+        window: float = BATCH_WINDOW_S,
     ) -> None:
         self._enabled = enabled
         self._telemetry = telemetry
         self._control = control
         self._memory = memory
+        self._window = window
+        self._lock = threading.Lock()
         self.phase = Phase.CREATED
         self.dropped = 0
         self._unreported_drops = 0
+        self._entries: list[EntryMessage] = []
+        self._entries_sent = -math.inf
+        self._command: str | None = None
+        """The command whose text is being sent, with its next chunk's seq, the text
+        waiting to go and when its last chunk went."""
+        self._seq = 0
+        self._text = ""
+        self._text_sent = -math.inf
 
     def record(
         self,
@@ -54,12 +86,14 @@ class Recorder:
         task_id: str | None = None,
         command_id: str | None = None,
         memory: bool = False,
+        batch: bool = False,
     ) -> None:
-        """Record one entry; with `memory`, attach an MLX memory snapshot."""
+        """Record one entry; with `memory`, attach an MLX memory snapshot. A `batch` entry
+        (one a token) may wait for the next ones; any other goes at once, after them."""
         self.phase = phase
         if not self._enabled:
             return
-        message = (
+        entry: EntryMessage = (
             ENTRY,
             now(),
             phase.value,
@@ -69,22 +103,39 @@ class Recorder:
             task_id,
             command_id,
             self._memory() if memory else None,
-            self._unreported_drops,
+            0,
         )
+        with self._lock:
+            self._entries.append(entry)
+            moment = time.monotonic()
+            if batch and moment - self._entries_sent < self._window:
+                return
+            self._send_entries(moment)
+            if not batch:
+                self._send_text(moment)
+
+    def _send_entries(self, moment: float) -> None:
+        entries, self._entries, self._entries_sent = self._entries, [], moment
+        if not entries:
+            return
+        entries[0] = (*entries[0][:-1], self._unreported_drops)
         try:
-            self._telemetry.put_nowait(message)
+            self._telemetry.put_nowait(entries[0] if len(entries) == 1 else (ENTRIES, entries))
         except queue.Full:
-            self.dropped += 1
-            self._unreported_drops += 1
+            self.dropped += len(entries)
+            self._unreported_drops += len(entries)
         else:
             self._unreported_drops = 0
 
     def sample_memory(self) -> None:
-        """Send a periodic memory snapshot (dropped, not waited for, when the queue is full)."""
-        try:
-            self._telemetry.put_nowait((MEMORY, self._memory()))
-        except queue.Full:
-            self.dropped += 1
+        """Send a periodic memory snapshot (dropped, not waited for, when the queue is full),
+        after the entries waiting."""
+        with self._lock:
+            self._send_entries(time.monotonic())
+            try:
+                self._telemetry.put_nowait((MEMORY, self._memory()))
+            except queue.Full:
+                self.dropped += 1
 
     def status(self, kind: RunnerStatusKind, detail: str | None = None) -> None:
         """Report a runner status change."""
@@ -97,17 +148,39 @@ class Recorder:
     def output(
         self,
         command_id: str,
-        seq: int,
         text: str,
         finish: str | None = None,
         tokens: tuple[int, int] | None = None,
     ) -> None:
-        """Send generated text for a command, in order; the last chunk carries `finish` and
-        the (prompt, completion) token counts."""
-        self._control.put((OUTPUT, command_id, seq, text, finish, tokens))
+        """Send generated text for a command, in order, in chunks numbered from 0; text may
+        wait for the next tokens' unless it is the command's first or last. The last chunk
+        carries `finish` and the (prompt, completion) token counts."""
+        with self._lock:
+            if command_id != self._command:
+                self._send_text(time.monotonic())
+                self._command, self._seq, self._text_sent = command_id, 0, -math.inf
+            self._text += text
+            moment = time.monotonic()
+            if finish is None and moment - self._text_sent < self._window:
+                return
+            self._send_text(moment, finish, tokens)
+            if finish is not None:
+                self._command = None
+
+    def _send_text(
+        self, moment: float, finish: str | None = None, tokens: tuple[int, int] | None = None
+    ) -> None:
+        if self._command is None or (not self._text and finish is None):
+            return
+        self._control.put((OUTPUT, self._command, self._seq, self._text, finish, tokens))
+        self._seq, self._text, self._text_sent = self._seq + 1, "", moment
 
     def flush(self) -> None:
-        """Push everything queued to the agent before this process exits."""
+        """Push everything waiting or queued to the agent before this process exits."""
+        with self._lock:
+            moment = time.monotonic()
+            self._send_entries(moment)
+            self._send_text(moment)
         for channel in (self._telemetry, self._control):
             channel.close()
             channel.join_thread()
