@@ -130,10 +130,11 @@ class Recorder:
     def sample_memory(self) -> None:
         """Send a periodic memory snapshot (dropped, not waited for, when the queue is full),
         after the entries waiting."""
+        sample = self._memory()  # outside the lock: inference never waits on it
         with self._lock:
             self._send_entries(time.monotonic())
             try:
-                self._telemetry.put_nowait((MEMORY, self._memory()))
+                self._telemetry.put_nowait((MEMORY, sample))
             except queue.Full:
                 self.dropped += 1
 
@@ -156,11 +157,11 @@ class Recorder:
         wait for the next tokens' unless it is the command's first or last. The last chunk
         carries `finish` and the (prompt, completion) token counts."""
         with self._lock:
+            moment = time.monotonic()
             if command_id != self._command:
-                self._send_text(time.monotonic())
+                self._send_text(moment)
                 self._command, self._seq, self._text_sent = command_id, 0, -math.inf
             self._text += text
-            moment = time.monotonic()
             if finish is None and moment - self._text_sent < self._window:
                 return
             self._send_text(moment, finish, tokens)
