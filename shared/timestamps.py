@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-__all__ = ["check_ts", "format_ts", "from_micros", "micros", "now", "parse_ts", "to_epoch"]
+__all__ = ["check_ts", "format_ts", "from_micros", "later", "micros", "now", "parse_ts", "to_epoch"]
 
 _FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -30,6 +30,11 @@ def now() -> str:
         text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
         _second[0] = (seconds, text)
     return f"{text}.{micros:06d}Z"
+
+
+def later(seconds: float) -> str:
+    """The wire timestamp `seconds` from now."""
+    return format_ts(datetime.fromtimestamp(time.time() + seconds, UTC))
 
 
 def check_ts(text: str) -> None:

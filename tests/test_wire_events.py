@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
-from shared.timestamps import now
+from shared.timestamps import now, to_epoch
 from shared.wire import (
+    TASK_HORIZON_S,
     ChatMessage,
     FlightEntry,
     GenerationRequest,
@@ -158,3 +160,33 @@ def test_an_instance_is_ready_only_with_every_rank_ready() -> None:
     assert instance(rank(0, True), rank(1, True)).ready
     assert not instance(rank(0, True), rank(1, False)).ready
     assert not instance().ready  # no rank can serve nothing
+
+
+def test_a_task_expires_at_its_deadline_or_its_horizon_without_one() -> None:
+    at = "2026-11-25T12:00:00.000000Z"
+    noon = to_epoch(at)
+    with_deadline = TaskCreated(
+        at=at,
+        deadline="2026-11-25T12:00:10.000000Z",
+        taskId="t",
+        instanceId="i",
+        taskKind=TaskKind.TEXT_GENERATION,
+    )
+    assert not with_deadline.expired(noon + 9)
+    assert with_deadline.expired(noon + 11)
+    without = msgspec.structs.replace(with_deadline, deadline=None)
+    assert not without.expired(noon + TASK_HORIZON_S - 1)
+    assert without.expired(noon + TASK_HORIZON_S + 1)
+
+
+def test_a_task_deadline_that_is_no_timestamp_is_refused() -> None:
+    wire = {
+        "type": "TaskCreated",
+        "at": now(),
+        "deadline": "soon",
+        "taskId": "t",
+        "instanceId": "i",
+        "taskKind": "TextGeneration",
+    }
+    with pytest.raises(WireError, match="timestamp 'soon'"):
+        decode(json.dumps(wire), TaskEvent)

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from shared.wire import (
     QueryError,
     RunnerRef,
     RunnerTelemetry,
+    TaskCreated,
     TaskEvent,
     TaskStatus,
     TaskStatusChanged,
@@ -92,6 +94,12 @@ class Agent:
         self._placed: dict[str, InstanceCreated] = {}
         self._task_followers: dict[str, Follower] = {}
         self._final_tasks: set[str] = set()
+        self._started_tasks: set[str] = set()
+        """Tasks some rank started: one read again after a restart was interrupted by it."""
+        self._held: dict[str, list[tuple[int, TaskCreated]]] = {}
+        """Tasks of each instance read while its task stream is replayed: only once it is
+        read to the end is it known which of them finished meanwhile."""
+        self._replays: set[asyncio.Task[None]] = set()
         self._outputs: set[asyncio.Task[None]] = set()
         self._replayed: dict[str, PlacementEvent] | None = {}
         """The latest placement event of each instance while the stream is replayed (None
@@ -166,12 +174,17 @@ class Agent:
             supervisor.start()
         if event.instanceId not in self._task_followers:
             subjects = self._layout.subjects
-            self._task_followers[event.instanceId] = await follow(
+            self._held[event.instanceId] = []
+            follower = await follow(
                 self._js,
                 subjects.tasks(event.instanceId),
                 self._on_task,
                 also=[subjects.task_statuses(event.instanceId)],
             )
+            self._task_followers[event.instanceId] = follower
+            waiting = asyncio.create_task(self._release_held(event.instanceId, follower))
+            self._replays.add(waiting)
+            waiting.add_done_callback(self._replays.discard)
 
     async def _resume_seq(self, ref: RunnerRef) -> int:
         """One past the highest `seq` this runner already has in the stream."""
@@ -218,6 +231,7 @@ class Agent:
                 await supervisor.release()
         if not keep:
             self._placed.pop(instance_id, None)
+            self._held.pop(instance_id, None)
             follower = self._task_followers.pop(instance_id, None)
             if follower is not None:
                 await follower.stop()
@@ -229,13 +243,50 @@ class Agent:
         if isinstance(event, TaskStatusChanged):
             if event.taskStatus.is_final:
                 self._final_tasks.add(event.taskId)
+            elif event.taskStatus is TaskStatus.RUNNING:
+                self._started_tasks.add(event.taskId)
             return
+        follower = self._task_followers.get(event.instanceId)
+        held = self._held.get(event.instanceId)
+        if held is not None and (follower is None or not follower.caught_up.is_set()):
+            held.append((msg.metadata.sequence.stream, event))
+            return
+        self._submit_held(event.instanceId)
+        self._submit(msg.metadata.sequence.stream, event, replayed=False)
+
+    async def _release_held(self, instance_id: str, follower: Follower) -> None:
+        """Submit what the replay of an instance's tasks held once it is read to the end."""
+        await follower.caught_up.wait()
+        if self._task_followers.get(instance_id) is follower:
+            self._submit_held(instance_id)
+
+    def _submit_held(self, instance_id: str) -> None:
+        held = self._held.pop(instance_id, None)
+        if held:
+            for seq, event in held:
+                self._submit(seq, event, replayed=True)
+
+    def _submit(self, seq: int, event: TaskCreated, *, replayed: bool) -> None:
+        """Hand a task to this node's ranks of its instance, unless it is done already, for
+        an earlier placement, or past its deadline (said so as this rank's status once)."""
         placed = self._placed.get(event.instanceId)
         if placed is None or event.at < placed.at or event.taskId in self._final_tasks:
-            return  # for an earlier placement of this instance, or already done
-        for supervisor in self.supervisors.values():
-            if supervisor.config.runner.instanceId == event.instanceId:
-                supervisor.submit(msg.metadata.sequence.stream, event)
+            return
+        local = [
+            s for s in self.supervisors.values() if s.config.runner.instanceId == event.instanceId
+        ]
+        if replayed and event.taskId in self._started_tasks:
+            why = TaskStatus.FAILED, "a restart interrupted it; it is not run twice"
+        elif event.expired(time.time()):
+            why = TaskStatus.TIMED_OUT, "its deadline passed before this rank could start it"
+        else:
+            for supervisor in local:
+                supervisor.submit(seq, event)
+            return
+        log.info("task %s of %s not started: %s", event.taskId, event.instanceId, why[1])
+        self._final_tasks.add(event.taskId)
+        for supervisor in local:
+            self._task_status(supervisor.config.runner, event.taskId, *why)
 
     def _output(self, chunk: TokenChunk) -> None:
         # Core NATS, in order: tasks start in the order they are created.
@@ -316,6 +367,8 @@ class Agent:
 
     async def shutdown(self) -> None:
         """Release every runner and stop following tasks."""
+        for waiting in list(self._replays):
+            waiting.cancel()
         instances = {s.config.runner.instanceId for s in self.supervisors.values()}
         await asyncio.gather(*(self._release_instance(i, keep=set()) for i in instances))
         for follower in self._task_followers.values():

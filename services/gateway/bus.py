@@ -20,8 +20,9 @@ from shared.jetstream import Layout, publish_acked
 from shared.partitions import partition_of
 from shared.replay import follow, follow_bucket
 from shared.subjects import token, untoken
-from shared.timestamps import now, parse_ts
+from shared.timestamps import later, now, parse_ts
 from shared.wire import (
+    TASK_HORIZON_S,
     EvidenceRequest,
     Finding,
     NodeDiagnostics,
@@ -213,6 +214,7 @@ class Bus:
         """
         cancel = TaskCreated(
             at=now(),
+            deadline=later(TASK_HORIZON_S),
             taskId=f"cancel-{task_id}",
             instanceId=instance_id,
             taskKind=TaskKind.CANCEL_TASK,

@@ -16,6 +16,7 @@ from shared.wire.diagnosis import (
 )
 from shared.wire.enums import Breadcrumb, Phase, RunnerStatusKind, TaskKind, TaskStatus
 from shared.wire.events import (
+    TASK_HORIZON_S,
     ChatMessage,
     FlightEntry,
     GenerationRequest,
@@ -80,6 +81,7 @@ from shared.wire.timeline import (
 )
 
 __all__ = [
+    "TASK_HORIZON_S",
     "AttrValue",
     "Attrs",
     "Breadcrumb",

@@ -11,13 +11,14 @@ from typing import Annotated
 
 import msgspec
 
-from shared.timestamps import check_ts
+from shared.timestamps import check_ts, to_epoch
 from shared.wire.base import CamelStruct
 from shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
 from shared.wire.memory import MlxMemorySnapshot
 from shared.wire.timeline import Attrs
 
 __all__ = [
+    "TASK_HORIZON_S",
     "ChatMessage",
     "FlightEntry",
     "GenerationRequest",
@@ -36,6 +37,9 @@ __all__ = [
     "TaskStatusChanged",
     "TokenChunk",
 ]
+
+TASK_HORIZON_S = 300.0
+"""How long a task without a deadline may wait to start: the gateway's own deadline."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -193,13 +197,27 @@ class _Task(_Stamped, kw_only=True, frozen=True, tag_field="type", tag=True):
 
 class TaskCreated(_Task, kw_only=True, frozen=True):
     """A task was submitted to every rank of an instance; a `CancelTask` names the task it
-    cancels in `targetTaskId`."""
+    cancels in `targetTaskId`. Past `deadline` nobody waits for it: it never starts then
+    (without one, `TASK_HORIZON_S` after `at`)."""
 
     taskKind: TaskKind
     commandId: str | None = None
     modelId: str | None = None
     request: GenerationRequest | None = None
     targetTaskId: str | None = None
+    deadline: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.deadline is not None:
+            check_ts(self.deadline)
+
+    def expired(self, now_s: float) -> bool:
+        """Whether nobody waits for this task any more at `now_s` (seconds since the
+        epoch)."""
+        if self.deadline is not None:
+            return to_epoch(self.deadline) < now_s
+        return to_epoch(self.at) + TASK_HORIZON_S < now_s
 
 
 class TaskStatusChanged(_Task, kw_only=True, frozen=True):

@@ -11,6 +11,7 @@ import signal
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from shared.connection import connect
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
 from shared.settings import Settings
-from shared.timestamps import now
+from shared.timestamps import format_ts, now
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 from shared.wire import (
     EvidenceRequest,
@@ -123,9 +124,10 @@ class Cluster:
         latest = [self.latest(r) for r in RANKS]
         return all(s is not None and s.statusKind is RunnerStatusKind.READY for s in latest)
 
-    async def submit(self, command_id: str, max_tokens: int) -> None:
+    async def submit(self, command_id: str, max_tokens: int, deadline: str | None = None) -> None:
         task = TaskCreated(
             at=now(),
+            deadline=deadline,
             taskId=f"task-{command_id}",
             instanceId="i",
             taskKind=TaskKind.TEXT_GENERATION,
@@ -317,6 +319,22 @@ async def test_each_rank_reports_its_task_status(cluster: Cluster) -> None:
 
     wanted = {(r, s) for r in RANKS for s in (TaskStatus.RUNNING, TaskStatus.COMPLETE)}
     await cluster.until(lambda: wanted <= reported())
+
+
+async def test_a_task_past_its_deadline_is_timed_out_by_each_rank_and_never_run(
+    cluster: Cluster,
+) -> None:
+    await cluster.submit("cmd-late", 3, deadline=format_ts(datetime.now(UTC) - timedelta(1)))
+    await cluster.generate("cmd-after")  # served next, in order, as if the late one were not
+
+    def reported() -> set[tuple[str | None, TaskStatus]]:
+        return {
+            (e.runnerId, e.taskStatus) for e in cluster.task_statuses if e.taskId == "task-cmd-late"
+        }
+
+    await cluster.until(lambda: {(r, TaskStatus.TIMED_OUT) for r in RANKS} <= reported())
+    assert reported() == {(r, TaskStatus.TIMED_OUT) for r in RANKS}
+    assert not any(e.commandId == "cmd-late" for r in RANKS for e in cluster.entries[r])
 
 
 def _seqs(stored: list[RunnerTelemetry], runner_id: str) -> list[int]:

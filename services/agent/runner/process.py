@@ -158,6 +158,7 @@ class _Runner:
         if task.taskKind is TaskKind.CANCEL_TASK and task.targetTaskId:
             self.cancelled.add(task.targetTaskId)
             self.recorder.record(Phase.CANCEL_REQUESTED, "cancel", task_id=task.targetTaskId)
+            self.recorder.task(task.taskId, TaskStatus.COMPLETE)  # the request is noted
         else:
             self.pending[seq] = task
 
@@ -210,6 +211,8 @@ class _Runner:
                 self._wait(self.config.idle_tick)
             stop, task = self._agree(group)
             if stop:
+                for left in self.pending.values():  # nobody runs them after a restart either
+                    self.recorder.task(left.taskId, TaskStatus.FAILED, "the runner was stopped")
                 return
             if task is None:
                 continue

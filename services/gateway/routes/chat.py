@@ -23,7 +23,7 @@ from services.gateway.deps import bus, writer
 from services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
 from services.gateway.scatter import missing
 from shared.settings import Settings
-from shared.timestamps import now
+from shared.timestamps import later, now
 from shared.wire import (
     ChatMessage,
     GenerationRequest,
@@ -247,6 +247,7 @@ async def chat_completions(
     completion = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     task = TaskCreated(
         at=now(),
+        deadline=later(GENERATION_TIMEOUT_S),
         taskId=f"task-{uuid.uuid4().hex[:16]}",
         instanceId=instance.instanceId,
         taskKind=TaskKind.TEXT_GENERATION,
