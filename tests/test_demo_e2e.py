@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -205,20 +206,43 @@ def test_the_demo_runs_behind_an_api_token_that_closes_reads_too(tmp_path: Path)
         _stop(process)
 
 
-def test_restarting_up_keeps_the_running_placement(tmp_path: Path) -> None:
+def _acknowledged(demo: Demo, since: str) -> set[str]:
+    """The commands whose tasks a rank acknowledged from `since` on."""
+    timeline = demo.get("/v1/cluster/timeline?limit=100000")["timeline"]
+    return {
+        e["commandId"]
+        for e in timeline
+        if e["event"] == "task_acknowledged" and e.get("commandId") and e["at"] >= since
+    }
+
+
+def test_restarting_up_keeps_its_placement_runs_no_past_chat_and_opens_no_incident(
+    tmp_path: Path,
+) -> None:
     port, data = _free_port(), tmp_path / ".rankscope"
-    placed = []
-    for _ in range(2):
+    placed, served = [], set[str]()
+    for _ in range(3):
+        started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         process = _launch(data, port)
         try:
             demo = Demo(process, f"http://127.0.0.1:{port}", data)
             placed.append(sorted(r["runnerId"] for r in demo.get("/v1/placement/runners")))
+            chat = demo.post(
+                "/v1/chat/completions",
+                {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            )
+            now_served = _acknowledged(demo, started)
+            assert chat["id"] in now_served
+            assert not now_served & served, "a chat of an earlier run ran again"
+            served |= now_served
+            incidents = demo.get("/v1/cluster/diagnosis/history")["findings"]
+            assert incidents == [], json.dumps(incidents, indent=1)[:3000]
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=20) == 0
         finally:
             _stop(process)
-    assert placed[0] == placed[1], "placed again on restart"
-    assert all("-a0-" in runner for runner in placed[1])  # the first and only incarnation
+    assert placed[0] == placed[1] == placed[2], "placed again on restart"
+    assert all("-a0-" in runner for runner in placed[2])  # the first and only incarnation
 
 
 def test_timeline_shows_both_ranks_generating(demo: Demo) -> None:

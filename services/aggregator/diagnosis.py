@@ -88,17 +88,26 @@ class _Judge:
 
     def down(self, view: RunnerView) -> bool:
         """Not running (or unreachable), and not because it was shut down."""
-        gone = view.status is not None and view.status.statusKind in _GONE
-        return not gone and (not view.alive or view.ref.nodeId in self.state.unreachable)
+        return not _stopped(view) and (not view.alive or self.unreachable(view))
+
+    def unreachable(self, view: RunnerView) -> bool:
+        """Whether the rank's node is unreachable and the rank has not spoken since it was
+        found so (an agent restarting was asked before it listened)."""
+        asked = self.state.unreachable_asked.get(view.ref.nodeId)
+        return view.ref.nodeId in self.state.unreachable and not (
+            asked and view.stored_ns and view.stored_ns > asked
+        )
 
     def frozen(self, view: RunnerView) -> bool:
-        """Running, yet silent: no memory sample for longer than a live runner allows.
+        """Running, yet silent: no memory sample for longer than a live runner allows. A
+        rank stopped on purpose (released, its agent stopped or restarted) is not silent.
 
         By NATS's clock where it stored the rank's messages: silent while a peer's messages
         were stored that much later. An aggregator behind in reading (busy, paused, catching
         up) reads a live rank's messages late, and its peer's a moment before them."""
         return (
             not self.down(view)
+            and not _stopped(view)
             and view.heard is not None
             and self.silent_for(view) > self.limits.silent
         )
@@ -205,7 +214,7 @@ class _Judge:
         return text + "".join(f"; {_ranks([v])} {self.doing(v)}" for v in verdict.waiting)
 
     def why_down(self, view: RunnerView) -> str:
-        if view.ref.nodeId in self.state.unreachable:
+        if self.unreachable(view):
             return "node unreachable"
         return f"process not alive ({_exit(view) or 'exited'})"
 
@@ -221,6 +230,11 @@ class _Judge:
         else:
             words.append(f"{'now ' if view.gave_up else ''}waiting in {_where(view)}")
         return ", ".join(words)
+
+
+def _stopped(view: RunnerView) -> bool:
+    """Whether the rank said it is shutting down (or has): its silence is on purpose."""
+    return view.status is not None and view.status.statusKind in _GONE
 
 
 def _without(views: list[RunnerView], some: list[RunnerView]) -> list[RunnerView]:

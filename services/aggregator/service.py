@@ -216,6 +216,8 @@ class AggregatorService:
         self._capturing: set[asyncio.Task[None]] = set()
         self._unpublished: deque[Finding] = deque(maxlen=UNPUBLISHED_FINDINGS)
         """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
+        self._announced: set[tuple[str, str]] = set()
+        """Open findings already logged (an update of one is published, not logged)."""
         self._answers: dict[bytes, tuple[int, float, bytes]] = {}
         self._answer_bytes = 0
         self._heavy_lane = asyncio.Semaphore(1)
@@ -661,8 +663,13 @@ class AggregatorService:
         while not stop.is_set():
             appeared, cleared = await self.evaluate()
             for finding in [*appeared, *cleared]:
-                verb = "open" if finding.open else "cleared"
-                log.warning("finding %s %s: %s", finding.kind.value, verb, finding.summary)
+                key = (finding.instanceId, finding.since)
+                if finding.open and key not in self._announced:
+                    self._announced.add(key)
+                    log.warning("finding %s open: %s", finding.kind.value, finding.summary)
+                elif not finding.open:
+                    self._announced.discard(key)
+                    log.warning("finding %s cleared: %s", finding.kind.value, finding.summary)
             # each partition sees the installation's own findings (NATS out): one says so
             self._unpublished.extend(
                 f for f in [*cleared, *appeared] if f.instanceId or self.partition.index == 0
@@ -789,6 +796,7 @@ class AggregatorService:
                 self._silent_probes.pop(gone, None)
         else:
             targets = only
+        asked_ns = time.time_ns()
         answers = await self._ask_nodes(targets)
         if any(not isinstance(a, set) for a in answers) and not await self.reach.check():
             return
@@ -807,7 +815,7 @@ class AggregatorService:
                 unreachable.pop(node_id, None)
                 if (found := self._silence(node_id, listed, moment, full=only is None)) is not None:
                     unreachable[node_id] = found
-        self.state.set_unreachable(unreachable)
+        self.state.set_unreachable(unreachable, asked_ns)
 
     def _silence(
         self, node_id: str, listed: set[str] | str | None, moment: float, *, full: bool

@@ -211,6 +211,9 @@ class ClusterState:
         self.tasks: dict[str, OrderedDict[str, TaskView]] = {}
         self.nodes: dict[str, NodeInfo] = {}
         self.unreachable: dict[str, UnreachableNode] = {}
+        self.unreachable_asked: dict[str, int] = {}
+        """When each unreachable node was first found so (ns since the epoch): a rank whose
+        message NATS stored after that speaks through a live agent, whatever the probe said."""
         self.duplicates = 0
         self.version = 0
         """Bumped by every applied event, so answers built from this state can be reused."""
@@ -356,11 +359,15 @@ class ClusterState:
             if view.progressed is not None:
                 view.progressed = max(view.progressed, moment)
 
-    def set_unreachable(self, unreachable: dict[str, UnreachableNode]) -> None:
-        """Record which nodes are unreachable now, touching the instances on those that
-        became unreachable or reachable."""
+    def set_unreachable(self, unreachable: dict[str, UnreachableNode], asked_ns: int = 0) -> None:
+        """Record which nodes are unreachable now, as found by asking them at `asked_ns`
+        (ns since the epoch), touching the instances on those that became unreachable or
+        reachable."""
         changed = self.unreachable.keys() ^ unreachable.keys()
         self.unreachable = unreachable
+        self.unreachable_asked = {
+            n: self.unreachable_asked.get(n, asked_ns) for n in unreachable if n not in changed
+        } | {n: asked_ns for n in unreachable.keys() & changed}
         if changed:
             self.version += 1
             self.touched.update(

@@ -194,6 +194,17 @@ def test_idle_ranks_are_not_stuck() -> None:
     assert _run(state, clock) == []
 
 
+def test_a_rank_stopped_on_purpose_is_not_silent_while_its_peer_goes_on() -> None:
+    state, clock = _setup()
+    _idle_stored(state)
+    # rank 1's agent stops it (Ctrl-C, a restart, a release) a moment before rank 0's
+    state.apply_telemetry(entries(rank(1), (1, 2, Phase.SHUTDOWN_CLEANUP, None)), stored_ns=STORED)
+    state.apply_telemetry(status(rank(1), 3, RunnerStatusKind.SHUTDOWN), stored_ns=STORED)
+    _sample_stored(state, 0, 1, 6)
+    clock.now += 6
+    assert _run(state, clock) == []
+
+
 def test_a_dead_process_is_named_with_its_cause_and_the_waiting_peers() -> None:
     state, clock = _setup()
     for r in (0, 1):
@@ -216,6 +227,18 @@ def test_an_unreachable_node_makes_its_ranks_dead() -> None:
     (finding,) = _run(state, clock)
     assert (finding.kind, finding.culpritRanks) == (FindingKind.DEAD_RANK, [0])
     assert "node unreachable" in finding.summary
+
+
+def test_a_rank_that_speaks_after_its_node_was_found_unreachable_is_not_dead() -> None:
+    state, clock = _setup()
+    _idle_stored(state)
+    silent = {"node-0": UnreachableNode(nodeId="node-0", error="no agent answers")}
+    state.set_unreachable(silent, asked_ns=STORED + 10**9)  # asked as its agent restarted
+    (finding,) = _run(state, clock)
+    assert (finding.kind, finding.culpritRanks) == (FindingKind.DEAD_RANK, [0])
+    _sample_stored(state, 0, 1, 2)  # its new agent relays its runner a moment later
+    _sample_stored(state, 1, 1, 2)
+    assert _run(state, clock) == []
 
 
 def test_ranks_without_any_data_mean_cannot_decide() -> None:
