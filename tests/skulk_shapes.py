@@ -1,6 +1,7 @@
-"""Skulk's diagnostics models (`skulk.shared.types.diagnostics`), written out here field for
-field with its aliases (camelCase) and its `extra="forbid"`, to judge what rankscope serves
-at Skulk's routes independently of rankscope's own structs."""
+"""Skulk's diagnostics models (`skulk.shared.types.diagnostics`, as on its main and dev
+branches), written out here field for field with its aliases (camelCase) and its
+`extra="forbid"`, to judge what rankscope serves at Skulk's routes independently of
+rankscope's own structs."""
 
 from __future__ import annotations
 
@@ -169,67 +170,12 @@ class NodeResourceDiagnostics(Camel):
     """Every reading optional (none of their shapes is exercised here)."""
 
 
-class DataPlaneEgressDiagnostics(Camel):
-    active_stream_queues: int
-    queue_depth: int
-    max_queue_depth: int
-    local_short_circuits: int
-    remote_frames_enqueued: int
-    remote_frames_published: int
-    remote_frames_dropped: int
-    remote_publish_failures: int
-    remote_bytes_published: int
-    inbound_payload_queue_depth: int = 0
-    inbound_payload_queue_capacity: int = 0
-    inbound_terminal_queue_depth: int = 0
-    inbound_terminal_queue_capacity: int = 0
-    inbound_frames_dropped: int = 0
-    idle_stream_reclaims: int = 0
-    enqueue_latency_samples: int
-    enqueue_latency_seconds_average: float | None = None
-    enqueue_latency_seconds_max: float | None = None
-    publish_latency_samples: int
-    publish_latency_seconds_average: float | None = None
-    publish_latency_seconds_max: float | None = None
-
-
-class DataPlaneDiagnostics(Camel):
-    transport: Literal["disabled", "gossipsub", "zenoh"]
-    reorder_buffer_enabled: bool
-    active_streams: int
-    frames_received: int
-    frames_dispatched: int
-    started_frames: int
-    chunk_frames: int
-    completed_frames: int
-    failed_frames: int
-    cancelled_frames: int
-    duplicate_frames: int
-    out_of_order_frames: int
-    skipped_sequences: int
-    late_frames: int
-    missing_started_streams: int
-    missing_terminal_streams: int
-    idle_timeouts: int
-    transport_failures: int
-    first_byte_samples: int
-    first_byte_seconds_last: float | None = None
-    first_byte_seconds_average: float | None = None
-    first_byte_seconds_max: float | None = None
-    stream_span_samples: int
-    stream_span_seconds_last: float | None = None
-    stream_span_seconds_average: float | None = None
-    stream_span_seconds_max: float | None = None
-    egress: DataPlaneEgressDiagnostics
-
-
 class NodeDiagnostics(Camel):
     generated_at: str
     runtime: NodeRuntimeDiagnostics
     resources: NodeResourceDiagnostics
     supervisor_runners: list[RunnerSupervisorDiagnostics] = Field(default_factory=list)
     placements: list[InstancePlacementDiagnostics] = Field(default_factory=list)
-    data_plane: DataPlaneDiagnostics
     warnings: list[str] = Field(default_factory=list)
 
 
@@ -237,7 +183,6 @@ class ClusterNodeDiagnostics(Camel):
     node_id: str
     url: str | None = None
     ok: bool
-    version_status: Literal["current", "version_mismatch", "unknown"] = "unknown"
     diagnostics: NodeDiagnostics | None = None
     error: str | None = None
 
@@ -246,7 +191,6 @@ class ClusterDiagnostics(Camel):
     generated_at: str
     local_node_id: str
     master_node_id: str | None = None
-    version_status: Literal["consistent", "mixed", "unknown"] = "unknown"
     nodes: list[ClusterNodeDiagnostics] = Field(default_factory=list)
 
 

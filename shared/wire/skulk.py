@@ -19,8 +19,6 @@ from shared.wire.timeline import Attrs
 __all__ = [
     "ClusterDiagnostics",
     "ClusterNodeDiagnostics",
-    "DataPlaneDiagnostics",
-    "DataPlaneEgressDiagnostics",
     "DiagnosticCaptureRequest",
     "DiagnosticCaptureResponse",
     "DiagnosticProcessSample",
@@ -134,48 +132,6 @@ class InstancePlacementDiagnostics(CamelStruct, kw_only=True, frozen=True):
     warnings: list[str] = []
 
 
-class DataPlaneEgressDiagnostics(CamelStruct, kw_only=True, frozen=True):
-    """Skulk's router egress counters: rankscope has no such router, so all zero."""
-
-    activeStreamQueues: int = 0
-    queueDepth: int = 0
-    maxQueueDepth: int = 0
-    localShortCircuits: int = 0
-    remoteFramesEnqueued: int = 0
-    remoteFramesPublished: int = 0
-    remoteFramesDropped: int = 0
-    remotePublishFailures: int = 0
-    remoteBytesPublished: int = 0
-    enqueueLatencySamples: int = 0
-    publishLatencySamples: int = 0
-
-
-class DataPlaneDiagnostics(CamelStruct, kw_only=True, frozen=True):
-    """Skulk's DATA plane: `disabled` (generated text travels on NATS), all zero."""
-
-    transport: Literal["disabled"] = "disabled"
-    reorderBufferEnabled: bool = False
-    activeStreams: int = 0
-    framesReceived: int = 0
-    framesDispatched: int = 0
-    startedFrames: int = 0
-    chunkFrames: int = 0
-    completedFrames: int = 0
-    failedFrames: int = 0
-    cancelledFrames: int = 0
-    duplicateFrames: int = 0
-    outOfOrderFrames: int = 0
-    skippedSequences: int = 0
-    lateFrames: int = 0
-    missingStartedStreams: int = 0
-    missingTerminalStreams: int = 0
-    idleTimeouts: int = 0
-    transportFailures: int = 0
-    firstByteSamples: int = 0
-    streamSpanSamples: int = 0
-    egress: DataPlaneEgressDiagnostics = DataPlaneEgressDiagnostics()
-
-
 class SkulkNodeDiagnostics(CamelStruct, kw_only=True, frozen=True):
     """One node's bundle (Skulk's `NodeDiagnostics`)."""
 
@@ -184,7 +140,6 @@ class SkulkNodeDiagnostics(CamelStruct, kw_only=True, frozen=True):
     resources: NodeResourceDiagnostics = NodeResourceDiagnostics()
     supervisorRunners: list[SkulkRunnerDiagnostics] = []
     placements: list[InstancePlacementDiagnostics] = []
-    dataPlane: DataPlaneDiagnostics = DataPlaneDiagnostics()
     warnings: list[str] = []
 
 
@@ -194,7 +149,6 @@ class ClusterNodeDiagnostics(CamelStruct, kw_only=True, frozen=True):
     nodeId: str
     url: str | None = None
     ok: bool
-    versionStatus: Literal["current", "version_mismatch", "unknown"] = "unknown"
     diagnostics: SkulkNodeDiagnostics | None = None
     error: str | None = None
 
@@ -206,7 +160,6 @@ class ClusterDiagnostics(CamelStruct, kw_only=True, frozen=True):
     generatedAt: str
     localNodeId: str
     masterNodeId: str | None = None
-    versionStatus: Literal["consistent", "mixed", "unknown"] = "unknown"
     nodes: list[ClusterNodeDiagnostics] = []
 
 

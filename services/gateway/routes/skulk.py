@@ -106,17 +106,7 @@ async def cluster_diagnostics(nats: Nats) -> Json:
         else ClusterNodeDiagnostics(nodeId=node_id, ok=False, error=_why(bundle))
         for node_id, bundle in zip(expected, found, strict=True)
     ]
-    versions = {n.diagnostics.runtime.skulkVersion for n in nodes if n.diagnostics}
-    status: Literal["consistent", "mixed", "unknown"] = "consistent"
-    if len(versions) > 1:
-        status = "mixed"
-    elif not all(n.ok for n in nodes):
-        status = "unknown"
-    return Json(
-        ClusterDiagnostics(
-            generatedAt=now(), localNodeId=nats.local_node, versionStatus=status, nodes=nodes
-        )
-    )
+    return Json(ClusterDiagnostics(generatedAt=now(), localNodeId=nats.local_node, nodes=nodes))
 
 
 @router.post(
