@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from services.gateway.scatter import merge, with_missing
@@ -260,10 +260,20 @@ class Bus:
             raise BusError(503, f"NATS read failed: {exc or type(exc).__name__}") from None
         return found
 
-    async def put(self, bucket: str, key: str, value: bytes) -> None:
-        """Write a value."""
+    async def put(self, bucket: str, key: str, value: bytes) -> int:
+        """Write a value; its revision."""
         try:
-            await (await self.kv(bucket)).put(token(key), value)
+            return await (await self.kv(bucket)).put(token(key), value)
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS write failed: {exc}") from None
+
+    async def create(self, bucket: str, key: str, value: bytes) -> int | None:
+        """Write a value only if the key holds none (atomically); its revision, or None
+        when the key exists."""
+        try:
+            return await (await self.kv(bucket)).create(token(key), value)
+        except KeyWrongLastSequenceError:
+            return None
         except (NatsError, TimeoutError) as exc:
             raise BusError(503, f"NATS write failed: {exc}") from None
 

@@ -122,6 +122,25 @@ async def test_runner_specs_crud_in_the_clarifai_shape(stack_for: Any) -> None:
     assert missing.json() == {"detail": "runner 'llm' not found"}
 
 
+async def test_a_created_spec_comes_back_with_what_placement_made_of_it(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    huge = {**SPEC, "id": "huge", "metadata": {"nLayers": 8, "modelBytes": "900Gi"}}
+    created = await stack.http.post("/v1/runners", json={"runners": [SPEC, huge]})
+    assert created.status_code == 200, created.text
+    placed, refused = created.json()["placements"]
+    assert (placed["runner_id"], placed["accepted"], len(placed["instances"])) == ("llm", True, 1)
+    assert (refused["runner_id"], refused["instances"]) == ("huge", [])
+    assert "GiB short" in refused["reason"]
+
+
+async def test_two_concurrent_creates_of_one_spec_do_not_both_succeed(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    answers = await asyncio.gather(
+        *(stack.http.post("/v1/runners", json={"runners": [SPEC]}) for _ in range(8))
+    )
+    assert sorted(a.status_code for a in answers) == [200] + [409] * 7
+
+
 @pytest.mark.parametrize(
     ("body", "status", "detail"),
     [

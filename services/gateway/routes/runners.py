@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from enum import StrEnum
 from typing import Annotated, Any
@@ -23,12 +25,23 @@ __all__ = ["router"]
 router = APIRouter(tags=["runners"])
 Nats = Annotated[Bus, Depends(bus)]
 OK = {"code": 10000, "description": "Ok"}
+JUDGED_WAIT_S = 3.0
+"""How long a create waits for the rank-table service to say what it made of a spec."""
 
 
 class PostRunnersRequest(SnakeStruct, kw_only=True, frozen=True):
     """Create runners (Clarifai `PostRunnersRequest`)."""
 
     runners: list[Runner]
+
+
+class SpecNotJudged(SnakeStruct, kw_only=True, frozen=True):
+    """A spec stored but not yet judged by the rank-table service."""
+
+    runner_id: str
+    revision: int
+    accepted: None = None
+    reason: str
 
 
 class PatchAction(StrEnum):
@@ -111,7 +124,8 @@ async def list_runners(
     openapi_extra={"requestBody": schema_ref(PostRunnersRequest)},
 )
 async def create_runners(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> Json:
-    """Create Runner specs; each is checked before any is written."""
+    """Create Runner specs; each is checked before any is written. `placements` says what
+    the rank-table service made of each: accepted and placed, or why not."""
     request = strict(body, PostRunnersRequest)
     if not request.runners:
         raise fail(422, "invalid body: `$.runners` is empty")
@@ -126,9 +140,41 @@ async def create_runners(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> 
         _check(runner)
         if await nats.get(nats.layout.runners_bucket.bucket, runner.id) is not None:
             raise fail(409, f"runner {runner.id!r} already exists")
+    revisions = []
     for runner in created:
-        await nats.put(nats.layout.runners_bucket.bucket, runner.id, encode(runner))
-    return Json({"status": OK, "runners": created})
+        revision = await nats.create(nats.layout.runners_bucket.bucket, runner.id, encode(runner))
+        if revision is None:  # created by a concurrent request since the check
+            raise fail(409, f"runner {runner.id!r} already exists")
+        revisions.append(revision)
+    placements = await _judged(nats, [r.id for r in created], revisions)
+    return Json({"status": OK, "runners": created, "placements": placements})
+
+
+async def _judged(
+    nats: Bus, ids: list[str], revisions: list[int]
+) -> list[RunnerSpecStatus | SpecNotJudged]:
+    """What the rank-table service made of each spec at its revision: accepted, placed,
+    or why not, waiting up to `JUDGED_WAIT_S` for its word."""
+    deadline = time.monotonic() + JUDGED_WAIT_S
+    while True:
+        found = await asyncio.gather(*(_status(nats, i) for i in ids))
+        judged = all(
+            s is not None and s.revision >= r for s, r in zip(found, revisions, strict=True)
+        )
+        if judged or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.1)
+    return [
+        status
+        if status is not None and status.revision >= revision
+        else SpecNotJudged(
+            runner_id=runner_id,
+            revision=revision,
+            reason=f"stored, not judged within {JUDGED_WAIT_S:g}s (is the rank-table service "
+            f"running?): GET /v1/runners/{runner_id} tells once it is",
+        )
+        for runner_id, revision, status in zip(ids, revisions, found, strict=True)
+    ]
 
 
 @router.get(
