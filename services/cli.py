@@ -146,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch", choices=list(ARCHITECTURES), default="qwen2", help="architecture (qwen2)"
     )
     tiny.set_defaults(handler=_tiny_model)
-    add_arguments(tiny)
     return parser
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 from services.aggregator.views import ClusterState, RunnerView
 from shared.timestamps import format_ts, parse_ts
@@ -78,10 +79,11 @@ class _Judge:
         state: ClusterState,
         views: list[RunnerView],
         now: float,
+        wall: str,
         placed: float,
         thresholds: Thresholds,
     ) -> None:
-        self.state, self.views, self.now = state, views, now
+        self.state, self.views, self.now, self.wall = state, views, now, wall
         self.placed, self.limits = placed, thresholds
         self.newest_stored = max((v.stored_ns for v in views if v.stored_ns), default=None)
         """When NATS stored the newest message of any of the ranks (ns since the epoch)."""
@@ -206,7 +208,10 @@ class _Judge:
             text = f"{_ranks(culprits)} held in {_where(culprits[0])}"
         elif any(self.frozen(v) for v in culprits):
             quiet = min(self.silent_for(v) for v in culprits)
-            text = f"{_ranks(culprits)} went silent in {_where(culprits[0])} {quiet:.0f}s ago"
+            heard = format_ts(parse_ts(self.wall) - timedelta(seconds=quiet))
+            text = (
+                f"{_ranks(culprits)} went silent in {_where(culprits[0])}, last heard {_hms(heard)}"
+            )
         else:
             text = f"{_ranks(culprits)} made no progress in {_where(culprits[0])}" + (
                 f" with task {task_id} active" if task_id else ""
@@ -230,6 +235,11 @@ class _Judge:
         else:
             words.append(f"{'now ' if view.gave_up else ''}waiting in {_where(view)}")
         return ", ".join(words)
+
+
+def _hms(at: str) -> str:
+    """The time of day of a wire timestamp, labelled UTC: `12:01:00Z`."""
+    return f"{at[11:19]}Z"
 
 
 def _stopped(view: RunnerView) -> bool:
@@ -263,7 +273,7 @@ def _gave_up(view: RunnerView) -> str | None:
     if entry is None:
         return None
     site = entry.attrs.get("site", entry.phase.value)
-    at = format_ts(parse_ts(entry.at))[11:19]
+    at = _hms(format_ts(parse_ts(entry.at)))
     if entry.event == Breadcrumb.PEER_LOST:
         return f"lost its peer in {site} at {at}"
     seconds = entry.attrs.get("timeoutSeconds")
@@ -333,7 +343,7 @@ def diagnose(
         if instance is None:
             continue  # released since it was picked
         views = [state.runners[a.runnerId] for a in instance.assignments]
-        judge = _Judge(state, views, now, placed_at(instance.instanceId), thresholds)
+        judge = _Judge(state, views, now, wall, placed_at(instance.instanceId), thresholds)
         previous = incidents.get(instance.instanceId)
         verdict = judge.verdict()
         if previous is not None and judge.at_fault(previous) and not _widens(previous, verdict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from services.client.http import ClientError, Gateway
+from services.client.verdicts import finding_lines, verdicts
 from shared.subjects import token
 
 __all__ = ["add_client_commands", "client_options", "identifier", "ranktable_client"]
@@ -43,6 +45,7 @@ def _timeline(args: argparse.Namespace, gateway: Gateway) -> None:
             )
         else:
             if not seen:
+                said = _verdicts(gateway)
                 print(
                     table(
                         [
@@ -53,12 +56,14 @@ def _timeline(args: argparse.Namespace, gateway: Gateway) -> None:
                                 r["phase"],
                                 round(r["secondsInPhase"], 1),
                                 r["activeCommandId"],
+                                said.get(r["runnerId"]),
                             )
                             for r in found["runners"]
                         ],
-                        ["RANK", "NODE", "STATUS", "PHASE", "SECONDS", "COMMAND"],
+                        ["RANK", "NODE", "STATUS", "PHASE", "SECONDS", "COMMAND", "DIAGNOSIS"],
                     )
-                    + "\n"
+                    + "\n",
+                    flush=True,
                 )
             for e in entries:
                 step = e["attrs"].get("step", "")
@@ -74,8 +79,19 @@ def _timeline(args: argparse.Namespace, gateway: Gateway) -> None:
         time.sleep(1)
 
 
+def _verdicts(gateway: Gateway) -> dict[str, str]:
+    """The diagnosis' word on each rank it names (none, said on stderr, when it cannot
+    be had)."""
+    try:
+        return verdicts(gateway.call("GET", "/v1/cluster/diagnosis")["findings"])
+    except ClientError as error:
+        print(f"rankscope: no diagnosis beside the ranks: {error}", file=sys.stderr)
+        return {}
+
+
 def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
     found = gateway.call("GET", "/v1/placement/runners")
+    said = {} if args.json else _verdicts(gateway)
     _out(
         args,
         found,
@@ -89,47 +105,38 @@ def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
                     f"[{p['startLayer']}, {p['endLayer']})",
                     p["nLayers"],
                     p["statusKind"],
+                    said.get(p["runnerId"]),
                 )
                 for p in found
             ],
-            ["RUNNER", "NODE", "RANK", "WORLD", "LAYERS", "OF", "STATUS"],
+            ["RUNNER", "NODE", "RANK", "WORLD", "LAYERS", "OF", "STATUS", "DIAGNOSIS"],
         ),
     )
 
 
-_EVIDENCE = ("phase", "step", "waitingIn", "gaveUp", "exitReason", "process", "lastProgressAt")
-"""What `diagnose --verbose` says of each rank, in this order."""
-
-
-def _finding_lines(finding: dict[str, Any], verbose: bool) -> list[str]:
-    where = finding["instanceId"] or "(installation)"
-    state = "" if finding.get("open", True) else f" [cleared {finding.get('clearedAt')}]"
-    lines = [
-        f"{finding['kind']:<18} {where}: {finding['summary']} (since {finding['since']}){state}"
-    ]
-    if verbose:
-        for rank in finding.get("evidence", []):
-            said = [f"{key} {rank[key]}" for key in _EVIDENCE if rank.get(key) is not None]
-            lines.append(
-                f"    rank {rank['deviceRank']} {rank['nodeId']} {rank.get('role') or ''}: "
-                + (", ".join(said) or "no data")
-            )
-            lines += [f"      {line}" for line in (rank.get("stack") or "").splitlines()]
-    return lines
-
-
 def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
+    def lines(found: dict[str, Any]) -> list[str]:
+        return [
+            line
+            for f in found["findings"]
+            for line in finding_lines(f, args.verbose or args.stacks, args.stacks)
+        ]
+
     if args.history:
         query = urlencode(
             {k: v for k, v in (("since", args.since), ("instanceId", args.instance)) if v}
         )
         found = gateway.call("GET", f"/v1/cluster/diagnosis/history?{query}")
-        lines = [line for f in found["findings"] for line in _finding_lines(f, args.verbose)]
-        _out(args, found, "\n".join(lines) or "no incidents in that time")
+        window = (
+            f"incidents since {args.since}"
+            if args.since
+            else "incidents the diagnosis stream still holds (its retention)"
+        ) + (f" of {args.instance}" if args.instance else "")
+        told = lines(found)
+        _out(args, found, "\n".join([f"{window}: {len(found['findings'])}", *told]))
         return
     found = gateway.call("GET", "/v1/cluster/diagnosis")
-    lines = [line for f in found["findings"] for line in _finding_lines(f, args.verbose)]
-    _out(args, found, "\n".join(lines) or "no findings: every instance is healthy")
+    _out(args, found, "\n".join(lines(found)) or "no findings: every instance is healthy")
     if found["findings"]:
         raise SystemExit(1)
 
@@ -148,10 +155,8 @@ def _ranktable(args: argparse.Namespace, gateway: Gateway) -> None:
                 flush=True,
             )
         for data in gateway.events(f"/v1/jobs/{quote(args.job, safe='')}/ranktable/stream"):
-            print(
-                data if args.json else json.dumps(json.loads(json.loads(data)["rankTable"])),
-                flush=True,
-            )
+            table_now = json.loads(json.loads(data)["rankTable"])
+            print(data if args.json else json.dumps(table_now, indent=2), flush=True)
         return
     found = gateway.call("GET", f"/v1/jobs/{quote(args.job, safe='')}/ranktable")
     _out(args, found, json.dumps(json.loads(found["rankTable"]), indent=2))
@@ -238,6 +243,9 @@ def _run(handler: Any) -> Any:
             return 1
         except KeyboardInterrupt:
             return 130
+        except BrokenPipeError:  # `| head` has read enough: end quietly, as cat does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
         return 0
 
     return run
@@ -260,7 +268,10 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
     timeline.add_argument("--instance", type=identifier, help="only this instance")
     command("placement", "which layers sit on which node", _placement)
     diagnose = command("diagnose", "findings that name the stuck rank (exit 1 when any)", _diagnose)
-    diagnose.add_argument("--verbose", "-v", action="store_true", help="each rank's evidence")
+    diagnose.add_argument(
+        "--verbose", "-v", action="store_true", help="each rank's evidence, where it waits"
+    )
+    diagnose.add_argument("--stacks", action="store_true", help="with each rank's whole stack")
     diagnose.add_argument("--history", action="store_true", help="past incidents too")
     diagnose.add_argument("--since", help="with --history: from this RFC 3339 time")
     diagnose.add_argument("--instance", type=identifier, help="with --history: only this instance")

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import http.server
 import json
+import os
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -81,20 +83,36 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
             break
         assert out == "no findings: every instance is healthy\n"
         await asyncio.sleep(0.1)
-    assert out.startswith("dead_rank          llm-0: rank 0 (node-a): node unreachable")
+    assert out.startswith("dead_rank llm-0: rank 0 (node-a): node unreachable")
+    assert re.search(r"\(since \d\d:\d\d:\d\dZ \(\d+s ago\)\)$", out.splitlines()[0])
     code, out, _ = await cli("diagnose", "--url", url, "--verbose")
     assert code == 1
-    assert "\n    rank 0 node-a culprit: " in out
+    assert "\n  CULPRIT rank 0 (node-a): " in out
+    code, out, _ = await cli("placement", "--url", url)
+    assert code == 0
+    assert out.splitlines()[0].split()[-1] == "DIAGNOSIS"
+    assert re.search(r"llm-0-a0-r0 .* <- dead_rank since \d\d:\d\d:\d\dZ", out), out
     for _ in range(100):  # kept in the diagnosis stream once published
         code, out, _ = await cli("diagnose", "--url", url, "--history")
-        if out.startswith("dead_rank"):
+        if "\ndead_rank" in out:
             break
         await asyncio.sleep(0.1)
     assert code == 0  # history is not an alarm
-    assert out.startswith("dead_rank          llm-0: rank 0 (node-a): node unreachable")
+    said, first = out.splitlines()[:2]
+    assert said.startswith("incidents the diagnosis stream still holds (its retention): ")
+    assert first.startswith("dead_rank llm-0: rank 0 (node-a): node unreachable")
     code, out, _ = await cli("timeline", "--url", url, "--json")
     assert code == 0
     assert set(json.loads(out)) >= {"runners", "timeline", "unreachableNodes"}
+    read, write = os.pipe()
+    os.close(read)  # as `| head` does once it has read enough: nobody reads what follows
+    piped = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "timeline", "--url", url,
+        cwd=REPO, stdout=write, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    os.close(write)
+    _, err_bytes = await piped.communicate()
+    assert (piped.returncode, err_bytes.decode()) == (0, "")  # no BrokenPipeError traceback
 
 
 async def test_errors_are_one_line_with_a_non_zero_exit(stack_for: Any) -> None:

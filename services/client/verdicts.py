@@ -1,0 +1,88 @@
+"""The diagnosis as the CLI tells it: each rank's verdict beside placements and timelines,
+and findings in the order a reader needs them, the culprit and its evidence first.
+
+Times are UTC and say so (`19:03:20Z`); relative times are computed when printed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["clock", "finding_lines", "verdicts", "where_it_waits"]
+
+WAIT_FRAMES = 4
+"""Innermost frames of a waiting thread's stack that say where it waits."""
+
+_EVIDENCE = ("phase", "step", "waitingIn", "gaveUp", "exitReason", "process", "lastProgressAt")
+"""What `diagnose --verbose` says of each rank, in this order."""
+
+
+def clock(at: str | None, now: datetime | None = None) -> str:
+    """A wire timestamp as the time of day in UTC and how long ago: `19:03:20Z (38s ago)`;
+    a moment of another day keeps its date."""
+    if not at:
+        return "-"
+    moment = datetime.fromisoformat(at)
+    now = now or datetime.now(UTC)
+    ago = max(0, int((now - moment).total_seconds()))
+    when = f"{at[11:19]}Z" if moment.date() == now.date() else f"{at[:10]} {at[11:19]}Z"
+    if ago < 120:
+        return f"{when} ({ago}s ago)"
+    if ago < 7200:
+        return f"{when} ({ago // 60}m ago)"
+    return f"{when} ({ago // 3600}h ago)"
+
+
+def verdicts(findings: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """What the open findings say of each rank they name, by runner id."""
+    said: dict[str, str] = {}
+    for finding in findings:
+        if not finding.get("open", True):
+            continue
+        culprits = ", ".join(f"rank {r}" for r in finding["culpritRanks"])
+        since = clock(finding["since"])
+        for rank in finding.get("evidence", []):
+            if rank["runnerId"] in finding["culpritRunnerIds"]:
+                said[rank["runnerId"]] = f"<- {finding['kind']} since {since}"
+            else:
+                where = rank.get("waitingIn") or rank.get("phase") or "?"
+                said[rank["runnerId"]] = f"waiting on {culprits} in {where}"
+    return said
+
+
+def where_it_waits(stack: str, frames: int = WAIT_FRAMES) -> list[str]:
+    """The first thread of a faulthandler dump (the main one, innermost frame first) cut
+    to its innermost `frames` frames."""
+    first = stack.strip().split("\n\n")[0].splitlines()
+    kept = first[: frames + 1]
+    if len(first) > len(kept):
+        kept.append(f"  ... {len(first) - len(kept)} more frames (--stacks shows them all)")
+    return kept
+
+
+def finding_lines(finding: dict[str, Any], verbose: bool, stacks: bool = False) -> list[str]:
+    """A finding as lines: what and who first; with `verbose`, each rank's evidence, the
+    culprits before the ranks waiting on them, each stack cut to where it waits (whole
+    with `stacks`)."""
+    where = finding["instanceId"] or "(installation)"
+    state = "" if finding.get("open", True) else f", cleared {clock(finding.get('clearedAt'))}"
+    lines = [
+        f"{finding['kind']} {where}: {finding['summary']} (since {clock(finding['since'])}{state})"
+    ]
+    if not verbose:
+        return lines
+    culprits = set(finding["culpritRunnerIds"])
+    ranks = sorted(finding.get("evidence", []), key=lambda r: r["runnerId"] not in culprits)
+    for rank in ranks:
+        said = [f"{key} {rank[key]}" for key in _EVIDENCE if rank.get(key) is not None]
+        role = "CULPRIT" if rank["runnerId"] in culprits else "waiting"
+        lines.append(
+            f"  {role} rank {rank['deviceRank']} ({rank['nodeId']}): "
+            + (", ".join(said) or "no data")
+        )
+        stack = rank.get("stack") or ""
+        shown = stack.strip().splitlines() if stacks else where_it_waits(stack) if stack else []
+        lines += [f"      {line.strip()}" for line in shown]
+    return lines
