@@ -346,7 +346,12 @@ def diagnose(
         judge = _Judge(state, views, now, wall, placed_at(instance.instanceId), thresholds)
         previous = incidents.get(instance.instanceId)
         verdict = judge.verdict()
-        if previous is not None and judge.at_fault(previous) and not _widens(previous, verdict):
+        if (
+            previous is not None
+            and judge.at_fault(previous)
+            and not _widens(previous, verdict)
+            and not _sharpens(previous, verdict)
+        ):
             verdict = judge.kept(previous)
         if verdict is None:
             continue
@@ -361,6 +366,17 @@ def _widens(previous: Incident, verdict: _Verdict | None) -> bool:
     return set(previous.finding.culpritRunnerIds) < {v.ref.runnerId for v in verdict.culprits}
 
 
+def _sharpens(previous: Incident, verdict: _Verdict | None) -> bool:
+    """Whether `verdict` says of `previous`'s culprits what is now known: held behind its
+    peers at first, the rank has since been silent long enough to be called frozen."""
+    return (
+        verdict is not None
+        and verdict.kind is FindingKind.STALLED_RANK
+        and previous.finding.kind is FindingKind.RANK_DISAGREEMENT
+        and {v.ref.runnerId for v in verdict.culprits} == set(previous.finding.culpritRunnerIds)
+    )
+
+
 def _incident(
     judge: _Judge,
     instance: InstanceCreated,
@@ -369,9 +385,9 @@ def _incident(
     wall: str,
 ) -> Incident:
     culprits = [v.ref.runnerId for v in verdict.culprits]
-    same = (  # the same incident, or it widened: it keeps its since
+    same = (  # the same incident, widened or sharpened: it keeps its since
         previous is not None
-        and previous.finding.kind is verdict.kind
+        and (previous.finding.kind is verdict.kind or _sharpens(previous, verdict))
         and set(previous.finding.culpritRunnerIds) <= set(culprits)
     )
     task_id = next((v.synopsis.task_id for v in verdict.culprits if v.synopsis.task_id), None)

@@ -171,6 +171,21 @@ def test_an_idle_rank_while_its_peer_waits_in_a_collective_is_behind() -> None:
     assert finding.culpritRanks == [1]
 
 
+def test_a_rank_held_behind_then_found_silent_is_the_same_incident_now_a_stall() -> None:
+    state, clock = _setup()
+    state.apply_telemetry(entries(rank(1), (0, 1, Phase.IDLE, None)), stored_ns=STORED)
+    state.apply_telemetry(entries(rank(0), (0, 1, Phase.TASK_AGREEMENT, None)), stored_ns=STORED)
+    clock.now += 11
+    _sample_stored(state, 0, 2, 1)  # rank 0 waits, still talking; rank 1 quiet 1 s so far
+    (held,) = _run(state, clock)
+    assert (held.kind, held.culpritRanks) == (FindingKind.RANK_DISAGREEMENT, [1])
+    clock.now += 5
+    _sample_stored(state, 0, 3, 6)  # rank 1 now silent for 6 s by NATS's clock: frozen
+    (frozen,) = _run(state, clock)
+    assert (frozen.kind, frozen.culpritRanks) == (FindingKind.STALLED_RANK, [1])
+    assert frozen.since == held.since
+
+
 def test_stalled_ranks_with_no_way_to_tell_them_apart_are_all_named() -> None:
     state, clock = _setup()
     for r in (0, 1):
