@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from setproctitle import setproctitle
+
 from services.client.commands import (
     add_client_commands,
     client_options,
@@ -15,6 +17,7 @@ from services.client.commands import (
     ranktable_client,
 )
 from shared import logs
+from shared.processes import watch_parent_from_env
 from shared.settings import Settings, SettingsError, add_arguments, load
 from shared.tiny_model import ARCHITECTURES
 
@@ -72,6 +75,10 @@ def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
     from services.ranktable.main import run
 
     return run(settings)
+
+
+_SERVICES = frozenset({"up", "agent", "aggregator", "gateway", "ranktable"})
+"""Subcommands that run a service, named so in `ps`."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rankscope: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_format, settings.log_level)
+    if args.command in _SERVICES:
+        watch_parent_from_env()  # a service `up` started ends with it, on every platform
+        setproctitle(f"rankscope {args.command}")  # an agent adds its node once it knows it
     handler: Callable[[argparse.Namespace, Settings], int] = args.handler
     return handler(args, settings)
 

@@ -1,4 +1,11 @@
-"""Child processes that never outlive the process that started them."""
+"""Child processes that never outlive the process that started them, and what the
+operating system says a process is doing, the same on Linux and macOS.
+
+On Linux the kernel ties a child to its parent (`PR_SET_PDEATHSIG`); everywhere, a child
+also watches its parent itself (`watch_parent`), which is all macOS has. Setting
+`RANKSCOPE_PORTABLE_PROCESSES=1` leaves the Linux-only tie out, so tests on Linux run
+the path macOS takes.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,33 @@ import functools
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
-from pathlib import Path
+
+import psutil
 
 from shared.wire import ProcessState
 
-__all__ = ["die_with_parent", "process_state", "signal_name"]
+__all__ = [
+    "LIFELINE_ENV",
+    "PORTABLE_ENV",
+    "die_with_parent",
+    "process_state",
+    "signal_name",
+    "watch_parent",
+    "watch_parent_from_env",
+]
+
+PORTABLE_ENV = "RANKSCOPE_PORTABLE_PROCESSES"
+LIFELINE_ENV = "RANKSCOPE_LIFELINE_PID"
+"""The pid of the process a service started by `rankscope up` must not outlive."""
+WATCH_EVERY_S = 0.25
+"""How often a child checks that its parent is still there."""
+
+
+def _portable() -> bool:
+    return sys.platform != "linux" or os.environ.get(PORTABLE_ENV) == "1"
 
 
 def _set_pdeathsig(signum: int) -> None:
@@ -23,13 +51,40 @@ def _set_pdeathsig(signum: int) -> None:
 
 
 def die_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A `preexec_fn` that ties a child's life to its parent's (Linux), or None elsewhere:
-    the kernel sends the child `signum` when the parent dies. SIGKILL for a child that may
-    be blocked where no signal handler runs (a collective).
+    """A `preexec_fn` that ties a child's life to its parent's (Linux), or None where the
+    kernel offers no such tie (the child then watches with `watch_parent`): the kernel
+    sends the child `signum` when the parent dies. SIGKILL for a child that may be blocked
+    where no signal handler runs (a collective).
 
     Start such children from the main thread: the tie is to the starting thread.
     """
-    return functools.partial(_set_pdeathsig, signum) if sys.platform == "linux" else None
+    return None if _portable() else functools.partial(_set_pdeathsig, signum)
+
+
+def watch_parent(parent: int, signum: int, every: float = WATCH_EVERY_S) -> threading.Thread:
+    """Send this process `signum` once `parent` is no longer its parent (it died, and the
+    process was handed to init or launchd), from a daemon thread that checks every
+    `every` seconds (it runs while the main thread waits in C, a collective included).
+
+    Returns:
+        The watching thread, started.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        os.kill(os.getpid(), signum)
+
+    thread = threading.Thread(target=watch, name="lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def watch_parent_from_env(signum: int = signal.SIGTERM) -> None:
+    """Watch the process `RANKSCOPE_LIFELINE_PID` names, when it is set (a service that
+    `rankscope up` started): at once if it is no longer this process's parent."""
+    with contextlib.suppress(ValueError):
+        watch_parent(int(os.environ.pop(LIFELINE_ENV, "")), signum)
 
 
 def signal_name(returncode: int) -> str | None:
@@ -42,35 +97,28 @@ def signal_name(returncode: int) -> str | None:
         return f"signal {-returncode}"
 
 
-_PROC = Path("/proc/self/stat").exists()
-
 _STATES = {
-    "R": ProcessState.RUNNING,
-    "S": ProcessState.SLEEPING,
-    "I": ProcessState.SLEEPING,
-    "D": ProcessState.DISK_WAIT,
-    "T": ProcessState.STOPPED,
-    "t": ProcessState.STOPPED,
-    "Z": ProcessState.ZOMBIE,
-    "X": ProcessState.GONE,
+    psutil.STATUS_RUNNING: ProcessState.RUNNING,
+    psutil.STATUS_SLEEPING: ProcessState.SLEEPING,
+    psutil.STATUS_IDLE: ProcessState.SLEEPING,
+    psutil.STATUS_WAITING: ProcessState.SLEEPING,
+    psutil.STATUS_WAKING: ProcessState.RUNNING,
+    psutil.STATUS_DISK_SLEEP: ProcessState.DISK_WAIT,
+    psutil.STATUS_STOPPED: ProcessState.STOPPED,
+    psutil.STATUS_TRACING_STOP: ProcessState.STOPPED,
+    psutil.STATUS_ZOMBIE: ProcessState.ZOMBIE,
+    psutil.STATUS_DEAD: ProcessState.GONE,
 }
 
 
 def process_state(pid: int | None) -> ProcessState:
-    """What the kernel says process `pid` is doing (Linux's /proc; elsewhere only whether
-    it exists)."""
+    """What the operating system says process `pid` is doing."""
     if pid is None:
         return ProcessState.GONE
-    if not _PROC:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return ProcessState.GONE
-        except PermissionError:
-            pass
-        return ProcessState.UNKNOWN
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
         return ProcessState.GONE
-    return _STATES.get(stat.rsplit(")", 1)[1].split()[0], ProcessState.UNKNOWN)
+    except psutil.Error:
+        return ProcessState.UNKNOWN
+    return _STATES.get(status, ProcessState.UNKNOWN)

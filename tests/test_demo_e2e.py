@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from shared.processes import PORTABLE_ENV
 from tests import skulk_shapes
 
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(300)]
@@ -183,12 +184,19 @@ def _stop(process: subprocess.Popen[str]) -> None:
     process.stdout.close()
 
 
-@pytest.fixture(scope="module", params=[(), ("--nats-auth",)], ids=["open", "nats-auth"])
+@pytest.fixture(
+    scope="module",
+    params=[((), {}), (("--nats-auth",), {PORTABLE_ENV: "1"})],
+    ids=["open", "nats-auth-portable"],
+)
 def demo(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Demo]:
+    """The demo on an open NATS; and with `--nats-auth` on the processes' portable path
+    (no Linux-only process ties: what runs on macOS)."""
     port, data = _free_port(), tmp_path_factory.mktemp("demo") / ".rankscope"
-    process = _launch(data, port, *request.param)
+    flags, env = request.param
+    process = _launch(data, port, *flags, **env)
     yield Demo(process, f"http://127.0.0.1:{port}", data)
     _stop(process)
 
@@ -365,18 +373,18 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
     os.kill(frozen["pid"], signal.SIGSTOP)
     frozen_at = time.monotonic()
     try:
+        # named at once (held behind its waiting peer, or silent), a stall once silent
         finding = demo.until(
             lambda: next(
                 (
                     f
                     for f in demo.get("/v1/cluster/diagnosis")["findings"]
-                    if frozen["runnerId"] in f["culpritRunnerIds"]
+                    if frozen["runnerId"] in f["culpritRunnerIds"] and f["kind"] == "stalled_rank"
                 ),
                 None,
             ),
             30,
         )
-        assert finding["kind"] == "stalled_rank", finding["summary"]
         assert finding["culpritRanks"] == [1]
         assert finding["waitingRanks"] == [0]
 

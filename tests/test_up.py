@@ -25,6 +25,7 @@ import pytest
 from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
 from shared.connection import close, connect
 from shared.jetstream import Layout
+from shared.processes import PORTABLE_ENV
 from shared.settings import Settings
 
 pytestmark = pytest.mark.nats
@@ -43,6 +44,16 @@ def _children_running(command: str, pid: int) -> list[int]:
     return [child for child in _children(pid) if command in cmdline(child)]
 
 
+def _ended(pidfds: list[int], seconds: float) -> set[int]:
+    """The process fds among `pidfds` whose process ended within `seconds`."""
+    ended: set[int] = set()
+    deadline = time.monotonic() + seconds
+    while len(ended) < len(pidfds) and (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd for fd in pidfds if fd not in ended], [], [], left)
+        ended.update(ready)
+    return ended
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -50,7 +61,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _up(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+def _up(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
     """`rankscope up` running until the block ends, and the lines it printed at start."""
     process = subprocess.Popen(
         [
@@ -72,6 +85,7 @@ def _up(tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], di
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
+        env={**os.environ, **(env or {})},
     )
     assert process.stdout is not None
     shown: dict[str, str] = {}
@@ -194,14 +208,14 @@ async def test_a_crashed_service_is_restarted_and_reported(
     process, shown = stack
     target = shown["ranktable"].split()[-1]
     assert await _register(target) == 0
-    (first,) = _children_running("services.cli ranktable", process.pid)
+    (first,) = _children_running("rankscope ranktable", process.pid)
     os.kill(first, signal.SIGKILL)
     assert process.stderr is not None
     for line in process.stderr:
         if "ranktable stopped (SIGKILL); restart 1" in line:
             break
     assert await _register(target) == 0
-    (second,) = _children_running("services.cli ranktable", process.pid)
+    (second,) = _children_running("rankscope ranktable", process.pid)
     assert second != first
 
 
@@ -232,11 +246,40 @@ def test_sigterm_stops_everything(stack: tuple[subprocess.Popen[str], dict[str, 
     try:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
-        ready, _, _ = select.select(watches, [], [], 10)
-        assert len(ready) == len(watches), "a child outlived `rankscope up`"
+        assert len(_ended(watches, 10)) == len(watches), "a child outlived `rankscope up`"
     finally:
         for fd in watches:
             os.close(fd)
+
+
+def test_each_service_is_named_in_ps(stack: tuple[subprocess.Popen[str], dict[str, str]]) -> None:
+    process, _ = stack
+    assert Path(f"/proc/{process.pid}/cmdline").read_bytes().startswith(b"rankscope up")
+    names = ("aggregator", "ranktable", "gateway")
+    deadline = time.monotonic() + 20  # each names itself once it has started Python
+    while time.monotonic() < deadline:
+        named = [n for n in names if _children_running(f"rankscope {n}", process.pid)]
+        if len(named) == len(names):
+            break
+        time.sleep(0.1)
+    assert named == list(names)
+
+
+def test_up_killed_takes_its_services_along_on_the_portable_path(tmp_path: Path) -> None:
+    with _up(tmp_path, env={PORTABLE_ENV: "1"}) as (process, _):  # as on macOS: no kernel tie
+        services = [
+            c for c in _children(process.pid) if c not in _children_running("nats", process.pid)
+        ]
+        server = _children_running("nats-server", process.pid)
+        watches = [os.pidfd_open(pid) for pid in services]
+        try:
+            process.kill()
+            assert len(_ended(watches, 15)) == len(watches) == 3, "a service outlived `up`"
+        finally:
+            for fd in watches:
+                os.close(fd)
+            for pid in server:  # a binary of its own: no lifeline without the kernel's tie
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_requests_leave_no_access_log_lines(

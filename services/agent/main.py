@@ -9,6 +9,8 @@ import multiprocessing
 import uuid
 from pathlib import Path
 
+from setproctitle import setproctitle
+
 from services.agent.agent import Agent
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import Timeouts
@@ -45,6 +47,7 @@ def node_id(settings: Settings) -> str:
 async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
     """Run the agent until `stop` is set, then release every runner and leave the inventory."""
     identity = node_id(settings)
+    setproctitle(f"rankscope agent {identity}")
 
     def describe() -> NodeInfo:
         total, available = memory_bytes()

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared.nats_server import EmbeddedNats, NatsServerError
-from shared.processes import die_with_parent, signal_name
+from shared.processes import LIFELINE_ENV, die_with_parent, signal_name
 
 __all__ = ["ChildSpec", "Supervisor", "keep_nats"]
 
@@ -53,7 +53,7 @@ class Supervisor:
 
     def __init__(self, children: Sequence[ChildSpec], *, env: Mapping[str, str]) -> None:
         self._children = [_Child(spec) for spec in children]
-        self._env = {**os.environ, **env}
+        self._env = {**os.environ, **env, LIFELINE_ENV: str(os.getpid())}
 
     @property
     def pids(self) -> dict[str, int]:

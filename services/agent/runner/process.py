@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
+from setproctitle import setproctitle
 
 from services.agent.runner.config import RunnerConfig
 from services.agent.runner.generation import STREAM, Generation, barrier
@@ -22,7 +23,7 @@ from services.agent.runner.memory import snapshot
 from services.agent.runner.recorder import Recorder
 from services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from services.agent.runner.watchdog import Watchdog
-from shared.processes import die_with_parent
+from shared.processes import die_with_parent, watch_parent
 from shared.timestamps import now
 from shared.wire import (
     Breadcrumb,
@@ -244,8 +245,10 @@ def runner_main(
     if tie is not None:
         tie()
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)  # the agent died before the tie was made
+    if parent is not None and parent.pid is not None:
+        watch_parent(parent.pid, signal.SIGKILL)  # at once if the agent died before
+    ref = config.runner
+    setproctitle(f"rankscope runner {ref.instanceId} rank {ref.deviceRank} {ref.nodeId}")
     if config.stack_path is not None:  # the stacks on request, even from inside a collective
         faulthandler.register(
             STACK_SIGNAL,
