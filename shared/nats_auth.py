@@ -107,6 +107,16 @@ class _Api:
             ]
         return subjects
 
+    def read_only(self, stream: str, filter_subject: str) -> list[str]:
+        """Pull followers on `stream` whose filter is `filter_subject` (or narrower)."""
+        return [
+            "$JS.FC.>",
+            f"$JS.API.CONSUMER.CREATE.{stream}.*.{filter_subject}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+            f"$JS.API.CONSUMER.INFO.{stream}.*",
+            f"$JS.API.CONSUMER.DELETE.{stream}.*",
+        ]
+
 
 def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permissions:
     """What `user` (a role of `ROLES`, or an agent with its `node_id`) may do."""
@@ -192,6 +202,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                     nodes_kv,
                     status_kv,
                 ),
+                *api.read_only(api.stream("RUNNER"), subjects.memory_of_instance(None)),
             ),
             subscribe=(
                 *inbox,

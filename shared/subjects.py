@@ -105,6 +105,11 @@ class Subjects:
         message has, as `=` alone is no escaped id)."""
         return f"{self.prefix}.runner.*.{'=' if instance_id is None else token(instance_id)}.>"
 
+    def memory_of_instance(self, instance_id: str | None) -> str:
+        """The memory samples of every rank of one instance (None: of every instance)."""
+        instance = "*" if instance_id is None else token(instance_id)
+        return f"{self.prefix}.runner.*.{instance}.*.memory"
+
     def runner_status_all(self) -> str:
         """Every rank's status changes."""
         return f"{self.prefix}.runner.*.*.*.status"

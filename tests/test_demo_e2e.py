@@ -397,6 +397,9 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
         stopped = f"{time.monotonic() - frozen_at:.0f}s after SIGSTOP"
         assert "stalled rank" in page.lower(), f"{stopped}: {_shown(page)}"  # on the page
         assert "process stopped" in page  # the frozen rank, as the kernel says
+        assert "culprit rank 1 · since " in page  # the culprit leads the banner
+        assert re.search(r"rank [01] · node-[ab]: active \d", page)  # each rank's MLX memory
+        assert "incidents (" in page  # and the incidents to open
         # the line its peer is on, from its stack: meeting the frozen rank in the task
         # agreement, or (frozen between chats, before its next tick) waiting for work
         assert re.search(r"in _(agree|wait)\b", page)
@@ -420,6 +423,9 @@ def _gone(pid: int) -> bool:
 def test_a_runner_dies_with_its_agent_even_inside_a_collective(demo: Demo) -> None:
     runners = {r["deviceRank"]: r for r in demo.get("/v1/cluster/timeline?limit=1")["runners"]}
     stuck, frozen = runners[0]["pid"], runners[1]["pid"]
+    titles = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in (stuck, _parent(stuck))]
+    assert titles[0].startswith(b"rankscope runner demo-0 rank 0 node-"), titles  # as ps shows
+    assert titles[1].startswith(b"rankscope agent node-"), titles
     os.kill(frozen, signal.SIGSTOP)  # rank 0 now waits on it in the task agreement
     try:
         time.sleep(3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 from typing import Any
 
 from nats.aio.client import Client
@@ -25,6 +26,7 @@ from shared.wire import (
     TASK_HORIZON_S,
     EvidenceRequest,
     Finding,
+    MemorySampled,
     NodeDiagnostics,
     NodeEvidence,
     RankTableStream,
@@ -336,6 +338,51 @@ class Bus:
         except (NatsError, TimeoutError) as exc:
             raise BusError(503, f"the diagnosis stream could not be read: {exc}") from None
         return sorted(incidents.values(), key=lambda f: f.since)[-limit:]
+
+    async def memory_samples(
+        self, *, instance_id: str | None, since: datetime, limit: int
+    ) -> list[MemorySampled]:
+        """The memory samples stored from `since` on, of one instance or all.
+
+        Raises:
+            BusError: 503 when the runner stream cannot be read in time; 413 when there
+                are more than `limit` of them.
+        """
+        found: list[MemorySampled] = []
+        full = asyncio.Event()
+
+        async def keep(msg: Msg) -> None:
+            if msg.metadata.timestamp < since or full.is_set():
+                return  # a server may start a consumer by time before it, never after
+            try:
+                found.append(decode(msg.data, MemorySampled))
+            except WireError:
+                return  # the aggregator dead-letters it
+            if len(found) > limit:
+                full.set()
+
+        subject = self.layout.subjects.memory_of_instance(instance_id)
+        try:
+            follower = await follow(self.js, subject, keep, start_time=since)
+            try:
+                done = asyncio.ensure_future(follower.caught_up.wait())
+                over = asyncio.ensure_future(full.wait())
+                await asyncio.wait(
+                    {done, over}, timeout=self.timeout, return_when="FIRST_COMPLETED"
+                )
+                done.cancel()
+                over.cancel()
+                if not follower.caught_up.is_set() and not full.is_set():
+                    raise TimeoutError
+            finally:
+                await follower.stop()
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"the runner stream could not be read: {exc}") from None
+        if full.is_set():
+            raise BusError(
+                413, f"more than {limit} memory samples: ask for a shorter span or one instance"
+            )
+        return found
 
     async def jobs(self) -> list[str]:
         """Every job that has a rank table."""

@@ -35,7 +35,13 @@ from shared.wire.events import (
     TaskStatusChanged,
     TokenChunk,
 )
-from shared.wire.memory import Memory, MlxMemorySnapshot
+from shared.wire.memory import (
+    ClusterMemory,
+    Memory,
+    MemoryPoint,
+    MemorySeries,
+    MlxMemorySnapshot,
+)
 from shared.wire.node_diagnostics import (
     EvidenceRequest,
     ModelShapeAnswer,
@@ -87,6 +93,7 @@ __all__ = [
     "Breadcrumb",
     "ChatMessage",
     "ClientInfo",
+    "ClusterMemory",
     "ClusterTimeline",
     "ComputeInfo",
     "Device",
@@ -100,7 +107,9 @@ __all__ = [
     "InstanceReleased",
     "InstanceState",
     "Memory",
+    "MemoryPoint",
     "MemorySampled",
+    "MemorySeries",
     "MlxMemorySnapshot",
     "ModelShapeAnswer",
     "ModelShapeRequest",

@@ -1,10 +1,11 @@
-"""MLX memory snapshots (seed 001 `MlxMemorySnapshot`, `Memory`)."""
+"""MLX memory snapshots (seed 001 `MlxMemorySnapshot`, `Memory`), and each rank's memory
+over a span of time (`ClusterMemory`)."""
 
 from __future__ import annotations
 
 from shared.wire.base import CamelStruct
 
-__all__ = ["Memory", "MlxMemorySnapshot"]
+__all__ = ["ClusterMemory", "Memory", "MemoryPoint", "MemorySeries", "MlxMemorySnapshot"]
 
 
 class Memory(CamelStruct, kw_only=True, frozen=True):
@@ -25,3 +26,32 @@ class MlxMemorySnapshot(CamelStruct, kw_only=True, frozen=True):
     peak: Memory | None = None
     wiredLimit: Memory | None = None
     source: str
+
+
+class MemoryPoint(CamelStruct, kw_only=True, frozen=True):
+    """A rank's MLX memory at `at`, in bytes (the sample of its time bucket with the most
+    active memory)."""
+
+    at: str
+    active: int | None = None
+    peak: int | None = None
+    cache: int | None = None
+
+
+class MemorySeries(CamelStruct, kw_only=True, frozen=True):
+    """One rank's memory samples over the span asked for, oldest first."""
+
+    runnerId: str
+    nodeId: str
+    instanceId: str
+    deviceRank: int
+    samples: list[MemoryPoint] = []
+
+
+class ClusterMemory(CamelStruct, kw_only=True, frozen=True):
+    """Every rank's MLX memory over a span of time, read from the stored samples."""
+
+    generatedAt: str
+    since: str
+    until: str
+    runners: list[MemorySeries] = []

@@ -7,18 +7,22 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 
 from shared.host import hostname
-from shared.timestamps import now
+from shared.timestamps import format_ts, now
 from shared.wire import (
     Finding,
     FindingKind,
     InstanceCreated,
     InstanceState,
+    Memory,
+    MemorySampled,
+    MlxMemorySnapshot,
     RankTableStatus,
     RunnerAssignment,
     RunnerRef,
@@ -714,3 +718,67 @@ async def test_tracing_is_always_on_and_cannot_be_turned_off(stack_for: Any) -> 
     assert off.status_code == 409
     assert "the diagnosis reads the flight recorder" in off.json()["detail"]
     assert (await http.put("/v1/tracing", json={"enabled": "no"})).status_code == 422
+
+
+def _sampled(runner: RunnerRef, seq: int, at: datetime, active: int) -> bytes:
+    snapshot = MlxMemorySnapshot(
+        generatedAt=format_ts(at),
+        active=Memory(inBytes=active),
+        peak=Memory(inBytes=active + 10),
+        cache=Memory(inBytes=5),
+        source="mlx.core",
+    )
+    return encode(MemorySampled(runner=runner, seq=seq, snapshot=snapshot))
+
+
+async def test_memory_over_time_keeps_each_slice_s_highest_sample(
+    stack_for: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack: Stack = await stack_for()
+    js, subjects = stack.nc.jetstream(), stack.layout.subjects
+    start = datetime.now(UTC) - timedelta(seconds=60)
+    ranks = [
+        RunnerRef(runnerId=f"m-r{r}", nodeId=f"node-{r}", instanceId="m", modelId="tiny",
+                  deviceRank=r, worldSize=2)
+        for r in (1, 0)
+    ]  # fmt: skip
+    for runner in ranks:
+        for second in range(60):  # a spike at second 31 on rank 1 only
+            active = 1000 + second + (5000 if runner.deviceRank == 1 and second == 31 else 0)
+            at = start + timedelta(seconds=second)
+            subject = subjects.runner(runner.nodeId, "m", runner.deviceRank, "memory")
+            await js.publish(subject, _sampled(runner, second, at, active))
+    other = RunnerRef(runnerId="o-r0", nodeId="node-0", instanceId="o", modelId="tiny",
+                      deviceRank=0, worldSize=1)  # fmt: skip
+    await js.publish(subjects.runner("node-0", "o", 0, "memory"), _sampled(other, 0, start, 1))
+    asked = {
+        "instanceId": "m",
+        "since": format_ts(start),
+        "until": format_ts(start + timedelta(seconds=60)),
+        "points": 6,
+    }
+    reply = await stack.http.get("/v1/cluster/memory", params=asked)
+    assert reply.status_code == 200, reply.text
+    found = reply.json()["runners"]
+    assert [(s["runnerId"], s["deviceRank"]) for s in found] == [("m-r0", 0), ("m-r1", 1)]
+    assert [len(s["samples"]) for s in found] == [6, 6]
+    assert [p["active"] for p in found[0]["samples"]] == [1009, 1019, 1029, 1039, 1049, 1059]
+    assert found[1]["samples"][3] == {
+        "at": format_ts(start + timedelta(seconds=31)), "active": 6031, "peak": 6041, "cache": 5,
+    }  # fmt: skip
+    everyone = await stack.http.get(
+        "/v1/cluster/memory", params={k: v for k, v in asked.items() if k != "instanceId"}
+    )
+    assert {s["instanceId"] for s in everyone.json()["runners"]} == {"m", "o"}
+    backwards = await stack.http.get(
+        "/v1/cluster/memory", params={**asked, "since": asked["until"], "until": asked["since"]}
+    )
+    assert (backwards.status_code, backwards.json()) == (
+        422, {"detail": "`since` must come before `until`"},
+    )  # fmt: skip
+    bad = await stack.http.get("/v1/cluster/memory", params={"since": "yesterday"})
+    assert bad.status_code == 422
+    monkeypatch.setattr("services.gateway.routes.cluster.MEMORY_SAMPLES", 50)
+    too_many = await stack.http.get("/v1/cluster/memory", params=asked)
+    assert too_many.status_code == 413
+    assert "more than 50 memory samples" in too_many.json()["detail"]

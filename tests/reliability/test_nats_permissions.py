@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.api import StreamConfig
 from nats.js.errors import NotFoundError
@@ -17,6 +18,7 @@ from shared.connection import close, connect
 from shared.jetstream import Layout, ensure
 from shared.nats_auth import OPERATOR, ROLES, agent_user, render
 from shared.nats_server import EmbeddedNats
+from shared.replay import follow
 from shared.settings import Settings
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
@@ -156,6 +158,28 @@ async def test_the_gateway_cannot_publish_telemetry_placements_status_or_output(
     await gateway.refused(SUBJECTS.output("cmd", "node-a"))
     await gateway.js.publish(SUBJECTS.tasks("i"), b"{}")  # its own work
     await close(gateway.nc)
+
+
+async def test_the_gateway_reads_memory_samples_and_no_other_telemetry(
+    server: EmbeddedNats,
+) -> None:
+    agent = await _login(server, agent_user("node-a"))
+    await agent.js.publish(SUBJECTS.runner("node-a", "i", 0, "memory"), b"{}")
+    await close(agent.nc)
+    gateway = await _login(server, "gateway")
+    for subject in (SUBJECTS.memory_of_instance("i"), SUBJECTS.memory_of_instance(None)):
+        follower = await follow(gateway.js, subject, _ignore)
+        await asyncio.wait_for(follower.caught_up.wait(), 5)
+        assert follower.handled == 1
+        await follower.stop()
+    with pytest.raises((TimeoutError, NatsError)):
+        await follow(gateway.js, SUBJECTS.runner_of_instance("i"), _ignore)
+    await gateway.refused("CONSUMER.CREATE")
+    await close(gateway.nc)
+
+
+async def _ignore(msg: Msg) -> None:
+    del msg
 
 
 async def test_the_aggregator_writes_only_its_own_subjects(server: EmbeddedNats) -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 
 from services.gateway.bus import Bus, BusError
 from services.gateway.deps import bus, reader
+from services.gateway.memory import series
 from services.gateway.responses import Json, fail, schema_ref
 from services.gateway.trace import to_trace
-from shared.timestamps import now, parse_ts
+from shared.timestamps import format_ts, micros, now, parse_ts
 from shared.wire import (
+    ClusterMemory,
     ClusterTimeline,
     Diagnosis,
     Finding,
@@ -75,6 +78,31 @@ async def timeline_trace(filters: Filters, nats: Nats) -> Json:
     return Json(
         to_trace(found), headers={"Content-Disposition": 'inline; filename="rankscope.trace.json"'}
     )
+
+
+MEMORY_SAMPLES = 200_000
+"""The most memory samples one query reads (about 55 rank-hours at one a second)."""
+
+
+@router.get("/v1/cluster/memory", response_class=Json, responses={200: schema_ref(ClusterMemory)})
+async def memory(
+    nats: Nats,
+    instanceId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
+    since: Annotated[str | None, Query(description="RFC 3339; default 5 minutes ago")] = None,
+    until: Annotated[str | None, Query(description="RFC 3339; default now")] = None,
+    points: Annotated[int, Query(ge=2, le=2000)] = 300,
+) -> Json:
+    """Each rank's MLX memory (active, peak, cache) from `since` to `until`, at most
+    `points` per rank (of each slice of the span, its sample with the most active
+    memory), from the samples runners send every second."""
+    end = parse_ts(_moment(until, "until") or now())
+    start = parse_ts(_moment(since, "since") or format_ts(end - timedelta(minutes=5)))
+    if start >= end:
+        raise fail(422, "`since` must come before `until`")
+    samples = await nats.memory_samples(instance_id=instanceId, since=start, limit=MEMORY_SAMPLES)
+    first, last = format_ts(start), format_ts(end)
+    found = series(samples, micros(first), micros(last), points)
+    return Json(ClusterMemory(generatedAt=now(), since=first, until=last, runners=found))
 
 
 @router.get("/v1/cluster/diagnosis", response_class=Json, responses={200: schema_ref(Diagnosis)})

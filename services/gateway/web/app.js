@@ -1,7 +1,8 @@
 // rankscope web timeline: one swimlane per rank, grouped by instance and incarnation
-// (ended incarnations folded into one row); phase segments over a time axis, a memory
-// sparkline per rank, open findings on the lanes they name with the evidence captured,
-// past incidents as bands, placement bars.
+// (ended incarnations folded into one row); phase segments over a time axis, each rank's
+// MLX memory (active, peak, cache) on the same axis, open findings with the culprit
+// first, past incidents as bands and as a list to open, placement bars. Every time is
+// UTC, labelled Z; how long ago is computed when drawn.
 "use strict";
 
 const PHASES = ["created", "idle", "connect_group", "load_model", "warmup", "task_submission",
@@ -14,15 +15,31 @@ PHASES.forEach((phase, i) => { COLORS[phase] = `hsl(${(i * 137.5) % 360} 60% 55%
 COLORS.idle = "#3a4150"; COLORS.error = "#ff3b3b"; COLORS.decode_stream = "#4aa3ff";
 COLORS.prefill_pipeline = "#b084ff";
 
-const LANE = 34, LABEL = 260, SPARK = 12, AXIS = 26;
+const LANE = 30, LABEL = 260, AXIS = 26, MEMORY_ROW = 46, WAIT_FRAMES = 4;
+const MEMORY = { active: "#58d68d", peak: "#ffb347", cache: "#7fb3ff" };
 const canvas = document.getElementById("lanes");
 const ctx = canvas.getContext("2d");
+const memoryCanvas = document.getElementById("memory");
+const memoryCtx = memoryCanvas.getContext("2d");
 let view = { lanes: [], start: 0, end: 1, findings: [], incidents: [] };
 let incidents = [];
+let memory = [];
 let refreshes = 0;
 const unfolded = new Set();  // ended incarnations the operator opened
 
-const clock = (t) => new Date(t * 1000).toLocaleTimeString();
+// UTC, labelled: the CLI and the logs say the same
+const clock = (t) => `${new Date(t * 1000).toISOString().slice(11, 19)}Z`;
+function ago(t) {
+  const s = Math.max(0, Math.round(Date.now() / 1000 - t));
+  return s < 120 ? `${s}s ago` : s < 7200 ? `${Math.round(s / 60)}m ago` : `${Math.round(s / 3600)}h ago`;
+}
+const when = (at) => `${clock(seconds(at))} (${ago(seconds(at))})`;
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${n.toFixed(n < 10 && i ? 1 : 0)} ${units[i]}`;
+}
 // a runner id ends in -a<attempt>-r<rank>: the attempt is the instance's incarnation
 const incarnation = (runnerId) => (runnerId.match(/-(a\d+)-r\d+$/) || [null, ""])[1];
 
@@ -35,8 +52,16 @@ async function json(path) {
 }
 
 function legend() {
-  document.getElementById("legend").innerHTML = PHASES.map((p) =>
-    `<span><span class="swatch" style="background:${COLORS[p]}"></span>${p}</span>`).join("");
+  const swatch = (color, text, style = "") =>
+    `<span><span class="swatch" style="background:${color};${style}"></span>${text}</span>`;
+  document.getElementById("legend").innerHTML =
+    `<span class="legend-title">phases</span>` + PHASES.map((p) => swatch(COLORS[p], p)).join("") +
+    `<span class="legend-title">marks</span>` +
+    swatch("rgba(255,60,60,.5)", "incident: the lane of its culprit") +
+    swatch("rgba(255,180,70,.3)", "incident: a rank waiting on it") +
+    swatch(COLORS.idle, "faded: its last phase, said before the window and held since", "opacity:.35") +
+    `<span class="legend-title">memory</span>` +
+    swatch(MEMORY.active, "active") + swatch(MEMORY.peak, "peak") + swatch(MEMORY.cache, "cache");
 }
 
 // what a runner's lane lacks: history evicted before it was read, seqs that never came
@@ -44,7 +69,7 @@ function gaps(held) {
   if (!held) return "";
   const notes = [];
   if (held.firstSeq > 0) {
-    const from = held.oldestAt ? new Date(held.oldestAt).toLocaleTimeString() : "?";
+    const from = held.oldestAt ? clock(seconds(held.oldestAt)) : "?";
     notes.push(`history from ${from} (seq ${held.firstSeq})`);
   }
   if (held.missingSeqs) notes.push(`${held.missingSeqs} seqs lost`);
@@ -77,7 +102,7 @@ function build(timeline, findings, history, past, placed) {
     if (ended && !unfolded.has(group)) {
       const folded = lanes.find((l) => l.folded && l.group === group);
       if (folded) { folded.ranks += 1; continue; }
-      lanes.push({ folded: true, group, runner, ranks: 1, segments: [], memory: [] });
+      lanes.push({ folded: true, group, runner, ranks: 1, segments: [] });
       continue;
     }
     const entries = byRunner.get(runner.runnerId) || [];
@@ -85,15 +110,13 @@ function build(timeline, findings, history, past, placed) {
       entry: e, from: seconds(e.at),
       to: i + 1 < entries.length ? seconds(entries[i + 1].at) : now,
     }));
-    const memory = entries.filter((e) => e.mlxMemory && e.mlxMemory.active)
-      .map((e) => [seconds(e.at), e.mlxMemory.active.inBytes]);
     const finding = culprits.get(runner.runnerId);
     const last = runner.lastProgressAt ? seconds(runner.lastProgressAt) : null;
     // silent: named as frozen, or nothing said within the window at all
     const silent = last !== null && ((finding && finding.kind === "stalled_rank") || last < start)
       ? ` · silent since ${clock(last)}` : "";
     lanes.push({
-      group, ended, runner, segments, memory, finding, silent,
+      group, ended, runner, segments, finding, silent,
       gaps: gaps(held.get(runner.runnerId)),
     });
   }
@@ -161,49 +184,115 @@ function draw() {
     ctx.fillText(label(lane), 4, y + 10);
     if (!lane.segments.length && lane.silent) {  // its last word left the window: its phase since
       ctx.fillStyle = COLORS[lane.runner.phase] || "#777"; ctx.globalAlpha = 0.35;
-      ctx.fillRect(LABEL, y + 2, x(view.end) - LABEL, LANE - 14 - SPARK / 2);
+      ctx.fillRect(LABEL, y + 2, x(view.end) - LABEL, LANE - 10);
       ctx.globalAlpha = 1;
     }
     for (const s of lane.segments) {
       if (s.to < view.start) continue;
       const from = Math.max(x(s.from), LABEL), to = Math.max(x(s.to), from + 1);
       ctx.fillStyle = COLORS[s.entry.phase] || "#777";
-      ctx.fillRect(from, y + 2, to - from, LANE - 14 - SPARK / 2);
-    }
-    if (lane.memory.length > 1) {
-      const peak = Math.max(...lane.memory.map((m) => m[1])) || 1;
-      ctx.strokeStyle = "#58d68d"; ctx.beginPath();
-      lane.memory.forEach(([t, bytes], i) => {
-        const px = Math.max(x(t), LABEL), py = y + LANE - 8 - (bytes / peak) * SPARK;
-        if (i === 0) ctx.moveTo(px, py); else ctx.lineTo(px, py);
-      });
-      ctx.stroke();
+      ctx.fillRect(from, y + 2, to - from, LANE - 10);
     }
   });
+  drawMemory(width, x);
 }
 
-function evidence(rank, open) {
-  const said = ["role", "phase", "waitingIn", "gaveUp", "exitReason", "process"]
+// each rank's MLX memory on the lanes' time axis, one row per rank, scaled to the
+// highest peak of all: who holds how much, and since when
+function drawMemory(width, x) {
+  const rows = memory.filter((m) => m.samples.length);
+  const height = Math.max(rows.length * MEMORY_ROW + 8, 40);
+  const ratio = window.devicePixelRatio || 1;
+  memoryCanvas.width = width * ratio; memoryCanvas.height = height * ratio;
+  memoryCanvas.style.height = `${height}px`;
+  const c = memoryCtx;
+  c.setTransform(ratio, 0, 0, ratio, 0, 0);
+  c.clearRect(0, 0, width, height);
+  c.font = "12px system-ui"; c.textBaseline = "middle";
+  if (!rows.length) {
+    c.fillStyle = "#8a93a5"; c.fillText("no memory samples in this window", 4, 20);
+    memoryCanvas.textContent = "no memory samples in this window";
+    return;
+  }
+  const top = Math.max(...rows.flatMap((m) => m.samples.map((p) => Math.max(p.peak || 0, p.active || 0, p.cache || 0)))) || 1;
+  const said = [];
+  rows.forEach((series, row) => {
+    const y = row * MEMORY_ROW + 4, last = series.samples[series.samples.length - 1];
+    const words = `rank ${series.deviceRank} · ${series.nodeId}: active ${bytes(last.active || 0)}, ` +
+      `peak ${bytes(last.peak || 0)}, cache ${bytes(last.cache || 0)}`;
+    said.push(`${series.instanceId} ${words}`);
+    c.fillStyle = "#d8dee9"; c.fillText(`rank ${series.deviceRank} · ${series.nodeId}`, 4, y + 10);
+    c.fillStyle = "#8a93a5";
+    c.fillText(`${bytes(last.active || 0)} active`, 4, y + 24);
+    c.fillText(`${bytes(last.peak || 0)} peak · ${bytes(last.cache || 0)} cache`, 4, y + 37);
+    c.strokeStyle = "#262b35"; c.strokeRect(LABEL, y, width - LABEL - 10, MEMORY_ROW - 6);
+    for (const kind of ["cache", "peak", "active"]) {
+      c.strokeStyle = MEMORY[kind]; c.lineWidth = kind === "active" ? 2 : 1; c.beginPath();
+      let started = false;
+      for (const point of series.samples) {
+        if (point[kind] === null || point[kind] === undefined) continue;
+        const t = seconds(point.at);
+        if (t < view.start) continue;
+        const px = x(t), py = y + MEMORY_ROW - 8 - (point[kind] / top) * (MEMORY_ROW - 12);
+        if (started) c.lineTo(px, py); else { c.moveTo(px, py); started = true; }
+      }
+      c.stroke();
+    }
+    c.lineWidth = 1;
+  });
+  c.fillStyle = "#8a93a5"; c.fillText(`scale: ${bytes(top)}`, width - 90, 10);
+  memoryCanvas.textContent = said.join("\n");
+}
+
+// the innermost frames of a stack's first thread (the main one): where the rank waits
+function waitsIn(stack) {
+  const lines = stack.trim().split("\n\n")[0].split("\n");
+  const cut = lines.slice(0, WAIT_FRAMES + 1);
+  return cut.join("\n") + (lines.length > cut.length ? `\n  … ${lines.length - cut.length} more frames` : "");
+}
+
+function evidence(rank, culprit) {
+  const said = ["phase", "step", "waitingIn", "gaveUp", "exitReason", "process"]
     .filter((k) => rank[k] !== null && rank[k] !== undefined)
     .map((k) => `${k} ${escape(rank[k])}`).join(" · ");
-  const stack = rank.stack ? `<pre>${escape(rank.stack)}</pre>` : "";
-  return `<details${open ? " open" : ""}><summary>rank ${rank.deviceRank} ` +
-    `${escape(rank.nodeId)}: ${said}</summary>${stack}</details>`;
+  const stack = rank.stack
+    ? `<pre>${escape(waitsIn(rank.stack))}</pre><details class="full"><summary>full stack, every thread</summary><pre>${escape(rank.stack)}</pre></details>`
+    : "";
+  const role = culprit ? "culprit" : "waiting";
+  return `<details class="${role}"${culprit ? " open" : ""}><summary><span class="role">${role}</span> ` +
+    `rank ${rank.deviceRank} ${escape(rank.nodeId)}: ${said || "no data"}</summary>${stack}</details>`;
 }
 
-// the first stack of a finding is shown open: the culprit's, or its first waiting rank's
+// the culprits and their evidence first, open; the ranks waiting on them after, closed
 function evidenceOf(finding) {
   const ranks = finding.evidence || [];
-  const first = ranks.find((r) => r.stack && r.role === "culprit") || ranks.find((r) => r.stack);
-  return ranks.map((r) => evidence(r, r === first)).join("");
+  const culprits = new Set(finding.culpritRunnerIds);
+  return [...ranks.filter((r) => culprits.has(r.runnerId)).map((r) => evidence(r, true)),
+    ...ranks.filter((r) => !culprits.has(r.runnerId)).map((r) => evidence(r, false))].join("");
+}
+
+function headline(f) {
+  const where = f.instanceId ? `instance ${escape(f.instanceId)}` : "installation";
+  const culprits = f.culpritRanks.length ? ` · culprit rank ${f.culpritRanks.join(", ")}` : "";
+  return `<b>${f.kind.replaceAll("_", " ")}</b>${where}${culprits} · since ${when(f.since)}`;
 }
 
 function showFindings(findings) {
   document.getElementById("findings").innerHTML = findings.map((f) =>
-    `<div class="finding"><b>${f.kind.replaceAll("_", " ")}</b>` +
-    `${f.instanceId ? `instance ${escape(f.instanceId)}` : "installation"} since ` +
-    `${new Date(f.since).toLocaleTimeString()}: ${escape(f.summary)}` +
+    `<div class="finding">${headline(f)}<div class="summary">${escape(f.summary)}</div>` +
     `${evidenceOf(f)}</div>`).join("");
+}
+
+// past incidents, newest first, each opening to its last word and evidence
+function showIncidents(past) {
+  const shown = [...past].reverse().slice(0, 20);
+  document.getElementById("incidents").innerHTML = shown.length
+    ? `<h2>incidents (${past.length})</h2>` + shown.map((f) => {
+      const end = f.open === false ? `cleared ${when(f.clearedAt)}, after ${Math.round(seconds(f.clearedAt) - seconds(f.since))}s` : "open";
+      return `<details class="incident"><summary>${headline(f)} · ${end}</summary>` +
+        `<div class="summary">${escape(f.summary)}</div>${evidenceOf(f)}</details>`;
+    }).join("")
+    : "<h2>incidents</h2><p>none in the diagnosis stream</p>";
 }
 
 function showPlacement(placement) {
@@ -248,8 +337,13 @@ async function refresh() {
     const [timeline, diagnosis, placement, history] = await Promise.all([
       json(`/v1/cluster/timeline?limit=50000&since=${encodeURIComponent(since)}`),
       json("/v1/cluster/diagnosis"), json("/v1/placement/runners"), json("/v1/cluster/history")]);
-    if (refreshes++ % 5 === 0) {  // past incidents change rarely: every fifth refresh
-      incidents = (await json(`/v1/cluster/diagnosis/history?since=${encodeURIComponent(since)}`)).findings;
+    if (refreshes++ % 5 === 0) {  // past incidents and memory change slowly: every fifth refresh
+      const [past, held] = await Promise.all([
+        json("/v1/cluster/diagnosis/history?limit=200"),
+        json(`/v1/cluster/memory?since=${encodeURIComponent(since)}&points=300`)]);
+      incidents = past.findings;
+      memory = held.runners;
+      showIncidents(incidents);
     }
     const fetched = performance.now();
     view = build(timeline, diagnosis.findings, history, [...incidents, ...diagnosis.findings], placement);
@@ -262,7 +356,7 @@ async function refresh() {
     document.getElementById("status").textContent =
       `${timeline.runners.length} ranks · ${timeline.timeline.length} entries · ` +
       `fetched in ${Math.round(fetched - started)} ms, drawn in ${Math.round(drawn - fetched)} ms · ` +
-      new Date().toLocaleTimeString() +
+      clock(Date.now() / 1000) +
       (lost ? ` · unreachable: ${lost}` : "") +
       (partial ? ` · partial, partitions missing: ${partial}` : "");
   } catch (error) {
