@@ -751,7 +751,7 @@ async def test_memory_over_time_keeps_each_slice_s_highest_sample(
     other = RunnerRef(runnerId="o-r0", nodeId="node-0", instanceId="o", modelId="tiny",
                       deviceRank=0, worldSize=1)  # fmt: skip
     await js.publish(subjects.runner("node-0", "o", 0, "memory"), _sampled(other, 0, start, 1))
-    asked = {
+    asked: dict[str, str | int] = {
         "instanceId": "m",
         "since": format_ts(start),
         "until": format_ts(start + timedelta(seconds=60)),
