@@ -5,37 +5,51 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-INSTALLED := $(VENV)/.installed
+RUNS := $(VENV)/.installed-run
+TESTS := $(VENV)/.installed-dev
+INSTALL_LOG := $(VENV)/install.log
 
 .PHONY: demo test lint format proto clean
 
-demo: $(INSTALLED)
-	$(BIN)/rankscope up --demo
+demo: $(RUNS)
+	@echo "starting rankscope with a demo cluster; Ctrl-C stops it"
+	@echo "(later: . $(VENV)/bin/activate, and the rankscope command is on your PATH)"
+	@$(BIN)/rankscope up --demo
 
 test: lint
 	$(BIN)/python -m pytest
 
-lint: $(INSTALLED)
+lint: $(TESTS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-format: $(INSTALLED)
+format: $(TESTS)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
 # The gRPC modules are committed; regenerate them after editing the .proto.
-proto: $(INSTALLED)
+proto: $(TESTS)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
 		services/ranktable/grpcapi/config.proto
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	@echo "making a virtualenv in $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
 
-$(INSTALLED): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $@
+# What the demo runs; the test tools come on top of it. Each is installed again only
+# when pyproject.toml is newer; pip's output goes to $(INSTALL_LOG), shown if it fails.
+$(RUNS): pyproject.toml | $(BIN)/python
+	@echo "installing rankscope and what it runs (MLX, mlx-lm, NATS, FastAPI) into $(VENV);"
+	@echo "a minute or two the first time"
+	@$(BIN)/python -m pip install --upgrade pip > $(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); exit 1; }
+	@$(BIN)/python -m pip install -e . >> $(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); exit 1; }
+	@touch $@
+
+$(TESTS): $(RUNS)
+	@echo "installing the test and lint tools into $(VENV)"
+	@$(BIN)/python -m pip install -e '.[dev]' >> $(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); exit 1; }
+	@touch $@
 
 clean:
 	rm -rf $(VENV) .rankscope .mypy_cache .pytest_cache .ruff_cache

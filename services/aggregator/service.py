@@ -483,7 +483,7 @@ class AggregatorService:
             return
         written = time.perf_counter() - started
         self._snapshot_version = version
-        log.info("snapshot of %d entries: %.1f MB, written in %.2f s (%.2f s of CPU) by a copy "
+        log.debug("snapshot of %d entries: %.1f MB, written in %.2f s (%.2f s of CPU) by a copy "
                  "of this process; queries paused %.1f ms for the copy", size, megabytes, written,
                  self._snapshot_cpu_s, paused * 1000)  # fmt: skip
 

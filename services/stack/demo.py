@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from rich.console import Console
+
+from services.stack.terminal import Terminal
 
 __all__ = ["DEMO_RUNNER", "drive"]
 
@@ -50,40 +52,72 @@ def spec(model: Path) -> dict[str, Any]:
     }
 
 
+async def _ranks(base: str, token: str | None) -> list[dict[str, Any]]:
+    status, placement = await _http(f"{base}/v1/placement/runners", token=token)
+    return placement if status == 200 and isinstance(placement, list) else []
+
+
+def _ready(ranks: list[dict[str, Any]]) -> int:
+    return sum(r.get("statusKind") in ("RunnerReady", "RunnerRunning") for r in ranks)
+
+
 async def _progress(
-    base: str, stop: asyncio.Event, token: str | None, unsteady: Callable[[], list[str]]
+    base: str,
+    stop: asyncio.Event,
+    terminal: Terminal,
+    token: str | None,
+    unsteady: Callable[[], list[str]],
 ) -> bool:
-    """Show each rank's state (a live line on a terminal) until the instance is ready and
-    no service is restarting; False if stopped first."""
-    with Console().status("demo instance: placing") as shown:
-        while not stop.is_set():
-            status, placement = await _http(f"{base}/v1/placement/runners", token=token)
-            ranks = placement if status == 200 and isinstance(placement, list) else []
-            ready = [r for r in ranks if r.get("statusKind") in ("RunnerReady", "RunnerRunning")]
-            states = ", ".join(
-                f"rank {r['deviceRank']} {r.get('statusKind') or 'starting'}" for r in ranks
-            )
-            restarting = unsteady()
-            if restarting:
-                states += f"; restarting: {', '.join(restarting)}"
-            shown.update(f"demo instance: {states or 'placing'}")
-            if ranks and len(ready) == len(ranks) and not restarting:
-                return True
-            await asyncio.sleep(0.25)
+    """Show each rank's state (on the status line) until the instance is ready and no
+    service is restarting; False if stopped first."""
+    while not stop.is_set():
+        ranks = await _ranks(base, token)
+        states = ", ".join(
+            f"rank {r['deviceRank']} {r.get('statusKind') or 'starting'}" for r in ranks
+        )
+        restarting = unsteady()
+        if restarting:
+            states += f"; restarting: {', '.join(restarting)}"
+        terminal.status(f"demo instance: {states or 'placing'}")
+        if ranks and _ready(ranks) == len(ranks) and not restarting:
+            return True
+        await asyncio.sleep(0.25)
     return False
+
+
+@dataclass
+class _Tally:
+    """What the status line says of the demo's chats."""
+
+    served: int = 0
+    failed: int = 0
+    last: str = ""
+
+    def line(self, ranks: list[dict[str, Any]], findings: list[dict[str, Any]]) -> str:
+        told = ", ".join(f"{f['kind']} rank {f['culpritRanks']}" for f in findings) or "none"
+        return (
+            f"demo: {_ready(ranks)}/{len(ranks)} ranks ready · {self.served} chats served, "
+            f"{self.failed} failed{self.last} · open findings: {told}"
+        )
+
+
+async def _findings(base: str, token: str | None) -> list[dict[str, Any]]:
+    status, diagnosis = await _http(f"{base}/v1/cluster/diagnosis", token=token)
+    return diagnosis.get("findings", []) if status == 200 and isinstance(diagnosis, dict) else []
 
 
 async def drive(
     base: str,
     model: Path,
     stop: asyncio.Event,
+    terminal: Terminal,
     every: float = 5.0,
     token: str | None = None,
     unsteady: Callable[[], list[str]] = list,
 ) -> None:
     """Create the spec (if missing), wait for readiness (and for `unsteady`, the services
-    restarting, to be none), then keep completions flowing; with the gateway's API `token`
-    when it has one."""
+    restarting, to be none), then keep completions flowing, each told on the status line;
+    with the gateway's API `token` when it has one."""
     while not stop.is_set():
         status, _ = await _http(f"{base}/readyz")
         if status == 200:
@@ -96,13 +130,12 @@ async def drive(
         if status not in (200, 409):  # 409: created meanwhile, which is as good
             log.error("could not create the demo runner: %s", reply)
             return
-    if not await _progress(base, stop, token, unsteady):
+    if not await _progress(base, stop, terminal, token, unsteady):
         return
-    print(
-        f"demo ready: chat completions every {every:g}s; watch them in the timeline at {base}/",
-        flush=True,
+    terminal.say(
+        f"demo ready: chat completions every {every:g}s; watch them in the timeline at {base}/"
     )
-    count = 0
+    count, tally = 0, _Tally()
     while not stop.is_set():
         prompt = _PROMPTS[count % len(_PROMPTS)]
         status, reply = await _http(
@@ -116,9 +149,18 @@ async def drive(
             token=token,
         )
         if status == 200:
-            log.info("completion %s: %d tokens", reply["id"], reply["usage"]["completion_tokens"])
+            tally.served += 1
+            tally.last = f" (last: {reply['usage']['completion_tokens']} tokens)"
+            log.debug("completion %s: %d tokens", reply["id"], reply["usage"]["completion_tokens"])
+            if tally.served == 1:
+                terminal.say(
+                    f"first reply: {reply['choices'][0]['message']['content'][:60]!r}... "
+                    "(gibberish: the demo model has random weights; README: serve a real model)"
+                )
         else:
+            tally.failed += 1
             log.warning("completion failed (%s): %s", status, (reply or {}).get("detail"))
+        terminal.status(tally.line(await _ranks(base, token), await _findings(base, token)))
         count += 1
         try:
             await asyncio.wait_for(stop.wait(), every)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from services.stack.demo import drive
 from services.stack.supervisor import ChildSpec, Supervisor, keep_nats
+from services.stack.terminal import Terminal
 from shared.connection import close, connect
 from shared.jetstream import Layout, LayoutError, ensure
 from shared.nats_auth import OPERATOR, agent_user, render
@@ -140,7 +141,7 @@ def _busy_port(settings: Settings) -> str | None:
     return None
 
 
-async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
+async def _serve(settings: Settings, *, demo: bool, nats_auth: bool, terminal: Terminal) -> None:
     if (busy := _busy_port(settings)) is not None:
         raise SystemExit(f"rankscope up: {busy}")
     stop = asyncio.Event()
@@ -183,25 +184,34 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
         except LayoutError as exc:
             raise SystemExit(f"rankscope up: {exc}") from None
         users = " (one user per role)" if nats_auth else ""
-        print(f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready){users}")
+        terminal.say(
+            f"NATS        {', '.join(servers)} (JetStream; streams and buckets ready){users}"
+        )
         model = demo_model(settings) if demo else None
         if model is not None:
-            print(f"demo model  {model}")
+            terminal.say(f"demo model  {model}")
         if env_name("access_log") not in os.environ:  # the terminal shows the demo's progress
             settings = replace(settings, access_log=False)
-        supervisor = Supervisor(children, env=to_environ(settings))
+        supervisor = Supervisor(children, env=to_environ(settings), terminal=terminal)
         await supervisor.start()
         supervising = asyncio.create_task(supervisor.run(stop))
         web = f"http://{settings.gateway_host}:{settings.gateway_port}"
-        print(f"web         {web}/  (API docs {web}/docs)")
-        print(f"ranktable   gRPC config.Config on {settings.grpc_host}:{settings.grpc_port}")
-        print(f"watch       {watch} --server {servers[0]}")
-        print(f"try         {_command()} timeline --url {web}")
-        print(f"            curl -s {web}/v1/cluster/diagnosis")
-        print("Ctrl-C stops everything.", flush=True)
+        terminal.say(f"web         {web}/  (API docs {web}/docs)")
+        terminal.say(f"ranktable   gRPC config.Config on {settings.grpc_host}:{settings.grpc_port}")
+        terminal.say(f"watch       {watch} --server {servers[0]}")
+        terminal.say(f"try         {_command()} timeline --url {web}")
+        terminal.say(f"            curl -s {web}/v1/cluster/diagnosis")
+        terminal.say("Ctrl-C stops everything.")
         driving = (
             asyncio.create_task(
-                drive(web, model, stop, token=settings.api_token, unsteady=supervisor.unsteady)
+                drive(
+                    web,
+                    model,
+                    stop,
+                    terminal,
+                    token=settings.api_token,
+                    unsteady=supervisor.unsteady,
+                )
             )
             if model is not None
             else None
@@ -215,5 +225,6 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool) -> None:
 
 def run(settings: Settings, *, demo: bool, nats_auth: bool = False) -> int:
     """Run the stack in the foreground; returns the exit code."""
-    asyncio.run(_serve(settings, demo=demo, nats_auth=nats_auth))
+    with Terminal() as terminal:
+        asyncio.run(_serve(settings, demo=demo, nats_auth=nats_auth, terminal=terminal))
     return 0

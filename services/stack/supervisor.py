@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.stack.terminal import Terminal
 from shared.nats_server import EmbeddedNats, NatsServerError
 from shared.processes import LIFELINE_ENV, die_with_parent, signal_name
 
@@ -51,9 +52,18 @@ class _Child:
 class Supervisor:
     """Keeps every child running until `stop`; `pids` shows who runs now."""
 
-    def __init__(self, children: Sequence[ChildSpec], *, env: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        children: Sequence[ChildSpec],
+        *,
+        env: Mapping[str, str],
+        terminal: Terminal | None = None,
+    ) -> None:
         self._children = [_Child(spec) for spec in children]
         self._env = {**os.environ, **env, LIFELINE_ENV: str(os.getpid())}
+        self._terminal = terminal if terminal is not None and terminal.interactive else None
+        """On a terminal, the children's output goes through it, line by line."""
+        self._relays: set[asyncio.Task[None]] = set()
 
     @property
     def pids(self) -> dict[str, int]:
@@ -79,9 +89,15 @@ class Supervisor:
             *child.spec.args,
             env={**self._env, **child.spec.env},
             stdin=asyncio.subprocess.DEVNULL,
+            stdout=None if self._terminal is None else asyncio.subprocess.PIPE,
+            stderr=None if self._terminal is None else asyncio.subprocess.STDOUT,
             preexec_fn=die_with_parent(),
             start_new_session=True,  # Ctrl-C reaches `up` alone, which stops them in order
         )
+        if self._terminal is not None and child.process.stdout is not None:
+            relay = asyncio.create_task(self._terminal.relay(child.process.stdout))
+            self._relays.add(relay)
+            relay.add_done_callback(self._relays.discard)
         return child.process
 
     async def start(self) -> None:
