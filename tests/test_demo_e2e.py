@@ -403,7 +403,7 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
         # the line its peer is on, from its stack: meeting the frozen rank in the task
         # agreement, or (frozen between chats, before its next tick) waiting for work
         assert re.search(r"in _(agree|wait)\b", page)
-        assert "silent since" in page  # on the frozen rank's lane
+        assert "no progress since" in page  # on the frozen rank's lane
         assert re.search(r"node-[ab] \[0, \d+\)", page)  # the placement bar
         assert "2 ranks" in page  # both lanes
     finally:

@@ -15,7 +15,7 @@ PHASES.forEach((phase, i) => { COLORS[phase] = `hsl(${(i * 137.5) % 360} 60% 55%
 COLORS.idle = "#3a4150"; COLORS.error = "#ff3b3b"; COLORS.decode_stream = "#4aa3ff";
 COLORS.prefill_pipeline = "#b084ff";
 
-const LANE = 30, LABEL = 260, AXIS = 26, MEMORY_ROW = 46, WAIT_FRAMES = 4;
+const LANE = 30, LABEL = 330, AXIS = 26, MEMORY_ROW = 46, WAIT_FRAMES = 4;
 const MEMORY = { active: "#58d68d", peak: "#ffb347", cache: "#7fb3ff" };
 const canvas = document.getElementById("lanes");
 const ctx = canvas.getContext("2d");
@@ -114,7 +114,7 @@ function build(timeline, findings, history, past, placed) {
     const last = runner.lastProgressAt ? seconds(runner.lastProgressAt) : null;
     // silent: named as frozen, or nothing said within the window at all
     const silent = last !== null && ((finding && finding.kind === "stalled_rank") || last < start)
-      ? ` · silent since ${clock(last)}` : "";
+      ? ` · no progress since ${clock(last)}` : "";
     lanes.push({
       group, ended, runner, segments, finding, silent,
       gaps: gaps(held.get(runner.runnerId)),
