@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import re
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -528,8 +529,10 @@ async def test_grpc_refuses_a_bad_job_id(stack: Stack, job_id: str, why: str) ->
         assert why in (failure.value.details() or "")
 
 
-async def test_the_readme_s_grpc_snippet_runs_as_a_script(stack: Stack, tmp_path: Path) -> None:
-    readme = (Path(__file__).parent.parent.parent / "README.md").read_text()
+async def test_the_docs_grpc_snippet_runs_as_a_script_and_ends_quietly_on_ctrl_c(
+    stack: Stack, tmp_path: Path
+) -> None:
+    readme = (Path(__file__).parent.parent.parent / "docs" / "MODELS.md").read_text()
     (snippet,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     script = tmp_path / "follow.py"
     script.write_text(
@@ -541,15 +544,19 @@ async def test_the_readme_s_grpc_snippet_runs_as_a_script(stack: Stack, tmp_path
     await _place(stack, runner())
     follower = await asyncio.create_subprocess_exec(
         sys.executable, str(script), cwd=Path(__file__).parent.parent.parent,
-        stdout=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
         assert follower.stdout is not None
         first = await asyncio.wait_for(follower.stdout.readline(), WAIT)
         assert json.loads(first)["status"] == "initializing"
+        follower.send_signal(signal.SIGINT)  # Ctrl-C
+        _, err = await asyncio.wait_for(follower.communicate(), WAIT)
+        assert (follower.returncode, err.decode()) == (0, "")  # no traceback
     finally:
-        follower.kill()
-        await follower.wait()
+        if follower.returncode is None:
+            follower.kill()
+            await follower.wait()
 
 
 async def test_grpc_waits_for_an_unknown_job_and_serves_many_subscribers(stack: Stack) -> None:
