@@ -108,9 +108,9 @@ class _Api:
         return subjects
 
     def read_only(self, stream: str, filter_subject: str) -> list[str]:
-        """Pull followers on `stream` whose filter is `filter_subject` (or narrower)."""
+        """Pull followers on `stream` whose filter is `filter_subject` (or narrower), beside
+        what `read` allows on other streams."""
         return [
-            "$JS.FC.>",
             f"$JS.API.CONSUMER.CREATE.{stream}.*.{filter_subject}",
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
             f"$JS.API.CONSUMER.INFO.{stream}.*",
