@@ -11,10 +11,12 @@
 - the gateway asks queries, writes specs and tasks, and reads rank tables, output, task
   status and the buckets; it can never publish runner telemetry, task status or output;
 - the operator (a person, with the `nats` CLI) reads every stream and bucket, the dead
-  letters among them, and watches every subject, but writes nothing.
+  letters among them, and watches every subject, but writes nothing: it deletes no
+  consumer and answers no request it sees.
 
-Only the aggregator and the rank-table service may create or update streams; nobody may
-delete or purge them. Each user receives replies only under its own inbox prefix
+Only the agents and the aggregator may answer requests (probes, queries), each only those
+of the subjects it may subscribe to. Only the aggregator and the rank-table service may
+create or update streams; nobody may delete or purge them. Each user receives replies only under its own inbox prefix
 (`_INBOX_<user>`), so no role can read another's answers.
 """
 
@@ -64,6 +66,8 @@ class Permissions:
 
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    responds: bool = False
+    """Whether it may answer requests it receives (only the roles that serve them)."""
 
 
 class _Api:
@@ -90,9 +94,10 @@ class _Api:
         return [f"$JS.API.STREAM.{verb}.{name}" for verb in ("CREATE", "UPDATE")
                 for name in self.all_streams]  # fmt: skip
 
-    def read(self, *streams: str) -> list[str]:
+    def read(self, *streams: str, delete: bool = True) -> list[str]:
         """Pull followers, ordered consumers, direct gets and last-message reads on
-        `streams`."""
+        `streams`; with `delete`, removing consumers by name (a service's own, when it
+        stops; ephemeral ones go by themselves once idle)."""
         subjects = ["$JS.FC.>"]
         for name in streams:
             subjects += [
@@ -100,7 +105,7 @@ class _Api:
                 f"$JS.API.CONSUMER.CREATE.{name}.>",
                 f"$JS.API.CONSUMER.MSG.NEXT.{name}.*",
                 f"$JS.API.CONSUMER.INFO.{name}.*",
-                f"$JS.API.CONSUMER.DELETE.{name}.*",
+                *([f"$JS.API.CONSUMER.DELETE.{name}.*"] if delete else []),
                 f"$JS.API.DIRECT.GET.{name}",
                 f"$JS.API.DIRECT.GET.{name}.>",
                 f"$JS.API.STREAM.MSG.GET.{name}",
@@ -145,6 +150,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.node_evidence(node_id),
                 subjects.node_model(node_id),
             ),
+            responds=True,
         )
     if user == "aggregator":
         return Permissions(
@@ -161,6 +167,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 ),
             ),
             subscribe=(*inbox, subjects.query_all(), *service_discovery(AGGREGATOR_SERVICE)),
+            responds=True,
         )
     if user == "ranktable":
         return Permissions(
@@ -219,7 +226,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 "$JS.API.CONSUMER.LIST.*",
                 "$JS.API.CONSUMER.NAMES.*",
                 *service_discovery(),  # nats micro ls, info, stats
-                *api.read(*api.all_streams),
+                *api.read(*api.all_streams, delete=False),
             ),
             subscribe=(*inbox, "_INBOX.>", subjects.everything()),  # the nats CLI's own inbox too
         )
@@ -249,7 +256,7 @@ def render(layout: Layout, nodes: Sequence[str], passwords: Mapping[str, str] | 
             f"    {{user: {json.dumps(user)}, password: {secret}, permissions: {{",
             f"      publish: {{allow: {json.dumps(list(allowed.publish))}}}",
             f"      subscribe: {{allow: {json.dumps(list(allowed.subscribe))}}}",
-            "      allow_responses: true",
+            f"      allow_responses: {'true' if allowed.responds else 'false'}",
             "    }}",
         ]
     lines += ["  ]", "}", ""]

@@ -28,6 +28,7 @@ from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
 from services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from services.aggregator.parking import PARK_S, Parked, Parking
 from services.aggregator.snapshot import Position, SnapshotFile, restore
 from services.aggregator.views import ClusterState
 from shared.connection import Reachability, slow_consumer_drops
@@ -94,6 +95,9 @@ SLICE_ENTRIES = 2_000
 SNAPSHOT_WORK_SHARE = 50
 """Snapshots are taken at most once per this many times the CPU seconds the last one took."""
 
+
+UNPLACED = "telemetry_unplaced"
+"""The kind of bad input of a runner that no placement made."""
 
 MISSED_ROUNDS = 2
 """Probe rounds in a row a node must leave unanswered to be called unreachable: one late
@@ -216,6 +220,8 @@ class AggregatorService:
         self._capturing: set[asyncio.Task[None]] = set()
         self._unpublished: deque[Finding] = deque(maxlen=UNPUBLISHED_FINDINGS)
         """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
+        self._parking = Parking()
+        """Telemetry of runners no placement read so far names, waiting for one."""
         self._announced: set[tuple[str, str]] = set()
         """Open findings already logged (an update of one is published, not logged)."""
         self._answers: dict[bytes, tuple[int, float, bytes]] = {}
@@ -238,9 +244,29 @@ class AggregatorService:
             return
         try:
             event = parse_telemetry(msg.data, msg.subject, self._layout.subjects)
-            self.state.apply_telemetry(event, msg.data, stored_ns(msg.reply))
         except BadInputError as exc:
             self._reject(msg, exc)
+            return
+        stored = stored_ns(msg.reply)
+        self._apply_telemetry(Parked(msg.subject, msg.data, event, stored, self._clock()))
+
+    def _apply_telemetry(self, item: Parked) -> None:
+        """Apply a message, park it while no placement read so far names its runner, or
+        refuse it."""
+        try:
+            self.state.apply_telemetry(item.event, item.data, item.stored_ns)
+        except BadInputError as exc:
+            if exc.kind != UNPLACED:
+                self.dead_letters.reject(item.subject, item.data, exc.kind, exc)
+                return
+            for late in self._parking.park(item):
+                self.dead_letters.reject(late.subject, late.data, UNPLACED, "parked too long")
+
+    def _unpark(self, now: float) -> None:
+        """Refuse what no placement claimed in time."""
+        for item in self._parking.expired(now):
+            why = f"runner {item.event.runner.runnerId!r} is in no placement ({PARK_S:g}s)"
+            self.dead_letters.reject(item.subject, item.data, UNPLACED, why)
 
     async def _on_placement(self, msg: Msg) -> None:
         foreign = self._foreign(msg)
@@ -263,8 +289,12 @@ class AggregatorService:
             else:
                 self._released[event.instanceId] = self._clock()
             self._more.set()
-        self.state.apply_placement(event)
+        self.state.apply_placement(event, stored_ns(msg.reply))
         self._placed_at[event.instanceId] = self._clock()
+        if isinstance(event, InstanceCreated):  # its runners' first messages, read before it
+            for assignment in event.assignments:
+                for item in self._parking.take(assignment.runnerId):
+                    self._apply_telemetry(item)
 
     async def _on_task(self, msg: Msg) -> None:
         if self._foreign(msg):
@@ -323,11 +353,11 @@ class AggregatorService:
             self._on_placement,
             after=after.get(layout.placement_stream.name, 0),
         )
+        await placements.caught_up.wait()  # a runner's telemetry counts once it is placed
         if self.partition.whole:
             runner, tasks = [subjects.runner_all()], [subjects.tasks_all()]
         else:
             followed = set(self.state.instances)  # restored from the snapshot
-            await placements.caught_up.wait()
             if not after.get(layout.runner_stream.name):
                 followed |= self._wanted  # from the start: nothing to go over again
             self._followed = followed
@@ -661,6 +691,7 @@ class AggregatorService:
 
     async def _diagnose_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            self._unpark(self._clock())
             appeared, cleared = await self.evaluate()
             for finding in [*appeared, *cleared]:
                 key = (finding.instanceId, finding.since)

@@ -93,6 +93,9 @@ class RunnerView:
     """Probes in a row its node answered without listing it: no agent supervises it."""
     stored_ns: int | None = None
     """When NATS stored its last message (ns since the epoch), if known."""
+    placed_ns: int | None = None
+    """When NATS stored the placement that created it (ns since the epoch), if known:
+    nothing of it can have been stored before."""
 
     @property
     def alive(self) -> bool:
@@ -238,7 +241,7 @@ class ClusterState:
         Raises:
             BadInputError: its seq jumps further past the runner's last than it could.
         """
-        view = self._runner(event.runner)
+        view = self._placed(event.runner, stored_ns)
         last = view.seqs.last
         if isinstance(event, PhaseEntries):
             highest = max((e.seq for e in event.entries), default=-1)
@@ -271,16 +274,56 @@ class ClusterState:
                 view.failure = event
         return 1
 
+    def _placed(self, ref: RunnerRef, stored_ns: int | None) -> RunnerView:
+        """The view of the runner `ref` names, if a placement made that runner where `ref`
+        says it runs, and the message could be its (stored after the placement).
+
+        Raises:
+            BadInputError: no placement made it, it runs elsewhere (a node speaking for
+                another node's runner), or the message was stored before its placement.
+        """
+        view = self.runners.get(ref.runnerId)
+        if view is None:
+            raise BadInputError(
+                "telemetry_unplaced", f"runner {ref.runnerId!r} is in no placement read so far"
+            )  # the kind the service parks by
+        placed = view.ref
+        if (placed.nodeId, placed.instanceId, placed.deviceRank, placed.worldSize) != (
+            ref.nodeId,
+            ref.instanceId,
+            ref.deviceRank,
+            ref.worldSize,
+        ):
+            raise BadInputError(
+                "telemetry_identity",
+                f"runner {ref.runnerId!r} is rank {placed.deviceRank} of {placed.instanceId!r} on "
+                f"node {placed.nodeId!r}; this message says rank {ref.deviceRank} of "
+                f"{ref.instanceId!r} on node {ref.nodeId!r}",
+            )
+        if stored_ns is not None and view.placed_ns is not None and stored_ns < view.placed_ns:
+            raise BadInputError(
+                "telemetry_before_placement",
+                f"stored before the placement that made runner {ref.runnerId!r}",
+            )
+        return view
+
     @staticmethod
     def _check_jump(view: RunnerView, last: int | None, seq: int, stored_ns: int | None) -> None:
-        if last is None or seq <= last + SEQ_SLACK or stored_ns is None or view.stored_ns is None:
+        since = view.stored_ns if last is not None else view.placed_ns
+        if (
+            stored_ns is None
+            or since is None
+            or seq <= (last if last is not None else -1) + SEQ_SLACK
+        ):
             return  # nothing to judge by
-        quiet = max(stored_ns - view.stored_ns, 0) / 1e9
-        if seq > last + SEQ_SLACK + SEQ_RATE * quiet:
+        quiet = max(stored_ns - since, 0) / 1e9
+        first = -1 if last is None else last
+        if seq > first + SEQ_SLACK + SEQ_RATE * quiet:
+            after = "its placement" if last is None else f"its last ({last:,})"
             raise BadInputError(
                 "telemetry_seq_jump",
-                f"seq {seq:,} of runner {view.ref.runnerId!r} jumps {seq - last:,} past its "
-                f"last ({last:,}) after {quiet:.0f}s: more than it could have used",
+                f"seq {seq:,} of runner {view.ref.runnerId!r} jumps {seq - first:,} past "
+                f"{after} after {quiet:.0f}s: more than it could have used",
             )
 
     def _progress(self, view: RunnerView, entries: list[FlightEntry], received: str) -> None:
@@ -298,8 +341,8 @@ class ClusterState:
                 view.gave_up = view.failure = None
         view.progressed = self._clock()
 
-    def apply_placement(self, event: PlacementEvent) -> None:
-        """Apply a placement decision."""
+    def apply_placement(self, event: PlacementEvent, stored_ns: int | None = None) -> None:
+        """Apply a placement decision (`stored_ns`: when NATS stored it)."""
         self.version += 1
         self.touched.add(event.instanceId)
         if isinstance(event, InstanceReleased):
@@ -315,7 +358,9 @@ class ClusterState:
                 deviceRank=assignment.deviceRank,
                 worldSize=assignment.worldSize,
             )
-            self._runner(ref)  # known from its placement on, before it reports
+            view = self._runner(ref)  # known from its placement on, before it reports
+            if view.placed_ns is None:
+                view.placed_ns = stored_ns
 
     def apply_task(self, event: TaskEvent) -> None:
         """Apply a task or a rank's status of one."""

@@ -25,7 +25,13 @@ from nats.js.kv import KeyValue
 from services.ranktable.hub import TableHub
 from services.ranktable.models import ModelShapes
 from services.ranktable.placement import NodeView, Plan, plan
-from services.ranktable.state import PlacementState, Readiness, apply_placement, apply_status
+from services.ranktable.state import (
+    PlacementState,
+    Readiness,
+    apply_placement,
+    apply_status,
+    misplaced,
+)
 from services.ranktable.tables import rank_table
 from shared.deadletter import DeadLetters
 from shared.headers import VERSION_HEADER
@@ -203,6 +209,9 @@ class RankTableService:
             self.dead_letters.reject(msg.subject, msg.data, exc.kind, exc)
             return
         if isinstance(event, RunnerStatusChanged):
+            if (why := misplaced(self._state, event.runner)) is not None:
+                self.dead_letters.reject(msg.subject, msg.data, "telemetry_identity", why)
+                return
             self._readiness = apply_status(self._readiness, event)
             self._dirty.set()
 

@@ -9,11 +9,12 @@ from shared.wire import (
     InstanceCreated,
     PlacementEvent,
     ReleaseCause,
+    RunnerRef,
     RunnerStatusChanged,
     RunnerStatusKind,
 )
 
-__all__ = ["PlacementState", "Readiness", "apply_placement", "apply_status"]
+__all__ = ["PlacementState", "Readiness", "apply_placement", "apply_status", "misplaced"]
 
 _READY = frozenset({RunnerStatusKind.READY, RunnerStatusKind.RUNNING})
 
@@ -45,6 +46,20 @@ def apply_placement(state: PlacementState, event: PlacementEvent, seq: int) -> P
         pods = len(released.assignments)
         preempted = preempted | {spec_id: preempted.get(spec_id, 0) + pods}
     return replace(state, instances=instances, preempted_pods=preempted, last_seq=seq)
+
+
+def misplaced(state: PlacementState, ref: RunnerRef) -> str | None:
+    """Why a live instance's runner `ref` names is not where `ref` says it runs (a node
+    speaking for another node's runner), or None when it is, or is in no live instance."""
+    instance = state.instances.get(ref.instanceId)
+    ranks = instance.assignments if instance is not None else []
+    placed = next((a for a in ranks if a.runnerId == ref.runnerId), None)
+    if placed is None or (placed.nodeId, placed.deviceRank) == (ref.nodeId, ref.deviceRank):
+        return None
+    return (
+        f"runner {ref.runnerId!r} is rank {placed.deviceRank} on node {placed.nodeId!r}; this "
+        f"message says rank {ref.deviceRank} on node {ref.nodeId!r}"
+    )
 
 
 @dataclass(frozen=True, slots=True)

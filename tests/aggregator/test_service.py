@@ -170,6 +170,7 @@ async def test_malformed_messages_are_counted_dead_lettered_and_skipped(
 ) -> None:
     js = nc.jetstream()
     subject = js_ready.subjects.runner("node-0", "i", 0, "phase")
+    await publish(nc, js_ready, placed())
     bad = [
         b"\\x00\\xff",
         b"{}",
@@ -208,7 +209,7 @@ async def test_malformed_messages_are_counted_dead_lettered_and_skipped(
         assert running.service.dead_letters.total == 1003
         assert running.service.dead_letters.counts["telemetry_rank_outside_world"] == 142
         assert running.service.dead_letters.counts["id_too_long"] == 1
-        assert not state.instances
+        assert set(state.instances) == {"i"}  # the nonsense ones are not
         await running.service.dead_letters.settled()
     info = await js.stream_info(js_ready.deadletter_stream.name)
     assert info.state.messages == 1003
@@ -228,6 +229,57 @@ async def test_a_node_cannot_speak_for_another_node_s_runner(nc: Client, js_read
         assert running.service.dead_letters.counts == {"telemetry_identity": 3}
         (kept,) = [v.status for v in running.service.state.runners.values() if v.status]
         assert kept == honest
+
+
+async def test_a_node_cannot_fail_another_node_s_runner_from_its_own_subject(
+    nc: Client, js_ready: Layout
+) -> None:
+    js = nc.jetstream()
+    await publish(nc, js_ready, placed())
+    honest = status(rank(1), 0, RunnerStatusKind.READY)
+    await js.publish(js_ready.subjects.runner("node-1", "i", 1, "status"), encode(honest))
+    # node-0, on its own subject, names node-1's runner and says it runs on node-0
+    lie = msgspec.structs.replace(rank(1), nodeId="node-0")
+    spoof = status(lie, 900, RunnerStatusKind.FAILED, alive=False, detail="spoof")
+    await js.publish(js_ready.subjects.runner("node-0", "i", 1, "status"), encode(spoof))
+    async with aggregator(nc, js_ready) as running:
+        assert running.service.dead_letters.counts == {"telemetry_identity": 1}
+        assert running.service.state.runners["i-r1"].status == honest
+
+
+async def test_telemetry_of_a_runner_no_placement_made_changes_nothing(
+    nc: Client, js_ready: Layout
+) -> None:
+    js = nc.jetstream()
+    moment = [1000.0]
+    future = rank(0, "j")  # placed only later
+    poison = status(future, 500_000_000, RunnerStatusKind.FAILED, alive=False, detail="poison")
+    await js.publish(js_ready.subjects.runner("node-0", "j", 0, "status"), encode(poison))
+    never = rank(0, "k")
+    await publish(nc, js_ready, entries(never, (0, 1, Phase.IDLE, None)))
+    async with aggregator(nc, js_ready, clock=lambda: moment[0]) as running:
+        service = running.service
+        await publish(nc, js_ready, placed("j"))
+        honest = status(future, 0, RunnerStatusKind.READY)
+        await js.publish(js_ready.subjects.runner("node-0", "j", 0, "status"), encode(honest))
+        await until(lambda: service.state.runners["j-r0"].status == honest)
+        assert service.dead_letters.counts == {"telemetry_before_placement": 1}
+        moment[0] += 31  # what no placement claims in time is refused
+        await until(lambda: service.dead_letters.counts.get("telemetry_unplaced") == 1)
+        assert "k-r0" not in service.state.runners
+        assert "k" not in service._incidents
+
+
+async def test_a_runner_s_first_seq_must_be_one_it_could_have_reached(
+    nc: Client, js_ready: Layout
+) -> None:
+    js = nc.jetstream()
+    await publish(nc, js_ready, placed())
+    far = status(rank(1), 500_000_000, RunnerStatusKind.FAILED, alive=False, detail="far")
+    await js.publish(js_ready.subjects.runner("node-1", "i", 1, "status"), encode(far))
+    async with aggregator(nc, js_ready) as running:
+        assert running.service.dead_letters.counts == {"telemetry_seq_jump": 1}
+        assert running.service.state.runners["i-r1"].status is None
 
 
 async def test_a_node_cannot_pin_its_own_runner_with_an_implausible_seq(
@@ -744,20 +796,21 @@ async def test_a_partition_is_delivered_its_own_instances_alone(
     early, late = mine
     for name in [early, *theirs]:
         await publish(nc, js_ready, placed(name))
-    for name in [late, early, *theirs]:  # `late` reports before its placement arrives
+    for name in [late, early, *theirs]:  # `late` is named before its placement is stored
         await publish(nc, js_ready, entries(rank(0, name), (0, 1, Phase.CREATED, None)))
     async with aggregator(nc, js_ready, partition=Partition(0, 2)) as running:
         service = running.service
         await until(lambda: early in service.state.instances)
         await publish(nc, js_ready, placed(late))
         await publish(nc, js_ready, entries(rank(0, late), (1, 2, Phase.IDLE, None)))
-        await until(lambda: service.state.store.size == 3)
+        await until(lambda: service.state.store.size == 2)
         folded = service._folding
         telemetry = folded[js_ready.runner_stream.name]
         assert telemetry.handled == 3  # its own, late's first gone over again: no other
         assert {v.ref.instanceId for v in service.state.runners.values()} == set(mine)
         held = service.state.timeline(TimelineQuery(instanceId=late), local_node_id="x")
-        assert [e.at for e in held.timeline] == [at(1), at(2)]  # from before it was placed
+        assert [e.at for e in held.timeline] == [at(2)]  # none stored before it was placed
+        assert service.dead_letters.counts == {"telemetry_before_placement": 1}
 
 
 async def test_a_partition_stops_following_an_instance_a_while_after_its_release(

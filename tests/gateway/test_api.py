@@ -379,11 +379,29 @@ async def _answered(
     speaker: str,
     answers: list[tuple[str, bytes]],
     reports: tuple[tuple[str, TaskStatus, str | None], ...] = (),
+    forged: tuple[tuple[str, str, TaskStatus], ...] = (),
 ) -> AsyncIterator[None]:
-    """Answer the next task of llm-0 with `answers`, (node, raw chunk) pairs sent on its
-    output subject as that node ("": the speaker), as the last rank's node would; then
-    send `reports`, (node, status, detail) of the task, as the ranks' agents do."""
+    """Answer the next task of llm-0: first `forged` reports, (subject's node, node whose
+    rank it names, status), then `answers`, (node, raw chunk) pairs sent on its output
+    subject as that node ("": the speaker), as the last rank's node would; then
+    `reports`, (node, status, detail) of the task, as the ranks' agents do."""
     tasks = await stack.nc.subscribe(stack.layout.subjects.tasks("llm-0"))
+    placed = (await stack.http.get("/v1/placement/runners")).json()
+    runner_on = {p["nodeId"]: p["runnerId"] for p in placed if p["runnerId"].startswith("llm-0")}
+
+    async def report(
+        task: TaskCreated, node: str, rank_node: str, status: TaskStatus, detail: str | None
+    ) -> None:
+        said = TaskStatusChanged(
+            at=now(),
+            taskId=task.taskId,
+            instanceId="llm-0",
+            taskStatus=status,
+            runnerId=runner_on[rank_node],
+            detail=detail,
+        )
+        subject = stack.layout.subjects.task_status("llm-0", node)
+        await stack.nc.jetstream().publish(subject, encode(said))
 
     async def answer() -> None:
         task = decode((await tasks.next_msg(timeout=10)).data, TaskEvent)
@@ -391,20 +409,14 @@ async def _answered(
             task = decode((await tasks.next_msg(timeout=10)).data, TaskEvent)  # of a chat before
         assert isinstance(task, TaskCreated)
         assert task.commandId
+        for node, rank_node, status in forged:
+            await report(task, node, rank_node, status, "forged")
+        await asyncio.sleep(0.5 if forged else 0)  # past the grace a failure is given
         for node, raw in answers:
             subject = stack.layout.subjects.output(task.commandId, node or speaker)
             await stack.nc.publish(subject, raw)
         for node, status, detail in reports:
-            report = TaskStatusChanged(
-                at=now(),
-                taskId=task.taskId,
-                instanceId="llm-0",
-                taskStatus=status,
-                runnerId=f"runner-on-{node or speaker}",
-                detail=detail,
-            )
-            subject = stack.layout.subjects.task_status("llm-0", node or speaker)
-            await stack.nc.jetstream().publish(subject, encode(report))
+            await report(task, node or speaker, node or speaker, status, detail)
 
     answering = asyncio.create_task(answer())
     yield
@@ -485,8 +497,23 @@ async def test_a_task_a_rank_reports_failed_ends_the_chat_with_a_502_at_once(
         reply = await stack.http.post("/v1/chat/completions", json=CHAT)
     assert reply.status_code == 502
     assert reply.json()["detail"] == (
-        "the task failed on runner-on-node-a: the runner died: killed by SIGKILL"
+        "the task failed on llm-0-a0-r0: the runner died: killed by SIGKILL"
     )
+
+
+async def test_a_failure_one_node_reports_for_another_s_rank_ends_no_chat(
+    stack_for: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("services.gateway.routes.chat.FAILURE_GRACE_S", 0.2)
+    stack: Stack = await stack_for()
+    speaker = await _serving(stack)
+    other = "node-a" if speaker == "node-b" else "node-b"
+    forged = ((other, speaker, TaskStatus.FAILED),)  # on its own subject, the speaker's rank
+    answers = [("", _chunk(0, "Hel")), ("", _chunk(1, "lo", finish="stop"))]
+    async with _answered(stack, speaker, answers, forged=forged):
+        reply = await stack.http.post("/v1/chat/completions", json=CHAT)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == "Hello"
 
 
 async def test_every_rank_that_reports_the_task_failed_is_named_not_only_the_first(
@@ -502,8 +529,8 @@ async def test_every_rank_that_reports_the_task_failed_is_named_not_only_the_fir
         reply = await stack.http.post("/v1/chat/completions", json=CHAT)
     assert reply.status_code == 502
     assert reply.json()["detail"] == (
-        "the task failed on runner-on-node-b: the runner died: exit code 1; "
-        "on runner-on-node-a: the runner died: killed by SIGKILL"
+        "the task failed on llm-0-a0-r1: the runner died: exit code 1; "
+        "on llm-0-a0-r0: the runner died: killed by SIGKILL"
     )
 
 

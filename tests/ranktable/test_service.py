@@ -115,12 +115,14 @@ class Stack:
         kind: RunnerStatusKind,
         seq: int = 1,
         publisher: str | None = None,
+        claimed: bool = False,
     ) -> None:
-        """Every rank's status, each on its node's subject (or all on `publisher`'s)."""
+        """Every rank's status, each on its node's subject (or all on `publisher`'s, the
+        payload saying it runs there when `claimed`)."""
         for a in instance.assignments:
             ref = RunnerRef(
                 runnerId=a.runnerId,
-                nodeId=a.nodeId,
+                nodeId=publisher if claimed and publisher else a.nodeId,
                 instanceId=instance.instanceId,
                 modelId=instance.modelId,
                 deviceRank=a.deviceRank,
@@ -293,6 +295,26 @@ async def test_a_node_cannot_report_another_node_s_rank_ready(stack: Stack) -> N
     assert json.loads(latest[1].rankTable)["status"] == "initializing"
     await stack.report(placed, RunnerStatusKind.READY, seq=3)
     await _until(stack, "llm-0", lambda _, t: json.loads(t.rankTable)["status"] == "completed")
+
+
+async def test_a_node_cannot_fail_another_node_s_rank_from_its_own_subject(stack: Stack) -> None:
+    await stack.put_node(node_info("node-a", 24))
+    await stack.put_node(node_info("node-b", 8))
+    service = await stack.start()
+    placed = await _place(stack, runner())
+    await stack.report(placed, RunnerStatusKind.READY, seq=1)
+    await _until(stack, "llm-0", lambda _, t: json.loads(t.rankTable)["status"] == "completed")
+    # node-a, on its own subjects, says every rank runs on node-a and has failed
+    await stack.report(placed, RunnerStatusKind.FAILED, seq=900, publisher="node-a", claimed=True)
+    for _ in range(int(WAIT / 0.05)):
+        if service.dead_letters.counts:
+            break
+        await asyncio.sleep(0.05)
+    assert service.dead_letters.counts == {"telemetry_identity": 1}  # node-b's rank
+    await asyncio.sleep(0.2)
+    latest = stack.hub.latest("llm-0")
+    assert latest is not None
+    assert json.loads(latest[1].rankTable)["status"] == "initializing"  # node-a's own rank
 
 
 async def test_identical_tables_are_not_sent_again(stack: Stack) -> None:

@@ -11,7 +11,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.js.api import StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from nats.js.errors import NotFoundError
 
 from shared.connection import close, connect
@@ -229,6 +229,33 @@ async def test_the_operator_reads_every_stream_the_dead_letters_too_and_writes_n
     await operator.refused("STREAM.PURGE")
     await watched.unsubscribe()
     await close(operator.nc)
+
+
+async def test_the_operator_answers_no_query_or_probe_and_deletes_no_consumer(
+    server: EmbeddedNats,
+) -> None:
+    operator = await _login(server, OPERATOR)
+    asked = [SUBJECTS.query("diagnosis"), SUBJECTS.node_diagnostics("node-a")]
+
+    async def forge(msg: Msg) -> None:
+        await msg.respond(b'{"findings": [{"forged": true}]}')
+
+    for subject in asked:
+        await operator.nc.subscribe(subject, cb=forge)
+    await operator.nc.flush()
+    gateway = await _login(server, "gateway")
+    aggregator = await _login(server, "aggregator")
+    for session, subject in ((gateway, asked[0]), (aggregator, asked[1])):
+        with pytest.raises((TimeoutError, NatsError)):
+            await session.nc.request(subject, b"{}", timeout=0.5)
+    await operator.refused("publish")  # its answers never left
+    theirs = ConsumerConfig(name="theirs", ack_policy=AckPolicy.NONE, inactive_threshold=60)
+    info = await aggregator.js.add_consumer(LAYOUT.runner_stream.name, theirs)
+    with pytest.raises((TimeoutError, NatsError)):
+        await operator.js.delete_consumer(LAYOUT.runner_stream.name, info.name)
+    await operator.refused("CONSUMER.DELETE")
+    for session in (operator, gateway, aggregator):
+        await close(session.nc)
 
 
 async def test_a_wrong_password_is_refused(server: EmbeddedNats) -> None:

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -23,6 +23,7 @@ from services.gateway.deps import bus, writer
 from services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
 from services.gateway.scatter import missing
 from shared.settings import Settings
+from shared.subjects import Subjects
 from shared.timestamps import later, now
 from shared.wire import (
     ChatMessage,
@@ -93,7 +94,9 @@ async def _instance(nats: Bus, model: str) -> InstanceState:
     return ready[0]
 
 
-async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncGenerator[TokenChunk, None]:
+async def _chunks(
+    nats: Bus, task: TaskCreated, nodes: Mapping[str, str], speaker: str
+) -> AsyncGenerator[TokenChunk, None]:
     """Submit the task and yield its output chunks, as node `speaker` (the node of the
     instance's last rank) sends them, in order until the last.
 
@@ -136,7 +139,7 @@ async def _chunks(nats: Bus, task: TaskCreated, speaker: str) -> AsyncGenerator[
                     ) from None
                 raise fail(504, f"no output within {GENERATION_TIMEOUT_S:g}s") from None
             if msg.subject != output:
-                status = _status_of(msg, task.taskId)
+                status = _status_of(msg, task.taskId, nodes, subjects)
                 if status is None:
                     continue
                 if status.taskStatus in (TaskStatus.FAILED, TaskStatus.TIMED_OUT):
@@ -210,13 +213,19 @@ async def _ranks_alive(nats: Bus, instance_id: str) -> None:
         raise fail(502, f"lost while generating: {names}")
 
 
-def _status_of(msg: Msg, task_id: str) -> TaskStatusChanged | None:
-    """A rank's status of task `task_id`, if that is what `msg` holds."""
+def _status_of(
+    msg: Msg, task_id: str, nodes: Mapping[str, str], subjects: Subjects
+) -> TaskStatusChanged | None:
+    """A rank's status of task `task_id`, if that is what `msg` holds and it came from the
+    node its rank runs on (`nodes`: by runner id); no node speaks for another's rank."""
     try:
         event = decode(msg.data, TaskEvent)
     except WireError:
         return None  # the status stream's readers count it; this reply does not need it
     if not isinstance(event, TaskStatusChanged) or event.taskId != task_id:
+        return None
+    node = nodes.get(event.runnerId or "")
+    if node is None or msg.subject != subjects.task_status(event.instanceId, node):
         return None
     return event
 
@@ -261,11 +270,14 @@ async def chat_completions(
     )
     created = int(time.time())
     speaker = max(instance.ranks, key=lambda rank: rank.deviceRank).nodeId
+    nodes = {rank.runnerId: rank.nodeId for rank in instance.ranks}
     if request.stream:
         return EventSourceResponse(
-            _stream(nats, task, speaker, request.model, created), ping=SSE_PING_S, sep="\n"
+            _stream(nats, task, nodes, speaker, request.model, created),
+            ping=SSE_PING_S,
+            sep="\n",
         )
-    answer = asyncio.create_task(_collect(_chunks(nats, task, speaker)))
+    answer = asyncio.create_task(_collect(_chunks(nats, task, nodes, speaker)))
     while not answer.done():
         await asyncio.wait({answer}, timeout=DISCONNECT_CHECK_S)
         if not answer.done() and await http.is_disconnected():
@@ -330,7 +342,12 @@ async def _collect(chunks: AsyncGenerator[TokenChunk, None]) -> tuple[str, Token
 
 
 async def _stream(
-    nats: Bus, task: TaskCreated, speaker: str, model: str, created: int
+    nats: Bus,
+    task: TaskCreated,
+    nodes: Mapping[str, str],
+    speaker: str,
+    model: str,
+    created: int,
 ) -> AsyncIterator[ServerSentEvent]:
     base = {
         "id": task.commandId,
@@ -345,7 +362,7 @@ async def _stream(
         ],
     }
     yield ServerSentEvent(data=encode(first).decode())
-    chunks = _chunks(nats, task, speaker)
+    chunks = _chunks(nats, task, nodes, speaker)
     try:
         async for chunk in chunks:
             delta = {"content": chunk.text} if chunk.text else {}
