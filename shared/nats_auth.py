@@ -16,8 +16,8 @@
 
 Only the agents and the aggregator may answer requests (probes, queries), each only those
 of the subjects it may subscribe to. Only the aggregator and the rank-table service may
-create or update streams; nobody may delete or purge them. Each user receives replies only under its own inbox prefix
-(`_INBOX_<user>`), so no role can read another's answers.
+create or update streams; nobody may delete or purge them. Each user receives replies only
+under its own inbox prefix (`_INBOX_<user>`), so no role can read another's answers.
 """
 
 from __future__ import annotations
