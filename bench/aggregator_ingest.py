@@ -21,7 +21,7 @@ import tracemalloc
 from pathlib import Path
 
 import nats
-from common import runner_ref, token_entry
+from common import placements, publish_placements, runner_ref, token_entry
 from nats.js.api import DeliverPolicy
 
 from services.aggregator.service import AggregatorService
@@ -67,6 +67,7 @@ async def _fill(url: str, messages: list[tuple[str, bytes, str]]) -> Layout:
     nc = await nats.connect(url)
     js = nc.jetstream()
     await ensure(js, layout)
+    await publish_placements(js, layout, RUNNERS)
     for start in range(0, len(messages), 2000):
         acks = [
             await js.publish_async(s, p, headers={"Nats-Msg-Id": i})
@@ -136,6 +137,8 @@ def _ingest(entries: int, per_batch: int) -> None:
 
 def _query_and_memory(stored: int) -> None:
     state = ClusterState(store=EntryStore(total=stored, per_runner=stored))
+    for created in placements(RUNNERS):
+        state.apply_placement(created)
     tracemalloc.start()
     payloads = [payload for _, payload, _ in _batches(stored, 64)]
     for payload in payloads:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import nats
-from common import runner_ref, token_entry
+from common import publish_placements, runner_ref, token_entry
 from nats.aio.msg import Msg
 
 from services.aggregator.service import AggregatorService
@@ -54,6 +54,8 @@ async def _fill(url: str, first: int, last: int) -> None:
     nc = await nats.connect(url)
     js = nc.jetstream()
     await ensure(js, LAYOUT)
+    if not first:
+        await publish_placements(js, LAYOUT, RUNNERS)
     for start in range(first, last, 4000):
         acks = []
         for index in range(start, min(start + 4000, last)):

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import nats
-from common import runner_ref, token_entry
+from common import placements, runner_ref, token_entry
 
 import services.aggregator.service as aggregator_service
 from services.aggregator.service import AggregatorService
@@ -37,6 +37,8 @@ LAYOUT = Layout()
 
 def _state(stored: int) -> ClusterState:
     state = ClusterState(store=EntryStore(total=stored, per_runner=stored))
+    for created in placements(RUNNERS):
+        state.apply_placement(created)
     per_runner = stored // RUNNERS
     for r in range(RUNNERS):
         ref = runner_ref(r)

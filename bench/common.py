@@ -1,13 +1,20 @@
-"""Pieces every benchmark uses: a free loopback port and the runners of a synthetic cluster."""
+"""Pieces every benchmark uses: a free loopback port and the runners of a synthetic cluster,
+with the placements that make them (telemetry counts only for a runner a placement made)."""
 
 from __future__ import annotations
 
 import socket
 from typing import Any
 
-from shared.wire import FlightEntry, Phase, RunnerRef
+from nats.js import JetStreamContext
 
-__all__ = ["free_port", "runner_ref", "token_entry"]
+from shared.jetstream import Layout
+from shared.wire import FlightEntry, InstanceCreated, Phase, RunnerAssignment, RunnerRef, encode
+
+__all__ = ["free_port", "placements", "publish_placements", "runner_ref", "token_entry"]
+
+RANKS = 8
+"""Ranks of each synthetic instance."""
 
 
 def free_port() -> int:
@@ -20,13 +27,46 @@ def free_port() -> int:
 def runner_ref(index: int) -> RunnerRef:
     """Runner `index` of a synthetic cluster of 8-rank instances, one node per runner."""
     return RunnerRef(
-        runnerId=f"i{index // 8}-r{index % 8}",
+        runnerId=f"i{index // RANKS}-r{index % RANKS}",
         nodeId=f"node-{index}",
-        instanceId=f"i{index // 8}",
+        instanceId=f"i{index // RANKS}",
         modelId="m",
-        deviceRank=index % 8,
-        worldSize=8,
+        deviceRank=index % RANKS,
+        worldSize=RANKS,
     )
+
+
+def placements(runners: int) -> list[InstanceCreated]:
+    """The placements that make runners 0 to `runners` - 1 of `runner_ref`."""
+    return [
+        InstanceCreated(
+            at="2026-11-21T00:00:00.000000Z",
+            instanceId=f"i{instance}",
+            runnerSpecId="spec",
+            modelId="m",
+            assignments=[
+                RunnerAssignment(
+                    runnerId=ref.runnerId,
+                    nodeId=ref.nodeId,
+                    deviceRank=ref.deviceRank,
+                    worldSize=RANKS,
+                    startLayer=ref.deviceRank,
+                    endLayer=ref.deviceRank + 1,
+                    nLayers=RANKS,
+                    host="127.0.0.1",
+                    port=50_000 + ref.deviceRank,
+                )
+                for ref in map(runner_ref, range(instance * RANKS, (instance + 1) * RANKS))
+            ],
+        )
+        for instance in range((runners + RANKS - 1) // RANKS)
+    ]
+
+
+async def publish_placements(js: JetStreamContext, layout: Layout, runners: int) -> None:
+    """Store the placements of runners 0 to `runners` - 1, before any of their telemetry."""
+    for created in placements(runners):
+        await js.publish(layout.subjects.placement(created.instanceId), encode(created))
 
 
 def token_entry(seq: int, **attrs: Any) -> FlightEntry:

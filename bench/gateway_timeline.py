@@ -21,11 +21,11 @@ from pathlib import Path
 
 import httpx
 import nats
-from common import free_port
+from common import free_port, publish_placements, runner_ref
 
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
-from shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, encode
+from shared.wire import FlightEntry, Phase, PhaseEntries, encode
 
 BARE = """
 import sys, uvicorn
@@ -45,16 +45,10 @@ async def _fill(url: str) -> None:
     nc = await nats.connect(url)
     js = nc.jetstream()
     await ensure(js, layout)
+    await publish_placements(js, layout, 8)
     for r in range(8):
-        ref = RunnerRef(
-            runnerId=f"i-r{r}",
-            nodeId=f"node-{r}",
-            instanceId="i",
-            modelId="m",
-            deviceRank=r,
-            worldSize=8,
-        )
-        subject = layout.subjects.runner(ref.nodeId, "i", r, "phase")
+        ref = runner_ref(r)
+        subject = layout.subjects.runner(ref.nodeId, ref.instanceId, r, "phase")
         acks = []
         for first in range(0, 20_000, 64):
             batch = PhaseEntries(

@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import nats
-from common import free_port, runner_ref
+from common import free_port, publish_placements, runner_ref
 
 from shared.jetstream import Layout, ensure
 from shared.nats_server import EmbeddedNats
@@ -53,6 +53,7 @@ async def _fill(url: str, ranks: int, entries: int) -> None:
     js = nc.jetstream()
     await ensure(js, layout)
     per_rank = entries // ranks
+    await publish_placements(js, layout, ranks)
     start = datetime.now(UTC) - timedelta(seconds=15)  # ends ~5 s ahead: all on screen at load
     for r in range(ranks):
         ref = runner_ref(r)
