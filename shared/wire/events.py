@@ -188,6 +188,7 @@ class GenerationRequest(CamelStruct, kw_only=True, frozen=True):
     prompt: str | None = None
     maxTokens: Positive = 128
     temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    topP: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
 
 
 class _Task(_Stamped, kw_only=True, frozen=True, tag_field="type", tag=True):

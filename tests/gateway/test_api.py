@@ -580,6 +580,49 @@ async def test_a_chat_message_of_no_known_role_is_a_422_naming_it(stack_for: Any
 
 
 @pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({"temperature": -1}, "`$.temperature`"),
+        ({"temperature": 2.5}, "`$.temperature`"),
+        ({"top_p": 0}, "`$.top_p`"),
+        ({"n": 2}, "`n`"),
+        ({"stop": ["\n"]}, "`stop`"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "`tools`"),
+        ({"logprobs": True, "presence_penalty": 1}, "`presence_penalty`, `logprobs`"),
+        ({"response_format": {"type": "json_object"}}, "`response_format`"),
+        ({"seed": 7, "temperature": 0.7}, "`seed`"),
+    ],
+)
+async def test_chat_parameters_rankscope_cannot_honour_are_a_422_naming_them(
+    stack_for: Any, extra: dict[str, Any], said: str
+) -> None:
+    stack: Stack = await stack_for()
+    reply = await stack.http.post("/v1/chat/completions", json={**CHAT, **extra})
+    assert reply.status_code == 422, reply.text
+    assert said in reply.json()["detail"]
+
+
+async def test_chat_parameters_that_ask_for_what_it_does_pass_the_gateway(
+    stack_for: Any,
+) -> None:
+    stack: Stack = await stack_for()
+    defaults = {
+        "n": 1,
+        "stop": None,
+        "seed": 3,
+        "logprobs": False,
+        "top_p": 0.9,
+        "store": False,
+        "response_format": {"type": "text"},
+        "stream_options": None,
+        "tool_choice": "none",
+    }
+    reply = await stack.http.post("/v1/chat/completions", json={**CHAT, **defaults})
+    assert reply.status_code == 404  # past validation: no instance serves "llm" here
+    assert reply.json()["detail"] == "no instance serves model 'llm'"
+
+
+@pytest.mark.parametrize(
     ("limit", "field", "said"),
     [
         (100_000, "max_tokens", "`$.max_tokens` 100,000 is over this gateway's limit of 4,096"),

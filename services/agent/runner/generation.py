@@ -140,7 +140,11 @@ class Generation:
             limit = max(min(limit, context - len(prompt)), 1)
         record(Phase.KV_CACHE_LOOKUP, "fresh_cache", attrs={"prompt_tokens": len(prompt)})
         cache = make_prompt_cache(self._shard.model)
-        sampler = make_sampler(temp=request.temperature) if request.temperature > 0 else None
+        sampler = (
+            make_sampler(temp=request.temperature, top_p=request.topP)
+            if request.temperature > 0
+            else None
+        )
         tokens = generate_step(
             mx.array(prompt),
             self._shard.model,

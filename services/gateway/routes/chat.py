@@ -11,8 +11,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Request
 from nats.aio.msg import Msg
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -65,15 +66,58 @@ class Message(SnakeStruct, kw_only=True, frozen=True):
 
 
 class ChatRequest(SnakeStruct, kw_only=True, frozen=True):
-    """What OpenAI clients send; `model` is a Runner spec id or a model id."""
+    """What OpenAI clients send; `model` is a Runner spec id or a model id. Every field of
+    OpenAI's request is known; those rankscope cannot honour are refused by name
+    (`unsupported`) unless they ask for what it does anyway."""
 
     model: str
     messages: list[Message]
     stream: bool = False
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 0.0
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
     user: str | None = None
+
+
+def unsupported(request: ChatRequest) -> str | None:
+    """Why rankscope cannot do what `request` asks, naming the field, or None."""
+    asked = {
+        "n": request.n != 1,
+        "stop": bool(request.stop),
+        "seed": request.seed is not None and request.temperature > 0,
+        "frequency_penalty": request.frequency_penalty != 0,
+        "presence_penalty": request.presence_penalty != 0,
+        "logit_bias": bool(request.logit_bias),
+        "logprobs": request.logprobs or request.top_logprobs is not None,
+        "tools": bool(request.tools) or request.tool_choice not in (None, "none"),
+        "functions": bool(request.functions) or request.function_call not in (None, "none"),
+        "response_format": (request.response_format or {"type": "text"}).get("type") != "text",
+    }
+    refused = [field for field, asks in asked.items() if asks]
+    if not refused:
+        return None
+    return (
+        f"not supported by rankscope's runners: `{'`, `'.join(refused)}` "
+        "(one greedy or sampled completion of plain text, temperature and top_p only)"
+    )
 
 
 async def _body(request: Request) -> bytes:
@@ -251,6 +295,8 @@ async def chat_completions(
     request = strict(body, ChatRequest)
     if not request.messages:
         raise fail(422, "invalid body: `$.messages` is empty")
+    if (why := unsupported(request)) is not None:
+        raise fail(422, why)
     limit = _token_limit(request, http.app.state.settings)
     instance = await _instance(nats, request.model)
     completion = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -266,6 +312,7 @@ async def chat_completions(
             messages=[ChatMessage(role=m.role, content=m.content) for m in request.messages],
             maxTokens=limit,
             temperature=request.temperature,
+            topP=request.top_p,
         ),
     )
     created = int(time.time())
