@@ -53,6 +53,40 @@ def _subject(
     return subjects.runner(node_id, instance_id, rank, kind)
 
 
+FIELD_LIMIT = 16 << 10
+"""The longest text of one telemetry field (a detail, an attribute, a memory source)."""
+ATTRS_LIMIT = 64
+"""The most attributes one entry of a large message may carry."""
+
+
+def _bounded(event: RunnerTelemetry) -> None:
+    """Refuse telemetry whose fields are past the limits: one huge field would make every
+    timeline that shows it huge, and the aggregator hold it."""
+    texts: list[tuple[str, str]] = []
+    if isinstance(event, PhaseEntries):
+        for index, entry in enumerate(event.entries):
+            where = f"entries[{index}]"
+            if len(entry.attrs) > ATTRS_LIMIT:
+                raise BadInputError(
+                    "telemetry_oversize",
+                    f"{where} has {len(entry.attrs)} attributes, more than {ATTRS_LIMIT}",
+                )
+            texts += [(f"{where}.event", entry.event), (f"{where}.detail", entry.detail or "")]
+            for key, value in entry.attrs.items():
+                values = value if isinstance(value, list) else [value]
+                texts += [(f"{where}.attrs.{key[:40]}", str(v)) for v in (key, *values)]
+    elif isinstance(event, RunnerStatusChanged):
+        texts.append(("detail", event.detail or ""))
+    else:
+        texts.append(("snapshot.source", event.snapshot.source))
+    for where, text in texts:
+        if len(text) > FIELD_LIMIT:
+            raise BadInputError(
+                "telemetry_oversize",
+                f"`{where}` is {len(text):,} characters, more than {FIELD_LIMIT:,}",
+            )
+
+
 def parse_telemetry(data: bytes, subject: str, subjects: Subjects) -> RunnerTelemetry:
     """A runner telemetry message received on `subject`.
 
@@ -70,6 +104,8 @@ def parse_telemetry(data: bytes, subject: str, subjects: Subjects) -> RunnerTele
             "telemetry_rank_outside_world",
             f"deviceRank {event.runner.deviceRank} >= worldSize {event.runner.worldSize}",
         )
+    if len(data) > FIELD_LIMIT:  # a message no larger holds no field past the limits
+        _bounded(event)
     ref = event.runner
     _named(ref.nodeId, ref.instanceId, ref.runnerId)
     named = _subject(subjects, ref.nodeId, ref.instanceId, ref.deviceRank, _KIND[type(event)])

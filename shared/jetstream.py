@@ -37,6 +37,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+TELEMETRY_MAX_MESSAGE = 1 << 20
+"""The largest telemetry message JetStream stores: an agent's batch of 64 entries is tens
+of KB; one the size of a timeline answer would fill every timeline that shows it."""
+
 DUPLICATE_WINDOW_S = 120.0
 """Dedupe window for `Nats-Msg-Id`; covers the longest publish retry of any producer."""
 
@@ -50,6 +54,7 @@ class StreamSpec:
     max_age_s: float = 0.0
     max_bytes: int = -1
     max_msgs_per_subject: int = -1
+    max_msg_size: int = -1
     duplicate_window_s: float = DUPLICATE_WINDOW_S
     replicas: int = 1
 
@@ -63,6 +68,7 @@ class StreamSpec:
             max_age=self.max_age_s,
             max_bytes=self.max_bytes,
             max_msgs_per_subject=self.max_msgs_per_subject,
+            max_msg_size=self.max_msg_size,
             duplicate_window=self.duplicate_window_s,
             allow_direct=True,
             num_replicas=self.replicas,
@@ -75,6 +81,7 @@ class StreamSpec:
             or (current.max_age or 0.0) != self.max_age_s
             or (current.max_bytes or -1) != self.max_bytes
             or current.max_msgs_per_subject != self.max_msgs_per_subject
+            or (current.max_msg_size or -1) != self.max_msg_size
             or current.duplicate_window != self.duplicate_window_s
             or (current.num_replicas or 1) != self.replicas
         )
@@ -86,6 +93,7 @@ class StreamSpec:
             max_age=self.max_age_s,
             max_bytes=self.max_bytes,
             max_msgs_per_subject=self.max_msgs_per_subject,
+            max_msg_size=self.max_msg_size,
             duplicate_window=self.duplicate_window_s,
             num_replicas=self.replicas,
         )
@@ -187,6 +195,7 @@ class Layout:
             max_age_s=self.telemetry_max_age_s,
             max_bytes=self.telemetry_max_bytes,
             max_msgs_per_subject=self.telemetry_max_msgs_per_subject,
+            max_msg_size=TELEMETRY_MAX_MESSAGE,
             replicas=self.replicas,
         )
 

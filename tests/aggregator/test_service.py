@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -280,6 +281,27 @@ async def test_a_runner_s_first_seq_must_be_one_it_could_have_reached(
     async with aggregator(nc, js_ready) as running:
         assert running.service.dead_letters.counts == {"telemetry_seq_jump": 1}
         assert running.service.state.runners["i-r1"].status is None
+
+
+async def test_huge_telemetry_fields_are_refused_and_every_timeline_stays_small(
+    nc: Client, js_ready: Layout
+) -> None:
+    js = nc.jetstream()
+    await publish(nc, js_ready, placed())
+    subject = js_ready.subjects.runner("node-0", "i", 0, "phase")
+    with pytest.raises(nats.js.errors.APIError, match="message size exceeds maximum"):
+        await js.publish(subject, b"x" * (2 << 20))  # the stream itself stores none so big
+    wide = entries(rank(0), (0, 1, Phase.IDLE, None))
+    huge = msgspec.structs.replace(
+        wide, entries=[msgspec.structs.replace(wide.entries[0], detail="d" * (100 << 10))]
+    )
+    await js.publish(subject, encode(huge))
+    await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.IDLE, None)))
+    async with aggregator(nc, js_ready) as running:
+        assert running.service.dead_letters.counts == {"telemetry_oversize": 1}
+        reply = await query(nc, js_ready, "timeline", {"limit": 100})
+        assert len(reply.data) < 10_000
+        assert [e["at"] for e in json.loads(reply.data)["timeline"]] == [at(2)]
 
 
 async def test_a_node_cannot_pin_its_own_runner_with_an_implausible_seq(
