@@ -171,6 +171,12 @@ class Settings:
     ring_port_base: int = _setting(
         52000, _port, "First port handed to ranks for their ring connections."
     )
+    max_replicas: int = _setting(
+        64, _positive_int, "Most instances one Runner spec may ask for (more: refused)."
+    )
+    max_runners_per_node: int = _setting(
+        16, _positive_int, "Most runners placed on one node, every spec together."
+    )
     heartbeat_ttl: float = _setting(10.0, _duration, "Node entry lifetime without heartbeat.")
     replicas: int = _setting(
         1, _replicas, "Copies of every stream and bucket: 3 on a NATS cluster (one may fail)."

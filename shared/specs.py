@@ -138,8 +138,13 @@ def _bytes(field: str, text: str) -> int:
         raise SpecError(f"{field}: {exc}") from None
 
 
-def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
-    """Check a spec and extract its placement needs.
+MAX_REPLICAS = 64
+"""Instances one spec may ask for by default (`RANKSCOPE_MAX_REPLICAS`)."""
+
+
+def validate(runner: Runner, revision: int = 0, max_replicas: int = MAX_REPLICAS) -> PlacementSpec:
+    """Check a spec and extract its placement needs; it may ask for `max_replicas`
+    instances at most.
 
     Raises:
         SpecError: the first problem, worded for the operator who wrote the spec.
@@ -169,6 +174,11 @@ def validate(runner: Runner, revision: int = 0) -> PlacementSpec:
     compute = runner.compute_info
     if compute is None or compute.num_accelerators < 1:
         raise SpecError("compute_info.num_accelerators must be at least 1 (ranks per instance)")
+    if runner.num_replicas > max_replicas:
+        raise SpecError(
+            f"num_replicas ({runner.num_replicas:,}) is over this installation's limit of "
+            f"{max_replicas} (RANKSCOPE_MAX_REPLICAS)"
+        )
     if runner.min_replicas > runner.num_replicas:
         raise SpecError(
             f"min_replicas ({runner.min_replicas}) exceeds num_replicas ({runner.num_replicas})"

@@ -52,6 +52,8 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             layout=layout,
             hub=hub,
             port_base=settings.ring_port_base,
+            max_replicas=settings.max_replicas,
+            max_runners_per_node=settings.max_runners_per_node,
             shapes=ModelShapes(nc, layout.subjects),
             # heartbeats that JetStream did not store are no sign of lost nodes
             connected=lambda: reach.reachable and storage.storing,

@@ -115,14 +115,24 @@ def largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
     return shares
 
 
+MAX_RUNNERS_PER_NODE = 16
+"""Runners one node may run by default (`RANKSCOPE_MAX_RUNNERS_PER_NODE`): each is a
+process holding a model runtime, whatever share of the layers it holds."""
+
+
 class _Capacity:
     """Free bytes and used ring ports per node, as placements are made and undone."""
 
-    def __init__(self, nodes: Mapping[str, NodeView], port_base: int) -> None:
+    def __init__(self, nodes: Mapping[str, NodeView], port_base: int, max_runners: int) -> None:
         self.nodes = nodes
         self.port_base = port_base
+        self.max_runners = max_runners
         self.free = {node_id: node.available_bytes for node_id, node in nodes.items()}
         self.ports: dict[str, set[int]] = {node_id: set() for node_id in nodes}
+
+    def runners(self, node_id: str) -> int:
+        """Runners placed on the node so far (one ring port each)."""
+        return len(self.ports[node_id])
 
     def take(self, instance: InstanceCreated | NewInstance, demand: Mapping[str, int]) -> None:
         for node_id, need in demand.items():
@@ -166,10 +176,19 @@ def _place(
     if not eligible:
         return f"no live node in {wanted}; waiting for one"
     nodes_needed = -(-spec.ranks // spec.max_ranks_per_node)
+    full = [n for n in eligible if capacity.runners(n.node_id) >= capacity.max_runners]
+    eligible = [n for n in eligible if n not in full]
     if len(eligible) < nodes_needed:
         return (
             f"{spec.ranks} ranks at {spec.max_ranks_per_node} per node need {nodes_needed} "
             f"nodes, but {wanted} has {len(eligible)} live"
+            + (
+                f" with room: {', '.join(n.node_id for n in full)} already run "
+                f"{capacity.max_runners} runners, the most one node may "
+                "(RANKSCOPE_MAX_RUNNERS_PER_NODE)"
+                if full
+                else ""
+            )
         )
     order = sorted(eligible, key=lambda n: (-capacity.free[n.node_id], n.node_id))
     per_node = [0] * len(order)
@@ -254,6 +273,7 @@ def plan(
     attempts: Mapping[str, int],
     *,
     port_base: int,
+    max_runners_per_node: int = MAX_RUNNERS_PER_NODE,
 ) -> Plan:
     """Decide releases and new placements for the whole cluster.
 
@@ -263,9 +283,10 @@ def plan(
         placed: live instances by id, as last placed.
         attempts: placements made so far per instance id (the next attempt is this count).
         port_base: first ring port to hand out on each node.
+        max_runners_per_node: the most runners one node may run, every spec together.
     """
     by_id = {spec.runner_id: spec for spec in specs}
-    capacity = _Capacity(nodes, port_base)
+    capacity = _Capacity(nodes, port_base, max_runners_per_node)
     releases: list[Release] = []
     kept: dict[str, InstanceCreated] = {}
     for instance in placed.values():

@@ -24,7 +24,7 @@ from nats.js.kv import KeyValue
 
 from services.ranktable.hub import TableHub
 from services.ranktable.models import ModelShapes
-from services.ranktable.placement import NodeView, Plan, plan
+from services.ranktable.placement import MAX_RUNNERS_PER_NODE, NodeView, Plan, plan
 from services.ranktable.state import (
     PlacementState,
     Readiness,
@@ -39,7 +39,7 @@ from shared.inputs import BadInputError, parse_telemetry
 from shared.jetstream import Layout, publish_acked
 from shared.model_shape import ModelShape, Unsupported
 from shared.replay import Follower, follow, follow_bucket
-from shared.specs import PlacementSpec, SpecError, validate
+from shared.specs import MAX_REPLICAS, PlacementSpec, SpecError, validate
 from shared.subjects import kv_key, token, untoken
 from shared.timestamps import now, to_epoch
 from shared.wire import (
@@ -78,6 +78,8 @@ class RankTableService:
         layout: streams and buckets of this installation.
         hub: where in-process subscribers (gRPC) follow rank tables.
         port_base: first ring port handed out per node.
+        max_replicas: the most instances one spec may ask for.
+        max_runners_per_node: the most runners placed on one node, every spec together.
         clock: monotonic seconds, for node expiry.
         shapes: where the shapes of models given by path are asked (the nodes); without
             it, such specs wait.
@@ -93,6 +95,8 @@ class RankTableService:
         layout: Layout,
         hub: TableHub,
         port_base: int,
+        max_replicas: int = MAX_REPLICAS,
+        max_runners_per_node: int = MAX_RUNNERS_PER_NODE,
         clock: Callable[[], float] = time.monotonic,
         shapes: ModelShapes | None = None,
         connected: Callable[[], bool] = lambda: True,
@@ -107,6 +111,8 @@ class RankTableService:
         self._layout = layout
         self._hub = hub
         self._port_base = port_base
+        self._max_replicas = max_replicas
+        self._max_runners_per_node = max_runners_per_node
         self._clock = clock
         self._specs: dict[str, PlacementSpec] = {}
         self._refused: dict[str, tuple[int, str]] = {}
@@ -240,7 +246,9 @@ class RankTableService:
             runner = decode(entry.value or b"", Runner)
             if runner.id and runner.id != spec_id:
                 raise SpecError(f"id {runner.id!r} does not match its key {spec_id!r}")
-            spec = validate(msgspec.structs.replace(runner, id=spec_id), revision)
+            spec = validate(
+                msgspec.structs.replace(runner, id=spec_id), revision, self._max_replicas
+            )
             known = self._shapes.known(spec.model_path or "") if self._shapes else None
             if spec.model is None and known is not None:
                 spec = spec.shaped(known)
@@ -399,6 +407,7 @@ class RankTableService:
             self._state.instances,
             self._state.attempts,
             port_base=self._port_base,
+            max_runners_per_node=self._max_runners_per_node,
         )
         for release in decided.releases:
             instance = self._state.instances[release.instance_id]

@@ -155,6 +155,11 @@ async def test_two_concurrent_creates_of_one_spec_do_not_both_succeed(stack_for:
             "unknown field `$.runners[0].nodpool`",
         ),
         ({"runners": [{**SPEC, "min_replicas": 3}]}, 422, "min_replicas (3) exceeds num_replicas"),
+        (
+            {"runners": [{**SPEC, "num_replicas": 4000}]},
+            422,
+            "num_replicas (4,000) is over this installation's limit of 64 (RANKSCOPE_MAX_REPLICAS)",
+        ),
         ({"runners": [{**SPEC, "metadata": {}}]}, 422, "the model's size is unknown"),
         ({"runners": []}, 422, "`$.runners` is empty"),
         ({"runner": SPEC}, 422, "missing required field `runners`"),

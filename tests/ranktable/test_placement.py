@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.ranktable.placement import NewInstance, Plan, largest_remainder, plan
+from shared.model_shape import ModelShape
 from shared.specs import PlacementSpec
 from shared.timestamps import now
 from shared.wire import InstanceCreated, ReleaseCause
@@ -115,6 +116,20 @@ def test_too_few_nodes_is_refused_with_counts() -> None:
         "3 ranks at 1 per node need 3 nodes, but nodepool 'default' has 2 live"
         in (result.refusals["llm"])
     )
+
+
+def test_a_typo_in_replicas_places_no_more_runners_on_a_node_than_it_may_run() -> None:
+    tiny = spec(model=ModelShape(n_layers=32, model_bytes=1 << 20), replicas=500)
+    live = nodes(node("node-a", 24), node("node-b", 24))
+    result = plan([tiny], live, {}, {}, port_base=PORT_BASE, max_runners_per_node=4)
+    assert len(result.placements) == 4  # 4 runners on each node, two ranks an instance
+    per_node: dict[str, int] = {}
+    for new in result.placements:
+        for rank in new.assignments:
+            per_node[rank.nodeId] = per_node.get(rank.nodeId, 0) + 1
+    assert per_node == {"node-a": 4, "node-b": 4}
+    assert result.refusals["llm"].startswith("replica 4: 2 ranks at 1 per node need 2 nodes")
+    assert "node-a, node-b already run 4 runners, the most one node may" in result.refusals["llm"]
 
 
 def test_unknown_nodepool_waits() -> None:

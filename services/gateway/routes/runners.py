@@ -13,8 +13,9 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from services.gateway.bodies import strict
 from services.gateway.bus import Bus
-from services.gateway.deps import bus, reader, writer
+from services.gateway.deps import bus, reader, settings, writer
 from services.gateway.responses import Json, fail, schema_ref
+from shared.settings import Settings
 from shared.specs import SpecError, validate
 from shared.timestamps import now
 from shared.wire import Runner, RunnerSpecStatus, decode, encode
@@ -24,6 +25,13 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["runners"])
 Nats = Annotated[Bus, Depends(bus)]
+
+
+async def _settings(request: Request) -> Settings:
+    return settings(request)
+
+
+Configured = Annotated[Settings, Depends(_settings)]
 OK = {"code": 10000, "description": "Ok"}
 JUDGED_WAIT_S = 3.0
 """How long a create waits for the rank-table service to say what it made of a spec."""
@@ -71,9 +79,9 @@ async def _body(request: Request) -> bytes:
     return await request.body()
 
 
-def _check(runner: Runner) -> None:
+def _check(runner: Runner, settings: Settings) -> None:
     try:
-        validate(runner)
+        validate(runner, max_replicas=settings.max_replicas)
     except SpecError as exc:
         raise fail(422, f"runner {runner.id!r}: {exc}") from None
 
@@ -123,7 +131,9 @@ async def list_runners(
     dependencies=[Depends(writer)],
     openapi_extra={"requestBody": schema_ref(PostRunnersRequest)},
 )
-async def create_runners(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> Json:
+async def create_runners(
+    nats: Nats, configured: Configured, body: Annotated[bytes, Depends(_body)]
+) -> Json:
     """Create Runner specs; each is checked before any is written. `placements` says what
     the rank-table service made of each: accepted and placed, or why not."""
     request = strict(body, PostRunnersRequest)
@@ -137,7 +147,7 @@ async def create_runners(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> 
         for r in request.runners
     ]
     for runner in created:
-        _check(runner)
+        _check(runner, configured)
         if await nats.get(nats.layout.runners_bucket.bucket, runner.id) is not None:
             raise fail(409, f"runner {runner.id!r} already exists")
     revisions = []
@@ -213,7 +223,7 @@ def _remove(base: Any, change: Any) -> Any:
 
 
 async def _patched(
-    nats: Bus, runner_id: str, change: dict[str, Any], action: PatchAction
+    nats: Bus, configured: Settings, runner_id: str, change: dict[str, Any], action: PatchAction
 ) -> Runner:
     """The runner `runner_id` with `change` applied as `action` says, checked, not stored.
 
@@ -231,7 +241,7 @@ async def _patched(
         changed = _remove(current, change)
     changed.update(id=runner_id, created_at=current.get("created_at"), modified_at=now())
     runner = strict(msgspec.json.encode(changed), Runner)
-    _check(runner)
+    _check(runner, configured)
     return runner
 
 
@@ -241,11 +251,13 @@ async def _patched(
     dependencies=[Depends(writer)],
     openapi_extra={"requestBody": schema_ref(PatchRunnerRequest)},
 )
-async def patch_runner(runner_id: str, nats: Nats, body: Annotated[bytes, Depends(_body)]) -> Json:
+async def patch_runner(
+    runner_id: str, nats: Nats, configured: Configured, body: Annotated[bytes, Depends(_body)]
+) -> Json:
     """Change a Runner spec: `merge` (dicts merged, lists extended), `overwrite` (given
     fields replaced), or `remove` (given keys and list items taken out)."""
     request = strict(body, PatchRunnerRequest)
-    runner = await _patched(nats, runner_id, request.runner, request.action)
+    runner = await _patched(nats, configured, runner_id, request.runner, request.action)
     await nats.put(nats.layout.runners_bucket.bucket, runner_id, encode(runner))
     return Json({"status": OK, "runner": runner})
 
@@ -256,7 +268,9 @@ async def patch_runner(runner_id: str, nats: Nats, body: Annotated[bytes, Depend
     dependencies=[Depends(writer)],
     openapi_extra={"requestBody": schema_ref(PatchRunnersRequest)},
 )
-async def patch_runners(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> Json:
+async def patch_runners(
+    nats: Nats, configured: Configured, body: Annotated[bytes, Depends(_body)]
+) -> Json:
     """Change several Runner specs as Clarifai's `PatchRunners` does; each is checked
     before any is written."""
     request = strict(body, PatchRunnersRequest)
@@ -267,7 +281,7 @@ async def patch_runners(nats: Nats, body: Annotated[bytes, Depends(_body)]) -> J
         runner_id = change.get("id")
         if not isinstance(runner_id, str) or not runner_id:
             raise fail(422, f"invalid body: `$.runners[{index}].id` names no runner")
-        changed.append(await _patched(nats, runner_id, change, request.action))
+        changed.append(await _patched(nats, configured, runner_id, change, request.action))
     for runner in changed:
         await nats.put(nats.layout.runners_bucket.bucket, runner.id, encode(runner))
     return Json({"status": OK, "runners": changed})
