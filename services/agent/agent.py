@@ -286,7 +286,7 @@ class Agent:
         log.info("task %s of %s not started: %s", event.taskId, event.instanceId, why[1])
         self._final_tasks.add(event.taskId)
         for supervisor in local:
-            self._task_status(supervisor.config.runner, event.taskId, *why)
+            self._task_status(supervisor.config.runner, event.taskId, *why, False)
 
     def _output(self, chunk: TokenChunk) -> None:
         # Core NATS, in order: tasks start in the order they are created.
@@ -296,7 +296,7 @@ class Agent:
         task.add_done_callback(self._outputs.discard)
 
     def _task_status(
-        self, ref: RunnerRef, task_id: str, status: TaskStatus, detail: str | None
+        self, ref: RunnerRef, task_id: str, status: TaskStatus, detail: str | None, refused: bool
     ) -> None:
         event = TaskStatusChanged(
             at=now(),
@@ -305,6 +305,7 @@ class Agent:
             taskStatus=status,
             runnerId=ref.runnerId,
             detail=detail,
+            refused=refused,
         )
         subject = self._layout.subjects.task_status(ref.instanceId, self._node_id)
         msg_id = f"{task_id}:{ref.runnerId}:{status.value}"

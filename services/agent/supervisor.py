@@ -119,7 +119,7 @@ class RunnerSupervisor:
         publisher: where telemetry goes.
         first_seq: the next `seq` (one past the last one in the stream).
         on_output: called with each chunk of generated text.
-        on_task: called with (task id, status, detail) as this rank reports them.
+        on_task: called with (task id, status, detail, refused) as this rank reports them.
     """
 
     def __init__(
@@ -130,7 +130,7 @@ class RunnerSupervisor:
         publisher: TelemetryPublisher,
         first_seq: int,
         on_output: Callable[[TokenChunk], None],
-        on_task: Callable[[str, TaskStatus, str | None], None],
+        on_task: Callable[[str, TaskStatus, str | None, bool], None],
     ) -> None:
         self.config = config
         self._subjects = subjects
@@ -272,7 +272,7 @@ class RunnerSupervisor:
         elif kind == TASK:
             outcome = TaskStatus(item[2])
             self.completed_tasks += outcome is TaskStatus.COMPLETE
-            self._on_task(item[1], outcome, item[3])
+            self._on_task(item[1], outcome, item[3], item[4])
         elif kind == OUTPUT:
             _, command_id, seq, text, finish, tokens = item
             prompt, completion = tokens if tokens else (None, None)
@@ -364,7 +364,7 @@ class RunnerSupervisor:
         log.error("runner died: %s", cause, extra={"runnerId": self.runner_id})
         task_id = self.synopsis.task_id
         if task_id is not None:  # it will never finish: whoever waits is told
-            self._on_task(task_id, TaskStatus.FAILED, f"the runner died: {cause}")
+            self._on_task(task_id, TaskStatus.FAILED, f"the runner died: {cause}", False)
             self.synopsis = replace(self.synopsis, task_id=None, command_id=None)
         self._record(
             FlightEntry(

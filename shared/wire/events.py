@@ -222,11 +222,13 @@ class TaskCreated(_Task, kw_only=True, frozen=True):
 
 
 class TaskStatusChanged(_Task, kw_only=True, frozen=True):
-    """A task moved on; `runnerId` is set when one rank reports for itself."""
+    """A task moved on; `runnerId` is set when one rank reports for itself; `refused` when
+    it failed as asked, before any work (the request is at fault, `detail` says how)."""
 
     taskStatus: TaskStatus
     runnerId: str | None = None
     detail: str | None = None
+    refused: bool = False
 
 
 TaskEvent = TaskCreated | TaskStatusChanged

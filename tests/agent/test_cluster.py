@@ -337,6 +337,29 @@ async def test_a_task_past_its_deadline_is_timed_out_by_each_rank_and_never_run(
     assert not any(e.commandId == "cmd-late" for r in RANKS for e in cluster.entries[r])
 
 
+async def test_a_prompt_past_the_model_s_context_is_refused_by_every_rank_at_once(
+    cluster: Cluster,
+) -> None:
+    long = " ".join(f"{n}-{n * 7 % 13}" for n in range(6000))  # far past 4,096 tokens
+    task = TaskCreated(
+        at=now(),
+        taskId="task-cmd-long",
+        instanceId="i",
+        taskKind=TaskKind.TEXT_GENERATION,
+        commandId="cmd-long",
+        request=GenerationRequest(prompt=long, maxTokens=4),
+    )
+    await cluster.nc.jetstream().publish(cluster.layout.subjects.tasks("i"), encode(task))
+
+    def refused() -> list[TaskStatusChanged]:
+        return [s for s in cluster.task_statuses if s.taskId == "task-cmd-long" and s.refused]
+
+    await cluster.until(lambda: len(refused()) == len(RANKS))
+    assert all("the model's context is 4,096" in (s.detail or "") for s in refused())
+    text, _ = await cluster.generate("cmd-after-long", max_tokens=3)  # and it serves on
+    assert text
+
+
 def _seqs(stored: list[RunnerTelemetry], runner_id: str) -> list[int]:
     seqs: list[int] = []
     for message in stored:

@@ -171,8 +171,9 @@ def test_a_dropped_batch_counts_every_entry_in_it() -> None:
     recorder.flush()
 
 
-Guarded = tuple[str, float, float]
-"""A guarded call: its site, its deadline and how long its body takes, in seconds."""
+Guarded = tuple[str, float, float | tuple[float, ...]]
+"""A guarded call: its site, its deadline and how long its body takes, in seconds (in
+chunks, each progress, when a tuple)."""
 
 
 def _guard_in_turn(calls: list[Guarded], note_s: float, telemetry: Any) -> None:
@@ -183,7 +184,9 @@ def _guard_in_turn(calls: list[Guarded], note_s: float, telemetry: Any) -> None:
     watchdog = Watchdog(recorder)
     for site, deadline, takes in calls:
         with watchdog.guard(site, deadline):
-            time.sleep(takes)
+            for chunk in takes if isinstance(takes, tuple) else (takes,):
+                time.sleep(chunk)  # a chunk of work done: progress
+                watchdog.advance()
     recorder.flush()
 
 
@@ -227,6 +230,15 @@ def test_a_long_wait_after_many_short_ones_is_noted_with_since_when_and_its_end(
     assert resumed[5]["waitedSeconds"] >= 0.8
 
 
+def test_a_long_call_that_advances_chunk_by_chunk_is_never_taken_for_wedged() -> None:
+    prefill = ("prefill_pipeline", 0.5, (0.3, 0.3, 0.3, 0.3))  # 1.2 s in all, 0.3 s a chunk
+    code, entries = _guarded([prefill], note_s=5.0)
+    assert code == 0
+    assert not [e for e in entries if e[3] == Breadcrumb.COLLECTIVE_TIMEOUT]
+    code, _ = _guarded([("prefill_pipeline", 0.5, (1.2,))], note_s=5.0)
+    assert code == WEDGED_EXIT  # the same work in one piece, with no progress between
+
+
 def test_exit_causes() -> None:
     assert exit_cause(-signal.SIGKILL) == "killed by SIGKILL"
     assert exit_cause(-signal.SIGSEGV) == "killed by SIGSEGV"
@@ -251,7 +263,7 @@ def _supervisor() -> RunnerSupervisor:
         publisher=TelemetryPublisher(js=MagicMock()),  # queues only: it is never run
         first_seq=0,
         on_output=lambda chunk: None,
-        on_task=lambda task, status, detail: None,
+        on_task=lambda task, status, detail, refused: None,
     )
     supervisor._releasing = True  # the restarts it schedules do nothing here
     return supervisor

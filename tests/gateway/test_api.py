@@ -385,6 +385,7 @@ async def _answered(
     answers: list[tuple[str, bytes]],
     reports: tuple[tuple[str, TaskStatus, str | None], ...] = (),
     forged: tuple[tuple[str, str, TaskStatus], ...] = (),
+    refused: bool = False,
 ) -> AsyncIterator[None]:
     """Answer the next task of llm-0: first `forged` reports, (subject's node, node whose
     rank it names, status), then `answers`, (node, raw chunk) pairs sent on its output
@@ -404,6 +405,7 @@ async def _answered(
             taskStatus=status,
             runnerId=runner_on[rank_node],
             detail=detail,
+            refused=refused and status is TaskStatus.FAILED,
         )
         subject = stack.layout.subjects.task_status("llm-0", node)
         await stack.nc.jetstream().publish(subject, encode(said))
@@ -504,6 +506,15 @@ async def test_a_task_a_rank_reports_failed_ends_the_chat_with_a_502_at_once(
     assert reply.json()["detail"] == (
         "the task failed on llm-0-a0-r0: the runner died: killed by SIGKILL"
     )
+
+
+async def test_a_task_every_rank_refused_as_asked_is_a_422_saying_why(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    speaker = await _serving(stack)
+    why = "the prompt is 9,000 tokens; the model's context is 4,096 (prompt and reply together)"
+    async with _answered(stack, speaker, [], ((speaker, TaskStatus.FAILED, why),), refused=True):
+        reply = await stack.http.post("/v1/chat/completions", json=CHAT)
+    assert (reply.status_code, reply.json()) == (422, {"detail": why})
 
 
 async def test_a_failure_one_node_reports_for_another_s_rank_ends_no_chat(

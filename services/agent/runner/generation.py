@@ -28,7 +28,17 @@ from services.agent.runner.shard import LoadedShard
 from services.agent.runner.watchdog import Watchdog
 from shared.wire import Attrs, Phase, TaskCreated
 
-__all__ = ["CANCEL_CHECK_EVERY", "STREAM", "Generation", "barrier"]
+__all__ = ["CANCEL_CHECK_EVERY", "PREFILL_CHUNK", "STREAM", "Generation", "RefusedError", "barrier"]
+
+
+class RefusedError(ValueError):
+    """A task that cannot run as asked (a prompt past the model's context): the same on
+    every rank, found before any collective."""
+
+
+PREFILL_CHUNK = 2048
+"""Prompt tokens prefilled in one step (mlx-lm's default): each chunk through every rank is
+progress, recorded and renewing the collective deadline, however long the prompt."""
 
 CANCEL_CHECK_EVERY = 4
 """Tokens between votes on a cancel; a vote's count is read at the next one, so every rank
@@ -136,6 +146,11 @@ class Generation:
         else:
             prompt = tokenizer.encode(request.prompt or "")
         limit, context = request.maxTokens, self._shard.context_length
+        if context is not None and len(prompt) >= context:
+            raise RefusedError(
+                f"the prompt is {len(prompt):,} tokens; the model's context is {context:,} "
+                "(prompt and reply together)"
+            )
         if context is not None:  # never past the model's context, whatever was asked
             limit = max(min(limit, context - len(prompt)), 1)
         record(Phase.KV_CACHE_LOOKUP, "fresh_cache", attrs={"prompt_tokens": len(prompt)})
@@ -145,12 +160,25 @@ class Generation:
             if request.temperature > 0
             else None
         )
+
+        def prefilled(done: int, total: int) -> None:
+            if done < total:  # a chunk of the prompt went through every rank
+                self._watchdog.advance()
+                record(
+                    Phase.PREFILL_PIPELINE,
+                    "prefill_chunk",
+                    attrs={"prompt_tokens": total, "processed": done},
+                    batch=True,
+                )
+
         tokens = generate_step(
             mx.array(prompt),
             self._shard.model,
             max_tokens=limit,
             sampler=sampler,
             prompt_cache=cache,
+            prefill_step_size=PREFILL_CHUNK,
+            prompt_progress_callback=prefilled,
         )
         self.step += 1
         record(

@@ -18,7 +18,7 @@ import mlx.core as mx
 from setproctitle import setproctitle
 
 from services.agent.runner.config import RunnerConfig
-from services.agent.runner.generation import STREAM, Generation, barrier
+from services.agent.runner.generation import STREAM, Generation, RefusedError, barrier
 from services.agent.runner.memory import snapshot
 from services.agent.runner.recorder import Recorder
 from services.agent.runner.shard import connect_group, load_shard, ring_hosts
@@ -222,7 +222,12 @@ class _Runner:
                 continue
             status(RunnerStatusKind.RUNNING, task.taskId)
             self.recorder.task(task.taskId, TaskStatus.RUNNING)
-            finish = generation.run(task)
+            try:
+                finish = generation.run(task)
+            except RefusedError as exc:  # every rank refuses it alike, before any collective
+                self.recorder.task(task.taskId, TaskStatus.FAILED, str(exc), refused=True)
+                status(RunnerStatusKind.READY)
+                continue
             self.recorder.task(
                 task.taskId,
                 TaskStatus.CANCELLED if finish == "cancelled" else TaskStatus.COMPLETE,

@@ -142,9 +142,17 @@ class Recorder:
         """Report a runner status change."""
         self._control.put((STATUS, kind.value, detail))
 
-    def task(self, task_id: str, status: TaskStatus, detail: str | None = None) -> None:
-        """Report this rank's status of a task."""
-        self._control.put((TASK, task_id, status.value, detail))
+    def task(
+        self,
+        task_id: str,
+        status: TaskStatus,
+        detail: str | None = None,
+        *,
+        refused: bool = False,
+    ) -> None:
+        """Report this rank's status of a task (`refused`: failed as asked, before any work:
+        the request is at fault)."""
+        self._control.put((TASK, task_id, status.value, detail, refused))
 
     def output(
         self,

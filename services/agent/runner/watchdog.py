@@ -92,6 +92,14 @@ class Watchdog:
                     attrs={"site": site, "waitedSeconds": round(time.monotonic() - started, 3)},
                 )
 
+    def advance(self) -> None:
+        """The guarded call made progress (a chunk of a long prefill went through every
+        rank): its deadline starts again, so a rank that computes is never taken for one
+        stuck behind a silent peer."""
+        with self._lock:
+            if self._deadline is not None:
+                self._deadline = time.monotonic() + self._seconds
+
     def _watch(self) -> None:
         with self._lock:
             while True:

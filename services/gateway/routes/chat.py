@@ -174,7 +174,7 @@ async def _chunks(
                     await _ranks_alive(nats, task.instanceId)
                     continue
                 if failures:
-                    raise fail(502, _failed(failures)) from None
+                    raise _failure(failures) from None
                 if completed:
                     raise fail(
                         502,
@@ -186,6 +186,8 @@ async def _chunks(
                 status = _status_of(msg, task.taskId, nodes, subjects)
                 if status is None:
                     continue
+                if status.taskStatus is TaskStatus.FAILED and status.refused:
+                    raise _failure([status])  # every rank refuses it alike: no need to wait
                 if status.taskStatus in (TaskStatus.FAILED, TaskStatus.TIMED_OUT):
                     failures.append(status)
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
@@ -272,6 +274,14 @@ def _status_of(
     if node is None or msg.subject != subjects.task_status(event.instanceId, node):
         return None
     return event
+
+
+def _failure(failures: list[TaskStatusChanged]) -> HTTPException:
+    """The answer to a task the ranks reported failed: a 422 when they refused it as asked
+    (the request is at fault), else a 502."""
+    if all(f.refused for f in failures):
+        return fail(422, failures[0].detail or "the ranks refused the request")
+    return fail(502, _failed(failures))
 
 
 def _failed(failures: list[TaskStatusChanged]) -> str:
