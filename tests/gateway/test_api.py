@@ -126,6 +126,25 @@ async def test_runner_specs_crud_in_the_clarifai_shape(stack_for: Any) -> None:
     assert missing.json() == {"detail": "runner 'llm' not found"}
 
 
+async def test_long_lists_merge_and_remove_item_by_item_without_holding_the_gateway(
+    stack_for: Any,
+) -> None:
+    stack: Stack = await stack_for()
+    first = [f"a{n}" for n in range(40_000)]
+    created = await stack.http.post("/v1/runners", json={"runners": [{**SPEC, "labels": first}]})
+    assert created.status_code == 200, created.text
+    more = [f"a{n}" for n in range(20_000, 60_000)]  # half of them there already
+    merged = await stack.http.patch(
+        "/v1/runners/llm", json={"runner": {"labels": more}, "action": "merge"}
+    )
+    assert merged.json()["runner"]["labels"] == [f"a{n}" for n in range(60_000)]
+    removed = await stack.http.patch(
+        "/v1/runners/llm", json={"runner": {"labels": first}, "action": "remove"}
+    )
+    assert removed.json()["runner"]["labels"] == [f"a{n}" for n in range(40_000, 60_000)]
+    assert (await stack.http.get("/readyz")).status_code == 200
+
+
 async def test_a_created_spec_comes_back_with_what_placement_made_of_it(stack_for: Any) -> None:
     stack: Stack = await stack_for()
     huge = {**SPEC, "id": "huge", "metadata": {"nLayers": 8, "modelBytes": "900Gi"}}

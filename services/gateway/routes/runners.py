@@ -200,11 +200,22 @@ async def get_runner(runner_id: str, nats: Nats) -> Json:
     return Json({"status": OK, "runner": runner, "placement": status})
 
 
+def _key(item: Any) -> bytes:
+    """A list item as a set member: its JSON, keys sorted (items are JSON values)."""
+    return msgspec.json.encode(item, order="sorted")
+
+
 def _merge(base: Any, change: Any) -> Any:
     if isinstance(base, dict) and isinstance(change, dict):
         return {**base, **{k: _merge(base.get(k), v) for k, v in change.items()}}
     if isinstance(base, list) and isinstance(change, list):
-        return base + [item for item in change if item not in base]
+        seen = {_key(item) for item in base}  # linear: a long list must not take minutes
+        merged = list(base)
+        for item in change:
+            if (key := _key(item)) not in seen:
+                seen.add(key)
+                merged.append(item)
+        return merged
     return change
 
 
@@ -218,7 +229,8 @@ def _remove(base: Any, change: Any) -> Any:
                 kept.pop(key, None)
         return kept
     if isinstance(base, list) and isinstance(change, list):
-        return [item for item in base if item not in change]
+        dropped = {_key(item) for item in change}
+        return [item for item in base if _key(item) not in dropped]
     return base
 
 
