@@ -7,6 +7,7 @@ from typing import Annotated
 
 import msgspec
 
+from shared.timestamps import parse_ts
 from shared.wire.base import CamelStruct
 from shared.wire.enums import Phase
 from shared.wire.memory import MlxMemorySnapshot
@@ -170,6 +171,16 @@ class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_field
     until: str | None = None
     limit: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 1000
     localNodeId: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("since", self.since), ("until", self.until)):
+            if value is not None:
+                try:
+                    parse_ts(value)
+                except ValueError:
+                    raise ValueError(
+                        f"`{name}` is not an RFC 3339 timestamp: {value[:40]!r}"
+                    ) from None
 
 
 class PlacementQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

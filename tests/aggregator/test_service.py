@@ -358,6 +358,13 @@ async def test_query_errors_say_what_is_wrong(nc: Client, js_ready: Layout) -> N
         extra = await query(nc, js_ready, "timeline", {"limitt": 5})
         assert extra.headers is not None
         assert "unknown field `limitt`" in extra.headers[ERROR_HEADER]
+        for field in ("since", "until"):
+            garbled = await query(nc, js_ready, "timeline", {field: "garbage"})
+            assert garbled.headers is not None
+            assert garbled.headers[ERROR_CODE_HEADER] == "422", garbled.headers
+            assert "'garbage'" in garbled.headers[ERROR_HEADER]
+        offset = await query(nc, js_ready, "timeline", {"since": "2026-11-21T12:00:00+02:00"})
+        assert offset.headers is None or ERROR_CODE_HEADER not in offset.headers
         missing = await query(nc, js_ready, "placement", {"runnerId": "nope"})
         assert missing.headers is not None
         assert missing.headers[ERROR_CODE_HEADER] == "404"
@@ -391,6 +398,13 @@ async def test_two_aggregators_share_the_queries_each_answered_once(
             e["num_requests"] for a in answers for e in a["endpoints"] if e["name"] == "health"
         ]
         assert sum(served) == 20, served  # not 40: one instance answers each
+        for field in ("since", "until"):
+            garbled = await query(nc, js_ready, "timeline", {field: "garbage"})
+            assert garbled.headers is not None
+            assert garbled.headers[ERROR_CODE_HEADER] == "422", garbled.headers
+            assert "'garbage'" in garbled.headers[ERROR_HEADER]
+        offset = await query(nc, js_ready, "timeline", {"since": "2026-11-21T12:00:00+02:00"})
+        assert offset.headers is None or ERROR_CODE_HEADER not in offset.headers
         missing = await query(nc, js_ready, "placement", {"runnerId": "nope"})
         assert missing.headers is not None
         assert missing.headers[ERROR_CODE_HEADER] == "404"
