@@ -136,6 +136,7 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
         description="Diagnostics plane for pipeline-parallel MLX inference.",
     )
     app.state.settings = settings
+    app.state.capturing = set()  # nodes a capture is under way of
     app.state.metrics = RequestMetrics()
     for module in (cluster, runners, jobs, chat, models, skulk, ops):
         app.include_router(module.router)

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from nats.aio.msg import Msg
 
 from shared.host import hostname
 from shared.timestamps import format_ts, now
@@ -23,6 +24,7 @@ from shared.wire import (
     Memory,
     MemorySampled,
     MlxMemorySnapshot,
+    NodeDiagnostics,
     RankTableStatus,
     RunnerAssignment,
     RunnerRef,
@@ -343,6 +345,7 @@ async def test_aggregator_down_means_503_with_a_reason_not_a_hang(stack_for: Any
         ("PATCH", "/v1/runners/llm", {"runner": {}, "action": "merge"}),
         ("DELETE", "/v1/runners/llm", None),
         ("POST", "/v1/chat/completions", {"model": "tiny", "messages": []}),
+        ("POST", "/v1/diagnostics/cluster/node-a/capture", {}),
     ],
 )
 async def test_every_mutating_route_needs_the_token(
@@ -358,6 +361,25 @@ async def test_every_mutating_route_needs_the_token(
     assert right.status_code not in (401, 403)
     assert (await http.get("/v1/runners")).status_code == 200  # reads stay open
     assert "s3cret" not in (await http.get("/metrics")).text
+
+
+async def test_one_capture_of_a_node_at_a_time(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+
+    async def slowly(msg: Msg) -> None:  # an agent answering its probe late
+        await asyncio.sleep(1.0)
+        here = NodeDiagnostics(nodeId="node-a", friendlyName="a", address="", generatedAt=now())
+        await msg.respond(encode(here))
+
+    await stack.nc.subscribe(stack.layout.subjects.node_diagnostics("node-a"), cb=slowly)
+    path, quick = "/v1/diagnostics/cluster/node-a/capture", {"includeProcessSamples": False}
+    first = asyncio.create_task(stack.http.post(path, json=quick))
+    await asyncio.sleep(0.3)
+    second = await stack.http.post(path, json=quick)
+    assert second.status_code == 429
+    assert second.json()["detail"].startswith("a capture of node 'node-a' is under way")
+    assert (await first).status_code == 200
+    assert (await stack.http.post(path, json=quick)).status_code == 200  # and again after
 
 
 async def test_reads_can_be_closed_too(stack_for: Any) -> None:

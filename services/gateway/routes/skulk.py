@@ -153,21 +153,34 @@ async def cancel_runner_task(
 @router.post(
     "/v1/diagnostics/cluster/{nodeId}/capture",
     response_class=Json,
-    dependencies=[Depends(reader)],
+    dependencies=[Depends(writer)],  # it signals the node's runners: not a read
     openapi_extra={"requestBody": schema_ref(DiagnosticCaptureRequest)},
     responses={200: schema_ref(DiagnosticCaptureResponse)},
 )
 async def capture(
     nodeId: str,  # noqa: N803 - Skulk's name
     nats: Nats,
+    http: Request,
     body: Annotated[bytes, Depends(_body)],
 ) -> Json:
     """A node's bundle, the runner asked for (by id or by a task it runs) and, unless
     told not to, every runner's Python stacks at the start and the end of the sample
     duration (or the matched runner's alone): where each thread stood, and whether it
-    moved."""
+    moved. One capture of a node at a time: another meanwhile is a 429."""
     asked = strict(body or b"{}", DiagnosticCaptureRequest)
-    bundle = await _bundle(nats, nodeId)
+    capturing: set[str] = http.app.state.capturing
+    if nodeId in capturing:
+        raise fail(429, f"a capture of node {nodeId!r} is under way; ask again once it is done")
+    capturing.add(nodeId)
+    try:
+        return await _capture(nodeId, nats, asked)
+    finally:
+        capturing.discard(nodeId)
+
+
+async def _capture(node_id: str, nats: Bus, asked: DiagnosticCaptureRequest) -> Json:
+    """The capture itself (see `capture`)."""
+    bundle = await _bundle(nats, node_id)
     warnings: list[str] = []
     matched = next(
         (
@@ -180,18 +193,18 @@ async def capture(
     )
     if (asked.runnerId or asked.taskId) and matched is None:
         warnings.append(
-            f"no runner of node {nodeId!r} matches runnerId {asked.runnerId!r} or taskId "
+            f"no runner of node {node_id!r} matches runnerId {asked.runnerId!r} or taskId "
             f"{asked.taskId!r}: stacks of every runner instead"
         )
     samples: list[DiagnosticProcessSample] = []
     if asked.includeProcessSamples:
         wanted = [matched.runnerId] if matched else [r.runnerId for r in bundle.supervisorRunners]
-        samples += await _stacks(nats, nodeId, wanted, "at the start")
+        samples += await _stacks(nats, node_id, wanted, "at the start")
         await asyncio.sleep(asked.sampleDurationSeconds)
-        samples += await _stacks(nats, nodeId, wanted, f"after {asked.sampleDurationSeconds:g}s")
+        samples += await _stacks(nats, node_id, wanted, f"after {asked.sampleDurationSeconds:g}s")
     answer = DiagnosticCaptureResponse(
         generatedAt=now(),
-        nodeId=nodeId,
+        nodeId=node_id,
         nodeDiagnostics=bundle,
         runner=matched,
         flightRecorder=matched.flightRecorder if matched else [],
