@@ -46,7 +46,9 @@ class ConfigService(config_pb2_grpc.ConfigServicer):
         self, request: config_pb2.ClientInfo, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[config_pb2.RankTableStream]:
         await _check_job_id(request.jobId, context)
-        log.info("rank-table subscriber", extra={"jobId": request.jobId, "role": request.role})
+        # quoted and cut: a client's text never makes a log line of its own, nor a huge one
+        said = {"jobId": repr(request.jobId[:128]), "role": repr(request.role[:64])}
+        log.info("rank-table subscriber", extra=said)
         async for _, table in self._hub.follow(request.jobId):
             yield config_pb2.RankTableStream(jobId=table.jobId, rankTable=table.rankTable)
 

@@ -20,6 +20,9 @@ class TableHub:
     def __init__(self) -> None:
         self._latest: dict[str, tuple[int, RankTableStream]] = {}
         self._changed: dict[str, asyncio.Event] = {}
+        self._following: dict[str, int] = {}
+        """Followers per job: a job nobody follows keeps no wake-up (waits on ever new
+        unknown ids would otherwise hold memory for good)."""
 
     def latest(self, job_id: str) -> tuple[int, RankTableStream] | None:
         """The newest version and table of a job, if it has one."""
@@ -38,10 +41,17 @@ class TableHub:
         """The current table (after waiting for the job if it has none yet), then every
         newer one, for as long as the caller iterates."""
         seen = 0
-        while True:
-            current = self._latest.get(job_id)
-            if current is not None and current[0] > seen:
-                seen = current[0]
-                yield current
-                continue
-            await self._changed.setdefault(job_id, asyncio.Event()).wait()
+        self._following[job_id] = self._following.get(job_id, 0) + 1
+        try:
+            while True:
+                current = self._latest.get(job_id)
+                if current is not None and current[0] > seen:
+                    seen = current[0]
+                    yield current
+                    continue
+                await self._changed.setdefault(job_id, asyncio.Event()).wait()
+        finally:
+            self._following[job_id] -= 1
+            if not self._following[job_id]:
+                del self._following[job_id]
+                self._changed.pop(job_id, None)

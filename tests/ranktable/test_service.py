@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import signal
 import sys
@@ -579,6 +580,27 @@ async def test_the_docs_grpc_snippet_runs_as_a_script_and_ends_quietly_on_ctrl_c
         if follower.returncode is None:
             follower.kill()
             await follower.wait()
+
+
+async def test_a_subscriber_s_role_cannot_forge_or_flood_a_log_line(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    await stack.put_node(node_info("node-a", 24))
+    await stack.start()
+    role = "x\n2026-11-25T00:00:00Z ERROR rankscope: forged" + "y" * 3_000_000
+    async with grpc.aio.insecure_channel(
+        stack.grpc_target, options=[("grpc.max_send_message_length", 8 << 20)]
+    ) as channel:
+        stub = config_pb2_grpc.ConfigStub(channel)
+        call = stub.SubscribeRankTable(config_pb2.ClientInfo(jobId="later-0", role=role))
+        with pytest.raises(TimeoutError):  # the job has no table: the subscriber waits
+            await asyncio.wait_for(call.read(), 1.0)
+        call.cancel()
+    (record,) = [r for r in caplog.records if r.getMessage() == "rank-table subscriber"]
+    logged = str(record.__dict__["role"])
+    assert "\n" not in logged
+    assert len(logged) < 100
 
 
 async def test_grpc_waits_for_an_unknown_job_and_serves_many_subscribers(stack: Stack) -> None:
