@@ -53,6 +53,8 @@ def strict(data: bytes, tp: type[T]) -> T:
         raw = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
         raise fail(422, f"invalid body: {exc}") from None
+    except RecursionError:
+        raise fail(422, "invalid body: nested too deep") from None
     unknown = _unknown(raw, inspect.type_info(tp), "$")
     if unknown:
         raise fail(422, f"invalid body: unknown field `{unknown}`")

@@ -44,3 +44,5 @@ def decode(data: bytes | str, tp: Any) -> Any:
         return decoder(tp).decode(data)
     except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
         raise WireError(str(exc)) from None
+    except RecursionError:
+        raise WireError("nested too deep to decode") from None

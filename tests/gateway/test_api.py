@@ -202,6 +202,24 @@ async def test_malformed_json_and_oversize_bodies(stack_for: Any) -> None:
         "/v1/runners", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert broken.status_code == 422
+    deep = '{"a":' * 1000 + "1" + "}" * 1000  # metadata nested 1,000 deep
+    spec = json.dumps({**SPEC, "metadata": {**SPEC["metadata"], "x": 0}}).replace(
+        '"x": 0', f'"x": {deep}'
+    )
+    for path, body in (
+        ("/v1/runners", '{"runners": [' + spec + "]}"),
+        (
+            "/v1/chat/completions",
+            '{"model": "llm", "messages": [], "response_format": ' + deep + "}",
+        ),
+    ):
+        nested = await stack.http.post(
+            path, content=body, headers={"content-type": "application/json"}
+        )
+        assert (nested.status_code, nested.json()) == (
+            422,
+            {"detail": "invalid body: nested too deep"},
+        )
     huge = await stack.http.post("/v1/runners", content=b" " * (2 << 20))
     assert huge.status_code == 413
 
