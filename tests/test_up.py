@@ -238,6 +238,60 @@ async def test_a_killed_nats_server_is_started_again_and_the_stack_recovers(
     assert "ready" in await asyncio.to_thread(_get, f"{web}/readyz")  # reconnected
 
 
+@contextlib.contextmanager
+def _small_disk(where: Path, size: str) -> Iterator[Path]:
+    """A filesystem of its own at `where` (tmpfs), to be filled: skipped, saying why, where
+    none can be mounted."""
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"no disk of its own to fill here (mount: {mounted.stderr.strip()})")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+async def test_a_store_broken_on_a_full_disk_is_restarted_once_there_is_room(
+    tmp_path: Path,
+) -> None:
+    with _small_disk(tmp_path / "disk", "1200m") as disk:
+        small = {"RANKSCOPE_TELEMETRY_MAX_BYTES": "64Mi"}  # the streams' reservations fit
+        with _up(disk, env=small) as (process, shown):
+            nc = await connect(Settings(nats_url=shown["NATS"].split()[0]), "test")
+            js = nc.jetstream(timeout=2)
+            filler = disk / "filler"
+            with filler.open("wb") as out:  # the disk full but for 2 MiB
+                out.truncate(0)
+                out.write(b"\0" * (shutil.disk_usage(disk).free - (2 << 20)))
+            layout = Layout()
+            for job in range(200):
+                try:
+                    await js.publish(layout.subjects.ranktable(f"job-{job}"), b"x" * (64 << 10))
+                except (nats.errors.Error, TimeoutError):
+                    break
+            assert process.stderr is not None
+            for line in process.stderr:
+                if "JetStream cannot store" in line:
+                    break
+            filler.unlink()
+            for line in process.stderr:
+                if "nats-server running again on" in line:
+                    break
+            for _ in range(100):  # the services reconnect to it
+                with contextlib.suppress(nats.errors.Error, TimeoutError):
+                    await js.publish(layout.subjects.ranktable("after"), b"stored again")
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("JetStream never stored again")
+            await close(nc)
+
+
 def test_sigterm_stops_everything(stack: tuple[subprocess.Popen[str], dict[str, str]]) -> None:
     process, _ = stack
     children = _children(process.pid)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.stack.store_watch import StoreWatch
 from services.stack.terminal import Terminal
 from shared.nats_server import EmbeddedNats, NatsServerError
 from shared.processes import LIFELINE_ENV, die_with_parent, signal_name
@@ -161,10 +162,12 @@ class Supervisor:
 
 
 async def keep_nats(server: EmbeddedNats, stop: asyncio.Event) -> None:
-    """Start `server` again whenever it ends before `stop`, on the same store and port, so
-    that the services reconnect to it and find their streams where they were (from the
-    main thread: the server is tied to the thread that starts it)."""
-    backoff = _BACKOFF_START_S
+    """Start `server` again whenever it ends before `stop`, or its store broke on a full
+    disk that has room again (JetStream does not recover from a failed write by itself),
+    on the same store and port, so that the services reconnect to it and find their
+    streams where they were (from the main thread: the server is tied to the thread that
+    starts it)."""
+    backoff, store, told = _BACKOFF_START_S, StoreWatch(server.log_path, server.store_dir), False
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), _NATS_CHECK_S)
@@ -172,12 +175,23 @@ async def keep_nats(server: EmbeddedNats, stop: asyncio.Event) -> None:
             return
         code = server.exit_code()
         if server.pid is not None and code is None:
-            continue
+            if (broken := store.look()) is None:
+                continue
+            if not store.has_room():
+                if not told:
+                    told = True
+                    log.error("JetStream cannot store (%s); nats-server restarts once the "
+                              "disk of %s has room again", broken, server.store_dir)  # fmt: skip
+                continue
+            log.error("the disk of %s has room again; restarting nats-server, whose store "
+                      "broke (%s)", server.store_dir, broken)  # fmt: skip
         if code is not None:
             cause = signal_name(code) or f"exit code {code}"
             log.error("nats-server stopped (%s); starting it again on %s", cause, server.store_dir)
         try:
             server.restart()
+            store.mended()
+            told = False
         except NatsServerError as exc:
             log.error("nats-server did not start again (%s); next try in %.1fs", exc, backoff)
             with contextlib.suppress(TimeoutError):
