@@ -61,8 +61,9 @@ ARTIFACTS = REPO / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def _browse(url: str, screenshot: Path) -> str:
-    """The page as headless Chromium renders it after its scripts ran; saves a screenshot."""
+def _browse(url: str, screenshot: Path, page: str = "/") -> str:
+    """The `page` of `url` as headless Chromium renders it after its scripts ran; saves a
+    screenshot."""
     assert CHROMIUM, "headless Chromium is needed (Debian package chromium; .ci/run installs it)"
     screenshot.parent.mkdir(exist_ok=True)
     flags = [
@@ -80,22 +81,22 @@ def _browse(url: str, screenshot: Path) -> str:
         "--virtual-time-budget=5000",
     ]
     subprocess.run(
-        [*flags, f"--screenshot={screenshot}", url + "/"],
+        [*flags, f"--screenshot={screenshot}", url + page],
         check=True,
         capture_output=True,
         timeout=60,
     )
     for _ in range(3):  # as an operator reloads a page whose first refresh did not finish
-        page = subprocess.run(
-            [*flags, "--dump-dom", url + "/"],
+        shown = subprocess.run(
+            [*flags, "--dump-dom", url + page],
             check=True,
             capture_output=True,
             text=True,
             timeout=60,
         ).stdout
-        if "ranks ·" in page:
+        if "ranks ·" in shown:
             break
-    return page
+    return shown
 
 
 def _shown(page: str) -> str:
@@ -210,6 +211,9 @@ def test_the_demo_runs_behind_an_api_token_that_closes_reads_too(tmp_path: Path)
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/runners", timeout=10)
         assert refused.value.code == 401
         refused.value.close()
+        base = f"http://127.0.0.1:{port}"
+        page = _browse(base, ARTIFACTS / "timeline-token.png", "/#token=s3cret")
+        assert "2 ranks ·" in page, _shown(page)  # the page reads with the token it was given
     finally:
         _stop(process)
 

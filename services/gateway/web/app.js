@@ -45,8 +45,29 @@ const incarnation = (runnerId) => (runnerId.match(/-(a\d+)-r\d+$/) || [null, ""]
 
 const seconds = (at) => Date.parse(at) / 1000;
 
+// the API token, when reads need one: from the address's fragment (#token=..., never
+// sent to the server), else asked for once; kept for this tab only
+let token = sessionStorage.getItem("rankscope-token");
+let asked = false;
+const given = new URLSearchParams(location.hash.slice(1)).get("token");
+if (given) {
+  token = given;
+  sessionStorage.setItem("rankscope-token", given);
+  history.replaceState(null, "", location.pathname + location.search);
+}
+
 async function json(path) {
-  const reply = await fetch(path);
+  const reply = await fetch(path, { headers: token ? { Authorization: `Bearer ${token}` } : {} });
+  if ((reply.status === 401 || reply.status === 403) && !asked) {
+    asked = true;
+    const typed = window.prompt("This gateway needs its API token (RANKSCOPE_API_TOKEN) for reads:");
+    if (typed) {
+      token = typed;
+      sessionStorage.setItem("rankscope-token", typed);
+      asked = false;
+      return json(path);
+    }
+  }
   if (!reply.ok) throw new Error(`${path}: ${reply.status} ${(await reply.json()).detail || ""}`);
   return reply.json();
 }
