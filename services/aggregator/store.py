@@ -30,10 +30,17 @@ __all__ = [
 ]
 
 
+MAX_RUNS = 4096
+"""Runs of seen seqs kept per runner: past it the oldest gap is closed, so a runner sending
+every other seq costs a bound (its missing seqs are still counted; one of them arriving
+after that is taken for a redelivery)."""
+
+
 @dataclass(slots=True)
 class SeqTracker:
     """Which `seq`s of one runner were seen, as sorted, disjoint, non-touching runs
-    `[start, end)`: memory grows with the gaps, not with the seqs, wherever history begins."""
+    `[start, end)`: memory grows with the gaps, up to `MAX_RUNS`, not with the seqs,
+    wherever history begins."""
 
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
@@ -58,6 +65,9 @@ class SeqTracker:
         else:
             starts.insert(index + 1, seq)
             ends.insert(index + 1, seq + 1)
+            if len(starts) > MAX_RUNS:  # the oldest gap is forgotten: still counted missing
+                ends[0] = ends[1]
+                del starts[1], ends[1]
         self.seen += 1
         return True
 

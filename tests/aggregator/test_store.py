@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.aggregator.store import EntryStore, SeqTracker
+from services.aggregator.store import MAX_RUNS, EntryStore, SeqTracker
 from shared.timestamps import micros
 from shared.wire import Phase, encode
 from tests.aggregator.builders import at, entries, rank
@@ -51,6 +51,17 @@ def test_a_history_trimmed_at_its_start_costs_one_run_not_a_set_of_seqs() -> Non
 def _fill(store: EntryStore, runner: int, times: list[float]) -> None:
     batch = entries(rank(runner), *[(i, t, Phase.DECODE_STREAM, i) for i, t in enumerate(times)])
     store.add(batch.runner.runnerId, encode(batch), enumerate(batch.entries))
+
+
+def test_a_runner_sending_every_other_seq_costs_a_bound_and_its_gaps_stay_counted() -> None:
+    seqs = SeqTracker()
+    for seq in range(0, 2 * 100_000, 2):  # 100,000 gaps
+        assert seqs.add(seq)
+    assert len(seqs.starts) == len(seqs.ends) == MAX_RUNS
+    assert seqs.missing == 100_000 - 1
+    assert (seqs.first, seqs.last) == (0, 199_998)
+    assert not seqs.add(199_998)  # the newest runs are exact: a redelivery is one
+    assert seqs.add(199_997)  # and a late seq among them is new
 
 
 def test_newest_merges_runners_in_time_order_and_keeps_the_newest() -> None:
