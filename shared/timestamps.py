@@ -37,21 +37,28 @@ def later(seconds: float) -> str:
     return format_ts(datetime.fromtimestamp(time.time() + seconds, UTC))
 
 
-def check_ts(text: str) -> None:
-    """Refuse what is not a wire timestamp of a real moment: the fixed-width UTC form
-    `now` writes, whose string order is time order.
+def check_ts(text: str) -> str:
+    """`text` as a wire timestamp of a real moment: the fixed-width UTC form `now` writes,
+    whose string order is time order. Any RFC 3339 date-time with an offset (`+02:00`,
+    `+00:00`, any fraction) is taken and given back in that form.
 
     Raises:
-        ValueError: saying what is wrong, quoting at most 40 characters of `text`.
+        ValueError: it is no RFC 3339 date-time with an offset, saying so, quoting at most
+            40 characters of `text`.
     """
-    if len(text) != 27 or text[10] != "T" or text[19] != "." or text[26] != "Z":
-        raise ValueError(
-            f"timestamp {text[:40]!r} is not of the form 2026-11-21T22:47:48.123456Z (UTC)"
-        )
+    if len(text) == 27 and text[10] == "T" and text[19] == "." and text[26] == "Z":
+        try:
+            datetime.fromisoformat(text[:26])
+        except ValueError as exc:
+            raise ValueError(f"timestamp {text!r}: {exc}") from None
+        return text
     try:
-        datetime.fromisoformat(text[:26])
-    except ValueError as exc:
-        raise ValueError(f"timestamp {text!r}: {exc}") from None
+        return format_ts(parse_ts(text))
+    except ValueError:
+        raise ValueError(
+            f"timestamp {text[:40]!r} is not an RFC 3339 date-time with an offset, such as "
+            "2026-11-21T22:47:48.123456Z"
+        ) from None
 
 
 def parse_ts(text: str) -> datetime:

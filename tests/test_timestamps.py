@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from shared.timestamps import format_ts, now, parse_ts, to_epoch
+from shared.timestamps import check_ts, format_ts, now, parse_ts, to_epoch
+from shared.wire import FlightEntry, decode
 
 WIRE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
 
@@ -43,3 +44,20 @@ def test_parse_round_trips_and_accepts_offsets() -> None:
     assert to_epoch("2026-11-21T23:47:48.123456+01:00") == to_epoch(text)
     with pytest.raises(ValueError, match="no UTC offset"):
         parse_ts("2026-11-21T22:47:48")
+
+
+def test_any_rfc_3339_offset_is_taken_and_given_back_as_utc() -> None:
+    assert check_ts("2026-11-21T14:00:00.5+02:00") == "2026-11-21T12:00:00.500000Z"
+    assert check_ts("2026-11-21T12:00:00+00:00") == "2026-11-21T12:00:00.000000Z"
+    assert check_ts("2026-11-21T12:00:00.123456Z") == "2026-11-21T12:00:00.123456Z"
+    for bad in ("2026-11-21T12:00:00", "yesterday", "", "2026-02-30T10:00:00.000000Z"):
+        with pytest.raises(ValueError, match="timestamp"):
+            check_ts(bad)
+
+
+def test_an_entry_stamped_with_an_offset_is_stored_in_utc() -> None:
+    entry = decode(
+        b'{"seq": 0, "at": "2026-11-21T14:00:00+02:00", "phase": "idle", "event": "e"}',
+        FlightEntry,
+    )
+    assert entry.at == "2026-11-21T12:00:00.000000Z"

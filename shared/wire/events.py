@@ -45,6 +45,14 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
+def _utc(event: msgspec.Struct, name: str) -> None:
+    """Check the timestamp `name` of `event`, put in the wire's UTC form if it was not."""
+    given = getattr(event, name)
+    fixed = check_ts(given)
+    if fixed != given:
+        msgspec.structs.force_setattr(event, name, fixed)
+
+
 class RunnerRef(CamelStruct, kw_only=True, frozen=True):
     """Who emitted a telemetry message: one rank of one instance on one node."""
 
@@ -62,7 +70,7 @@ class _Stamped(CamelStruct, kw_only=True, frozen=True):
     at: str
 
     def __post_init__(self) -> None:
-        check_ts(self.at)
+        _utc(self, "at")
 
 
 class FlightEntry(CamelStruct, kw_only=True, frozen=True):
@@ -80,7 +88,7 @@ class FlightEntry(CamelStruct, kw_only=True, frozen=True):
     mlxMemory: MlxMemorySnapshot | None = None
 
     def __post_init__(self) -> None:
-        check_ts(self.at)  # a bad time is refused with its message, not carried into views
+        _utc(self, "at")  # a bad time is refused with its message, not carried into views
 
 
 class _Telemetry(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
@@ -113,7 +121,7 @@ class RunnerStatusChanged(_Telemetry, kw_only=True, frozen=True):
     signal: str | None = None
 
     def __post_init__(self) -> None:
-        check_ts(self.at)
+        _utc(self, "at")
 
 
 RunnerTelemetry = PhaseEntries | MemorySampled | RunnerStatusChanged
@@ -211,7 +219,7 @@ class TaskCreated(_Task, kw_only=True, frozen=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.deadline is not None:
-            check_ts(self.deadline)
+            _utc(self, "deadline")
 
     def expired(self, now_s: float) -> bool:
         """Whether nobody waits for this task any more at `now_s` (seconds since the

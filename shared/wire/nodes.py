@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from shared.timestamps import check_ts
 from shared.wire.base import CamelStruct
 
@@ -27,4 +29,5 @@ class NodeInfo(CamelStruct, kw_only=True, frozen=True):
     lastHeartbeat: str
 
     def __post_init__(self) -> None:
-        check_ts(self.lastHeartbeat)
+        if (fixed := check_ts(self.lastHeartbeat)) != self.lastHeartbeat:
+            msgspec.structs.force_setattr(self, "lastHeartbeat", fixed)
