@@ -24,7 +24,7 @@ class DeadLetters:
 
     Args:
         js: JetStream context.
-        subject: the dead-letter subject (`Subjects.deadletter()`).
+        subject: the service's own dead-letter subject (`Subjects.deadletter`).
         service: who rejected the message (`Rankscope-Service` header).
     """
 

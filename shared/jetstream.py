@@ -246,7 +246,7 @@ class Layout:
         """Messages no consumer could apply, kept for a post-mortem."""
         return StreamSpec(
             self._name("DEADLETTER"),
-            (self.subjects.deadletter(),),
+            (self.subjects.deadletter_all(),),
             max_age_s=self.telemetry_max_age_s,
             max_bytes=64 << 20,
             replicas=self.replicas,

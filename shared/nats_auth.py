@@ -138,7 +138,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 kv_key(layout.nodes_bucket.bucket, node),
                 subjects.task_status_of_node(node_id),
                 subjects.output_of_node(node_id),
-                subjects.deadletter(),
+                subjects.deadletter(agent_user(node_id)),
                 *api.everyone(),
                 *api.read(api.stream("PLACEMENT"), api.stream("TASKS")),
                 # a restarted runner resumes its seq from its last stored message
@@ -156,7 +156,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
         return Permissions(
             publish=(
                 subjects.diagnosis_all(),
-                subjects.deadletter(),
+                subjects.deadletter("aggregator"),
                 subjects.canary("aggregator"),
                 subjects.node_request_all("diagnostics"),
                 subjects.node_request_all("evidence"),
@@ -179,7 +179,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 kv_key(layout.runner_status_bucket.bucket),
                 # a deleted job's rank table goes with it
                 f"$JS.API.STREAM.PURGE.{api.stream('RANKTABLE')}",
-                subjects.deadletter(),
+                subjects.deadletter("ranktable"),
                 *api.everyone(),
                 *api.own(),
                 *api.read(

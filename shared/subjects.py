@@ -227,9 +227,13 @@ class Subjects:
         """Every subject of this installation."""
         return f"{self.prefix}.>"
 
-    def deadletter(self) -> str:
-        """Copies of messages that could not be applied."""
-        return f"{self.prefix}.deadletter"
+    def deadletter(self, service: str) -> str:
+        """Copies of messages `service` could not apply (each role writes only its own)."""
+        return f"{self.prefix}.deadletter.{token(service)}"
+
+    def deadletter_all(self) -> str:
+        """Every service's dead letters."""
+        return f"{self.prefix}.deadletter.>"
 
     def canary(self, service: str) -> str:
         """Where `service` writes to learn whether JetStream stores messages now."""

@@ -29,6 +29,7 @@ from shared.host import hostname
 from shared.jetstream import Layout
 from shared.logs import structured
 from shared.model_shape import UnreadableModelError, read_shape
+from shared.nats_auth import agent_user
 from shared.replay import Follower, follow
 from shared.subjects import token
 from shared.timestamps import now
@@ -108,7 +109,9 @@ class Agent:
         self._stacks = Path(tempfile.mkdtemp(prefix="rankscope-stacks-"))
         """Where runners write their stacks when asked (removed at shutdown)."""
         self.dead_letters = DeadLetters(
-            js=js, subject=layout.subjects.deadletter(), service=f"agent {self._node_id}"
+            js=js,
+            subject=layout.subjects.deadletter(agent_user(self._node_id)),
+            service=f"agent {self._node_id}",
         )
 
     async def on_placement(self, msg: Msg) -> None:

@@ -179,7 +179,7 @@ class AggregatorService:
         self._streams: dict[str, str] = {}
         self.ready = asyncio.Event()
         self.dead_letters = DeadLetters(
-            js=js, subject=layout.subjects.deadletter(), service="aggregator"
+            js=js, subject=layout.subjects.deadletter("aggregator"), service="aggregator"
         )
         self.reach = Reachability(nc, timeout=probe_timeout, clock=clock)
         self.storage = Storage(

@@ -126,7 +126,7 @@ class RankTableService:
         self._dirty = asyncio.Event()
         self.ready = asyncio.Event()
         self.dead_letters = DeadLetters(
-            js=js, subject=layout.subjects.deadletter(), service="ranktable"
+            js=js, subject=layout.subjects.deadletter("ranktable"), service="ranktable"
         )
 
     @property

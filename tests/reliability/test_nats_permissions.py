@@ -100,6 +100,17 @@ async def test_an_agent_publishes_only_under_its_own_node(server: EmbeddedNats) 
     await close(aggregator.nc)
 
 
+async def test_each_role_writes_dead_letters_only_as_itself(server: EmbeddedNats) -> None:
+    agent = await _login(server, agent_user("node-a"))
+    await agent.js.publish(SUBJECTS.deadletter(agent_user("node-a")), b"its own")
+    for other in ("aggregator", "ranktable", agent_user("node-b")):
+        await agent.publish_refused(SUBJECTS.deadletter(other))
+    with pytest.raises((TimeoutError, NatsError)):
+        await agent.js.purge_stream(LAYOUT.deadletter_stream.name)
+    await agent.refused("STREAM.PURGE")
+    await close(agent.nc)
+
+
 async def test_no_agent_can_roll_up_the_node_bucket(server: EmbeddedNats) -> None:
     bucket = LAYOUT.nodes_bucket
     other = await _login(server, agent_user("node-b"))
@@ -214,15 +225,17 @@ async def test_the_operator_reads_every_stream_the_dead_letters_too_and_writes_n
     server: EmbeddedNats,
 ) -> None:
     aggregator = await _login(server, "aggregator")
-    await aggregator.js.publish(SUBJECTS.deadletter(), b"bad input")
+    await aggregator.js.publish(SUBJECTS.deadletter("aggregator"), b"bad input")
     await close(aggregator.nc)
     operator = await _login(server, OPERATOR)
-    kept = await operator.js.get_last_msg(LAYOUT.deadletter_stream.name, SUBJECTS.deadletter())
+    kept = await operator.js.get_last_msg(
+        LAYOUT.deadletter_stream.name, SUBJECTS.deadletter("aggregator")
+    )
     assert kept.data == b"bad input"
     names = await operator.js.streams_info()
     assert {s.config.name for s in names} >= {s.name for s in LAYOUT.streams}
     watched = await operator.nc.subscribe(f"{SUBJECTS.prefix}.>")
-    await operator.publish_refused(SUBJECTS.deadletter())
+    await operator.publish_refused(SUBJECTS.deadletter("aggregator"))
     await operator.publish_refused(SUBJECTS.runner("node-a", "i", 0, "memory"))
     with pytest.raises((TimeoutError, NatsError)):
         await operator.js.purge_stream(LAYOUT.deadletter_stream.name)
