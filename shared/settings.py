@@ -75,6 +75,13 @@ def _whole(text: str, least: int, wanted: str) -> int:
     return value
 
 
+def _file(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"no readable file {text!r}")
+    return path
+
+
 def _positive_int(text: str) -> int:
     return _whole(text, 1, "a positive number")
 
@@ -153,10 +160,10 @@ class Settings:
     nats_user: str | None = _setting(None, _text, "NATS user name.")
     nats_password: str | None = _setting(None, _text, "NATS password.", secret=True)
     nats_token: str | None = _setting(None, _text, "NATS token.", secret=True)
-    nats_creds: Path | None = _setting(None, Path, "NATS credentials file (JWT + nkey).")
-    nats_tls_ca: Path | None = _setting(None, Path, "CA bundle to verify the NATS server.")
-    nats_tls_cert: Path | None = _setting(None, Path, "Client certificate for NATS TLS.")
-    nats_tls_key: Path | None = _setting(None, Path, "Client key for NATS TLS.")
+    nats_creds: Path | None = _setting(None, _file, "NATS credentials file (JWT + nkey).")
+    nats_tls_ca: Path | None = _setting(None, _file, "CA bundle to verify the NATS server.")
+    nats_tls_cert: Path | None = _setting(None, _file, "Client certificate for NATS TLS.")
+    nats_tls_key: Path | None = _setting(None, _file, "Client key for NATS TLS.")
     nats_port: int = _setting(4222, _port, "Client port of the embedded nats-server (0: any).")
     nats_ping_interval: float = _setting(
         10.0, _duration, "How often a service pings NATS; 3 pings unanswered end a dead link."

@@ -67,6 +67,9 @@ def test_values_are_parsed_into_types() -> None:
         ("log_format", "xml", "one of text, json"),
         ("nats_url", "localhost:4222", "nats://host:port"),
         ("subject_prefix", "a b", "dot-separated"),
+        ("nats_creds", "/nonexistent/user.creds", "no readable file"),
+        ("nats_tls_ca", "/nonexistent/ca.pem", "no readable file"),
+        ("nats_tls_key", "/", "no readable file"),
     ],
 )
 def test_bad_variable_names_the_variable(name: str, value: str, complaint: str) -> None:
