@@ -98,10 +98,11 @@ class PlacementSpec:
         return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
 
     def rank_demand(self, layers: int) -> int:
-        """Bytes one rank holding `layers` layers needs."""
+        """Bytes one rank holding `layers` layers needs: as the spec declares it, else its
+        share of the weights and what a runner process holds besides (`RUNNER_BYTES`)."""
         if self.rank_bytes is not None:
             return self.rank_bytes
-        return -(-self.shape.model_bytes * layers // self.shape.n_layers)
+        return -(-self.shape.model_bytes * layers // self.shape.n_layers) + RUNNER_BYTES
 
 
 def _positive(value: Any) -> int | None:
@@ -137,6 +138,10 @@ def _bytes(field: str, text: str) -> int:
     except ValueError as exc:
         raise SpecError(f"{field}: {exc}") from None
 
+
+RUNNER_BYTES = 256 << 20
+"""What one runner process holds besides its weights (Python, MLX, mlx-lm, buffers): a
+rank of a tiny model still costs a process's worth of memory."""
 
 MAX_REPLICAS = 64
 """Instances one spec may ask for by default (`RANKSCOPE_MAX_REPLICAS`)."""

@@ -9,7 +9,7 @@ import pytest
 
 from services.ranktable.placement import runner_id
 from shared.model_shape import ModelShape, UnreadableModelError, read_shape
-from shared.specs import SpecError, validate
+from shared.specs import RUNNER_BYTES, SpecError, validate
 from shared.subjects import token
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 from shared.wire import ComputeInfo, Nodepool, Worker
@@ -60,8 +60,8 @@ def test_accelerator_memory_is_the_per_rank_demand() -> None:
     assert spec.rank_demand(layers=1) == spec.rank_demand(layers=20) == 3 * GiB
 
 
-def test_model_share_is_the_per_rank_demand_without_accelerator_memory() -> None:
-    assert validate(runner()).rank_demand(layers=8) == 2 * GiB
+def test_model_share_and_a_process_are_the_per_rank_demand_without_accelerator_memory() -> None:
+    assert validate(runner()).rank_demand(layers=8) == 2 * GiB + RUNNER_BYTES
 
 
 def test_unknown_nodepool_is_accepted() -> None:

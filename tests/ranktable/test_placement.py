@@ -132,6 +132,13 @@ def test_a_typo_in_replicas_places_no_more_runners_on_a_node_than_it_may_run() -
     assert "node-a, node-b already run 4 runners, the most one node may" in result.refusals["llm"]
 
 
+def test_each_runner_is_charged_a_process_not_only_its_share_of_the_weights() -> None:
+    tiny = spec(model=ModelShape(n_layers=32, model_bytes=1 << 20), replicas=10)
+    result = _run([tiny], nodes(node("node-a", 1), node("node-b", 1)))
+    assert len(result.placements) == 3  # 1 GiB holds three runners of 256 MiB and their weights
+    assert "GiB available" in result.refusals["llm"] or "MiB available" in result.refusals["llm"]
+
+
 def test_unknown_nodepool_waits() -> None:
     result = _run([spec(nodepool="gpu-rack")], nodes(node("node-a", 24)))
     assert (
@@ -165,9 +172,9 @@ def test_higher_priority_places_first_when_capacity_is_short() -> None:
 
 
 def test_preempts_lower_priority_above_min_replicas() -> None:
-    live = nodes(node("node-a", 8), node("node-b", 8))
+    live = nodes(node("node-a", 8.5), node("node-b", 8.5))  # two ranks' weights and processes
     low = spec("low", priority=1, replicas=2, min_replicas=1, model=spec().model)
-    placed = _apply(_run([low], nodes(node("node-a", 8), node("node-b", 8))), {})
+    placed = _apply(_run([low], live), {})
     assert set(placed) == {"low-0", "low-1"}
     result = _run([low, spec("high", priority=9)], live, placed)
     assert [(r.instance_id, r.cause) for r in result.releases] == [
