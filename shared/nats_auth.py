@@ -163,7 +163,11 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 *api.everyone(),
                 *api.own(),
                 *api.read(
-                    api.stream("RUNNER"), api.stream("PLACEMENT"), api.stream("TASKS"), nodes_kv
+                    api.stream("RUNNER"),
+                    api.stream("PLACEMENT"),
+                    api.stream("TASKS"),
+                    api.stream("DIAGNOSIS"),  # the incidents open when it last stopped
+                    nodes_kv,
                 ),
             ),
             subscribe=(*inbox, subjects.query_all(), *service_discovery(AGGREGATOR_SERVICE)),

@@ -13,6 +13,7 @@ confirmed dead; whatever the victims do meanwhile does not change it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,7 +31,7 @@ from shared.wire import (
     RunnerStatusKind,
 )
 
-__all__ = ["PHASE_ORDER", "Incident", "Thresholds", "diagnose"]
+__all__ = ["PHASE_ORDER", "Incident", "Thresholds", "diagnose", "incident_id"]
 
 PHASE_ORDER = {phase: index for index, phase in enumerate(Phase)}
 """Phases in the order a request goes through them (the seed's order)."""
@@ -366,6 +367,12 @@ def _widens(previous: Incident, verdict: _Verdict | None) -> bool:
     return set(previous.finding.culpritRunnerIds) < {v.ref.runnerId for v in verdict.culprits}
 
 
+def incident_id(instance_id: str, since: str) -> str:
+    """The id of the incident of `instance_id` that opened at `since`: the same wherever
+    and however often it is worked out, so a restart that keeps the incident keeps it."""
+    return hashlib.sha256(f"{instance_id}\0{since}".encode()).hexdigest()[:16]
+
+
 def _sharpens(previous: Incident, verdict: _Verdict | None) -> bool:
     """Whether `verdict` says of `previous`'s culprits what is now known: held behind its
     peers at first, the rank has since been silent long enough to be called frozen."""
@@ -391,6 +398,7 @@ def _incident(
         and set(previous.finding.culpritRunnerIds) <= set(culprits)
     )
     task_id = next((v.synopsis.task_id for v in verdict.culprits if v.synopsis.task_id), None)
+    since = previous.finding.since if same and previous else wall
     finding = Finding(
         instanceId=instance.instanceId,
         kind=verdict.kind,
@@ -398,7 +406,8 @@ def _incident(
         culpritRunnerIds=culprits,
         waitingRanks=[v.ref.deviceRank for v in verdict.waiting],
         summary=judge.summary(verdict, task_id),
-        since=previous.finding.since if same and previous else wall,
+        since=since,
         evidence=[_evidence(judge, v, v.ref.runnerId in culprits) for v in judge.views],
+        incidentId=incident_id(instance.instanceId, since),
     )
     return Incident(finding=finding, opened=previous.opened if same and previous else judge.now)

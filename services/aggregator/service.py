@@ -21,7 +21,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.api import Header
+from nats.js.api import DeliverPolicy, Header
 from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
@@ -98,6 +98,9 @@ SNAPSHOT_WORK_SHARE = 50
 
 UNPLACED = "telemetry_unplaced"
 """The kind of bad input of a runner that no placement made."""
+
+RESTORE_INCIDENTS_S = 10.0
+"""How long taking up the open incidents may take at start."""
 
 MISSED_ROUNDS = 2
 """Probe rounds in a row a node must leave unanswered to be called unreachable: one late
@@ -317,6 +320,7 @@ class AggregatorService:
         ]
         for follower in followers:
             await follower.caught_up.wait()
+        await self._restore_incidents()
         queries = await self._serve_queries()
         self.ready.set()
         log.info(
@@ -341,6 +345,41 @@ class AggregatorService:
         await queries.stop()
         for follower in followers:
             await follower.stop()
+
+    async def _restore_incidents(self) -> None:
+        """Take up the incidents of its instances that were open when the last aggregator
+        stopped, as it published them last: a freeze that outlasts a restart stays one
+        incident, with its id and `since`, and is closed once, by this aggregator."""
+        found: dict[str, Finding] = {}
+
+        async def keep(msg: Msg) -> None:
+            with contextlib.suppress(WireError):  # only aggregators write there
+                finding = decode(msg.data, Finding)
+                if finding.open and finding.instanceId and self.partition.owns(finding.instanceId):
+                    found[finding.instanceId] = finding
+                else:
+                    found.pop(finding.instanceId, None)
+
+        try:
+            follower = await follow(
+                self._js,
+                self._layout.subjects.diagnosis_all(),
+                keep,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            )
+            try:
+                await asyncio.wait_for(follower.caught_up.wait(), RESTORE_INCIDENTS_S)
+            finally:
+                await follower.stop()
+        except (NatsError, TimeoutError) as exc:
+            log.warning("open incidents not taken up (%s): they may open again", exc)
+            return
+        moment = self._clock()
+        for instance_id, finding in found.items():
+            self._incidents[instance_id] = Incident(finding=finding, opened=moment)
+            self._announced.add((instance_id, finding.since))
+        if found:
+            log.info("took up %d open incidents", len(found))
 
     async def _follow_streams(self, after: dict[str, int]) -> None:
         """Follow placements, tasks and telemetry from `after` (by stream). Of a partition,

@@ -309,15 +309,15 @@ class Bus:
     async def findings(
         self, *, since: str | None, instance_id: str | None, limit: int
     ) -> list[Finding]:
-        """The last word of each incident (open or cleared) published from `since` on, of
-        one instance or all, oldest first; the newest `limit` of them.
+        """The last word of each incident (open or cleared, by its id) published from
+        `since` on, of one instance or all, oldest first; the newest `limit` of them.
 
         Raises:
             BusError: 503 when the diagnosis stream cannot be read in time.
         """
         subjects = self.layout.subjects
         subject = subjects.diagnosis(instance_id) if instance_id else subjects.diagnosis_all()
-        incidents: dict[tuple[str, str, str], Finding] = {}
+        incidents: dict[object, Finding] = {}
         start = parse_ts(since) if since else None
 
         async def keep(msg: Msg) -> None:
@@ -327,7 +327,9 @@ class Bus:
                 finding = decode(msg.data, Finding)
             except WireError:
                 return  # the aggregator wrote it; nothing else may
-            incidents[(finding.instanceId, finding.kind, finding.since)] = finding
+            incidents[finding.incidentId or (finding.instanceId, finding.kind, finding.since)] = (
+                finding
+            )
 
         try:
             follower = await follow(self.js, subject, keep, start_time=start)

@@ -93,6 +93,9 @@ class Finding(CamelStruct, kw_only=True, frozen=True):
     clearedAt: str | None = None
     """When it cleared (on the message that says so)."""
     evidence: list[RankEvidence] = []
+    incidentId: str | None = None
+    """The incident's id, the same from its opening to its clearing, across restarts of
+    any service."""
 
 
 class Diagnosis(CamelStruct, kw_only=True, frozen=True):

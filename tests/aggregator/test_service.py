@@ -103,6 +103,37 @@ async def test_disagreement_appears_within_threshold_and_clears(
         assert not cleared.open
 
 
+async def test_an_incident_outlasting_a_restart_is_one_incident_closed_once(
+    nc: Client, js_ready: Layout
+) -> None:
+    findings: asyncio.Queue[Finding] = asyncio.Queue()
+
+    async def keep(msg: Msg) -> None:
+        await findings.put(decode(msg.data, Finding))
+
+    await nc.subscribe(js_ready.subjects.diagnosis("i"), cb=keep)
+    await answer_probes(nc, js_ready, placed())
+    await publish(nc, js_ready, placed())
+    await publish(nc, js_ready, entries(rank(0), (0, 1, Phase.PREFILL_PIPELINE, 7)))
+    await publish(nc, js_ready, entries(rank(1), (0, 1, Phase.DECODE_BARRIER, 8)))
+    limits = Thresholds(working=1.0)
+    async with aggregator(nc, js_ready, thresholds=limits):
+        opened = await asyncio.wait_for(findings.get(), WAIT)
+        assert opened.open
+        assert opened.incidentId
+    async with aggregator(nc, js_ready, thresholds=limits) as restarted:
+        await asyncio.sleep(1.5)  # judged again, and again, as the stall goes on
+        (kept,) = restarted.service._incidents.values()
+        assert (kept.finding.incidentId, kept.finding.since) == (opened.incidentId, opened.since)
+        await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
+        said = [await asyncio.wait_for(findings.get(), WAIT)]
+        while said[-1].open:
+            said.append(await asyncio.wait_for(findings.get(), WAIT))
+    assert {f.incidentId for f in said} == {opened.incidentId}  # no second incident
+    assert [f.open for f in said].count(False) == 1  # closed once
+    assert said[-1].since == opened.since
+
+
 async def test_changed_instances_are_judged_at_once_and_every_instance_as_time_passes(
     nc: Client, js_ready: Layout, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -141,7 +141,7 @@ function build(timeline, findings, history, past, placed) {
       gaps: gaps(held.get(runner.runnerId)),
     });
   }
-  const byIncident = new Map(past.map((f) => [`${f.instanceId} ${f.kind} ${f.since}`, f]));
+  const byIncident = new Map(past.map((f) => [f.incidentId || `${f.instanceId} ${f.kind} ${f.since}`, f]));
   const bands = [...byIncident.values()].map((f) => ({
     finding: f, from: seconds(f.since), to: f.clearedAt ? seconds(f.clearedAt) : now,
   })).filter((b) => b.to >= start);
