@@ -134,6 +134,14 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(word.strip() for word in text.split(",") if word.strip())
 
 
+def _urls(text: str) -> tuple[str, ...]:
+    found = _words(text)
+    for url in found:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"expected http(s)://host:port URLs, got {url[:60]!r}")
+    return found
+
+
 def _text(text: str) -> str:
     if not text.strip():
         raise ValueError("must not be empty")
@@ -224,6 +232,17 @@ class Settings:
     )
     snapshot_interval: float = _setting(
         30.0, _duration, "Seconds between aggregator snapshots (taken when something changed)."
+    )
+    alertmanager_url: tuple[str, ...] = _setting(
+        (),
+        _urls,
+        "Alertmanager URLs the aggregator alerts (comma separated; user:password@ for basic auth).",
+    )
+    alertmanager_token: str | None = _setting(
+        None, _text, "Bearer token for Alertmanager.", secret=True
+    )
+    public_url: str | None = _setting(
+        None, _text, "The gateway's URL as operators reach it (links in alerts)."
     )
     api_token: str | None = _setting(
         None, _text, "Bearer token the gateway requires for changes.", secret=True

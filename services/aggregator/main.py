@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+from services.aggregator.alerts import Alerter
 from services.aggregator.diagnosis import Thresholds
 from services.aggregator.service import AggregatorService
 from services.aggregator.snapshot import SnapshotFile
@@ -30,6 +31,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         await ensure(js, layout)
         part = settings.partition
         kept = f"aggregator-{layout.subjects.prefix}" + ("" if part.whole else f"-{part.name}")
+        public = settings.public_url or f"http://{settings.gateway_host}:{settings.gateway_port}"
         store = EntryStore(per_runner=settings.retention_per_runner, total=settings.retention_total)
         service = AggregatorService(
             nc=nc,
@@ -49,6 +51,13 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             else None,
             snapshot_interval=settings.snapshot_interval,
             partition=part,
+            alerter=Alerter(
+                settings.alertmanager_url,
+                settings.alertmanager_token,
+                f"{public}/v1/cluster/diagnosis/history?instanceId={{instance}}",
+            )
+            if settings.alertmanager_url
+            else None,
         )
         await service.run(stop)
 

@@ -27,6 +27,7 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
+from services.aggregator.alerts import Alerter
 from services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from services.aggregator.parking import PARK_S, Parked, Parking
 from services.aggregator.snapshot import Position, SnapshotFile, restore
@@ -163,9 +164,11 @@ class AggregatorService:
         snapshots: SnapshotFile | None = None,
         snapshot_interval: float = 30.0,
         partition: Partition | None = None,
+        alerter: Alerter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nc = nc
+        self._alerter = alerter
         self._js = js
         self._layout = layout
         self.partition = partition or Partition()
@@ -335,6 +338,7 @@ class AggregatorService:
             asyncio.create_task(self._probe_forever(stop)),
             asyncio.create_task(self._freeze_heap_forever(stop)),
             asyncio.create_task(self._snapshot_forever(stop)),
+            *([asyncio.create_task(self._alerter.run(stop))] if self._alerter else []),
         ]
         await stop.wait()
         busy = [*loops, *self._heavy, *self._capturing]
@@ -378,6 +382,8 @@ class AggregatorService:
         for instance_id, finding in found.items():
             self._incidents[instance_id] = Incident(finding=finding, opened=moment)
             self._announced.add((instance_id, finding.since))
+        if self._alerter is not None:
+            self._alerter.update(list(found.values()), [])  # its alert fires on, one alert
         if found:
             log.info("took up %d open incidents", len(found))
 
@@ -741,9 +747,10 @@ class AggregatorService:
                     self._announced.discard(key)
                     log.warning("finding %s cleared: %s", finding.kind.value, finding.summary)
             # each partition sees the installation's own findings (NATS out): one says so
-            self._unpublished.extend(
-                f for f in [*cleared, *appeared] if f.instanceId or self.partition.index == 0
-            )
+            ours = [f for f in [*cleared, *appeared] if f.instanceId or self.partition.index == 0]
+            self._unpublished.extend(ours)
+            if self._alerter is not None:
+                self._alerter.update([f for f in ours if f.open], [f for f in ours if not f.open])
             while self._unpublished and self.reach.reachable:
                 finding = self._unpublished[0]
                 try:

@@ -1,0 +1,157 @@
+"""Every open finding as an Alertmanager alert, from its opening to its clearing.
+
+Alertmanager expects a sender to post its firing alerts again and again (each with an
+`endsAt` a few periods ahead, so the alerts of a sender that died resolve by themselves)
+and to post a resolved alert with its `endsAt` once. An incident is one alert: its labels
+hold its `incidentId`, which an aggregator that restarts takes up with the incident.
+Nothing is lost while Alertmanager is down: what it did not take is posted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from shared.timestamps import format_ts, parse_ts
+from shared.wire import Finding, FindingKind
+
+__all__ = ["RESEND_S", "Alerter", "alert"]
+
+log = logging.getLogger(__name__)
+
+RESEND_S = 15.0
+"""How often firing alerts are posted again."""
+ENDS_AFTER = 4
+"""Resend periods a firing alert stays firing without another post (as Prometheus does)."""
+POST_TIMEOUT_S = 5.0
+
+_SEVERITY = {
+    FindingKind.DEAD_RANK: "critical",
+    FindingKind.STALLED_RANK: "critical",
+    FindingKind.NATS_UNREACHABLE: "critical",
+    FindingKind.JETSTREAM_STORAGE: "critical",
+    FindingKind.RANK_DISAGREEMENT: "warning",
+    FindingKind.MISSING_DATA: "warning",
+}
+
+
+def _ranks(finding: Finding, culprits: bool) -> str:
+    named = set(finding.culpritRunnerIds)
+    return "; ".join(
+        f"rank {e.deviceRank} on {e.nodeId}"
+        + (f" ({e.phase.value})" if e.phase else "")
+        + (f", waiting in {e.waitingIn}" if e.waitingIn and not culprits else "")
+        for e in finding.evidence
+        if (e.runnerId in named) == culprits
+    )
+
+
+def alert(finding: Finding, link: str, now: datetime) -> dict[str, Any]:
+    """The Alertmanager v2 alert of `finding` at `now`: firing while it is open (ending
+    a few resend periods ahead unless posted again), resolved once it cleared."""
+    culprits = [e for e in finding.evidence if e.runnerId in finding.culpritRunnerIds]
+    ends = (
+        parse_ts(finding.clearedAt)
+        if not finding.open and finding.clearedAt
+        else now + timedelta(seconds=RESEND_S * ENDS_AFTER)
+    )
+    if not finding.open and ends > now:
+        ends = now
+    labels = {
+        "alertname": "Rankscope" + "".join(w.title() for w in finding.kind.value.split("_")),
+        "kind": finding.kind.value,
+        "severity": _SEVERITY.get(finding.kind, "warning"),
+        "instance": finding.instanceId or "(installation)",
+        "culprit_rank": ",".join(map(str, finding.culpritRanks)),
+        "culprit_node": ",".join(sorted({e.nodeId for e in culprits})),
+        "incident_id": finding.incidentId or f"{finding.instanceId}@{finding.since}",
+    }
+    return {
+        "labels": {k: v for k, v in labels.items() if v},
+        "annotations": {
+            "summary": finding.summary[:1000],
+            "culprits": _ranks(finding, culprits=True),
+            "victims": _ranks(finding, culprits=False),
+            "url": link,
+        },
+        "startsAt": finding.since,
+        "endsAt": format_ts(ends),
+        "generatorURL": link,
+    }
+
+
+class Alerter:
+    """The findings one aggregator alerts for, posted to every Alertmanager of `urls`.
+
+    Args:
+        urls: Alertmanager base URLs (`http://host:9093`), with user and password in them
+            for basic auth.
+        token: a bearer token sent with every post, if set.
+        link: where an operator reads an instance's incidents (formatted with
+            `instance`).
+    """
+
+    def __init__(self, urls: Sequence[str], token: str | None, link: str) -> None:
+        self._urls = [u.rstrip("/") for u in urls]
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._link = link
+        self._firing: dict[str, Finding] = {}
+        """Open findings by incident, posted every period."""
+        self._resolving: dict[tuple[str, str], Finding] = {}
+        """Cleared findings not yet taken, by (Alertmanager, incident)."""
+        self._wake = asyncio.Event()
+
+    def update(self, changed: Sequence[Finding], cleared: Sequence[Finding]) -> None:
+        """Note what the diagnosis said this turn; what changed is posted at once."""
+        for finding in changed:
+            self._firing[_key(finding)] = finding
+        for finding in cleared:
+            self._firing.pop(_key(finding), None)
+            for url in self._urls:
+                self._resolving[(url, _key(finding))] = finding
+        if changed or cleared:
+            self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Post every period, and at once when something changed, until `stop`."""
+        async with httpx.AsyncClient(timeout=POST_TIMEOUT_S, headers=self._headers) as client:
+            while not stop.is_set():
+                self._wake.clear()
+                await self._post_all(client)
+                waiting = asyncio.ensure_future(self._wake.wait())
+                stopping = asyncio.ensure_future(stop.wait())
+                await asyncio.wait(
+                    {waiting, stopping}, timeout=RESEND_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                waiting.cancel()
+                stopping.cancel()
+
+    async def _post_all(self, client: httpx.AsyncClient) -> None:
+        now = datetime.now(UTC)
+        for url in self._urls:
+            resolved = [(k, f) for (u, k), f in self._resolving.items() if u == url]
+            body = [self._alert(f, now) for f in self._firing.values()]
+            body += [self._alert(f, now) for _, f in resolved]
+            if not body:
+                continue
+            try:
+                answer = await client.post(f"{url}/api/v2/alerts", json=body)
+                answer.raise_for_status()
+            except httpx.HTTPError as exc:
+                log.warning("Alertmanager %s did not take %d alerts: %s", url, len(body), exc)
+                continue  # posted again next period, the resolved ones too
+            for key, _ in resolved:
+                self._resolving.pop((url, key), None)
+
+    def _alert(self, finding: Finding, now: datetime) -> dict[str, Any]:
+        return alert(finding, self._link.format(instance=quote(finding.instanceId, safe="")), now)
+
+
+def _key(finding: Finding) -> str:
+    return finding.incidentId or f"{finding.instanceId}@{finding.since}"

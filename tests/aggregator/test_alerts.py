@@ -1,0 +1,162 @@
+"""Findings page an operator through a real Alertmanager: one alert per incident from its
+opening to its clearing, across a restart of the aggregator and an Alertmanager that was
+down."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from nats.aio.client import Client
+
+from services.aggregator import alerts
+from services.aggregator.alerts import Alerter
+from services.aggregator.diagnosis import Thresholds
+from shared.jetstream import Layout
+from shared.wire import Phase
+from tests.agents_stand_in import answer_probes
+from tests.aggregator.builders import entries, placed, rank
+from tests.aggregator.running import aggregator, publish
+
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
+
+BINARY = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+CONFIG = """
+route:
+  receiver: nobody
+  group_wait: 0s
+receivers:
+  - name: nobody
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Manager:
+    """One Alertmanager process on loopback, stopped and started again at will."""
+
+    def __init__(self, root: Path) -> None:
+        assert BINARY is not None
+        self.root, self.port = root, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        (root / "alertmanager.yml").write_text(CONFIG)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert BINARY is not None
+        self.process = subprocess.Popen(
+            [
+                BINARY,
+                f"--config.file={self.root / 'alertmanager.yml'}",
+                f"--storage.path={self.root / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--cluster.listen-address=",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+    async def alerts(self) -> list[dict[str, Any]]:
+        """The active alerts (none while it does not answer yet)."""
+        try:
+            async with httpx.AsyncClient(timeout=2) as client:
+                reply = await client.get(f"{self.url}/api/v2/alerts", params={"active": "true"})
+        except httpx.HTTPError:
+            return []
+        return [a for a in reply.json() if a["status"]["state"] == "active"]
+
+
+@pytest.fixture
+def manager(tmp_path: Path) -> Iterator[Manager]:
+    if BINARY is None:
+        pytest.skip("Alertmanager is not installed here (Debian's prometheus-alertmanager)")
+    running = Manager(tmp_path)
+    running.start()
+    yield running
+    running.stop()
+
+
+async def _until(check: Any, seconds: float = 30.0) -> Any:
+    for _ in range(int(seconds / 0.1)):
+        if found := await check():
+            return found
+        await asyncio.sleep(0.1)
+    raise AssertionError("not reached in time")
+
+
+@pytest.fixture(autouse=True)
+def _short_periods(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(alerts, "RESEND_S", 0.5)  # a resend period, scaled down
+
+
+@pytest.fixture
+async def disagreeing(nc: Client, js_ready: Layout) -> None:
+    """Two live ranks of instance i, rank 0 held a step behind rank 1."""
+    await answer_probes(nc, js_ready, placed())
+    await publish(nc, js_ready, placed())
+    await publish(nc, js_ready, entries(rank(0), (0, 1, Phase.PREFILL_PIPELINE, 7)))
+    await publish(nc, js_ready, entries(rank(1), (0, 1, Phase.DECODE_BARRIER, 8)))
+
+
+@pytest.mark.usefixtures("disagreeing")
+async def test_an_incident_is_one_alert_across_a_restart_resolved_once(
+    nc: Client, js_ready: Layout, manager: Manager
+) -> None:
+    limits = Thresholds(working=1.0)
+
+    def alerter() -> Alerter:
+        return Alerter([manager.url], None, "http://gateway:8000/incidents?of={instance}")
+
+    async with aggregator(nc, js_ready, thresholds=limits, alerter=alerter()):
+        (firing,) = await _until(manager.alerts)
+    labels = firing["labels"]
+    assert labels["alertname"] == "RankscopeRankDisagreement"
+    assert (labels["instance"], labels["culprit_rank"], labels["culprit_node"]) == (
+        "i",
+        "0",
+        "node-0",
+    )
+    assert (labels["kind"], labels["severity"]) == ("rank_disagreement", "warning")
+    assert labels["incident_id"]
+    assert "rank 0 (node-0) held in prefill_pipeline" in firing["annotations"]["summary"]
+    assert firing["annotations"]["url"] == "http://gateway:8000/incidents?of=i"
+    async with aggregator(nc, js_ready, thresholds=limits, alerter=alerter()):
+        await asyncio.sleep(2.0)  # posted again and again by the restarted aggregator
+        assert [a["fingerprint"] for a in await manager.alerts()] == [firing["fingerprint"]]
+        await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
+
+        async def resolved() -> bool:
+            return not await manager.alerts()
+
+        await _until(resolved)
+
+
+@pytest.mark.usefixtures("disagreeing")
+async def test_an_alert_raised_while_alertmanager_is_down_is_posted_once_it_is_back(
+    nc: Client, js_ready: Layout, manager: Manager
+) -> None:
+    manager.stop()
+    limits = Thresholds(working=1.0)
+    alerter = Alerter([manager.url], None, "http://gateway:8000/{instance}")
+    async with aggregator(nc, js_ready, thresholds=limits, alerter=alerter) as running:
+        await _until(lambda: asyncio.sleep(0, running.service._incidents))
+        manager.start()
+        (firing,) = await _until(manager.alerts)
+        assert firing["labels"]["instance"] == "i"
