@@ -115,6 +115,18 @@ def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
 
 
 def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
+    if args.bundle:
+        path = f"/v1/cluster/diagnosis/history/{quote(args.bundle, safe='')}/bundle"
+        data = gateway.download(path)
+        target = args.output or f"incident-{args.bundle}.tar.gz"
+        try:
+            with open(target, "wb") as out:
+                out.write(data)
+        except OSError as exc:
+            raise ClientError(f"cannot write {target}: {exc}") from None
+        print(f"wrote {target} ({len(data):,} bytes)")
+        return
+
     def lines(found: dict[str, Any]) -> list[str]:
         return [
             line
@@ -272,6 +284,8 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
         "--verbose", "-v", action="store_true", help="each rank's evidence, where it waits"
     )
     diagnose.add_argument("--stacks", action="store_true", help="with each rank's whole stack")
+    diagnose.add_argument("--bundle", metavar="INCIDENT", help="write that incident as one file")
+    diagnose.add_argument("-o", "--output", help="with --bundle: where (incident-ID.tar.gz)")
     diagnose.add_argument("--history", action="store_true", help="past incidents too")
     diagnose.add_argument("--since", help="with --history: from this RFC 3339 time")
     diagnose.add_argument("--instance", type=identifier, help="with --history: only this instance")

@@ -77,6 +77,21 @@ class Gateway:
             detail = f"{answer.reason_phrase} (not rankscope's gateway at {self.url}?)"
         return ClientError(f"{answer.status_code}: {detail}", answer.status_code)
 
+    def download(self, path: str, timeout: float = 60) -> bytes:
+        """The bytes of a GET (a file the gateway builds).
+
+        Raises:
+            ClientError: as `call`.
+        """
+        try:
+            with self._client(timeout) as client:
+                answer = client.get(path)
+        except httpx.HTTPError as error:
+            raise self._unreachable(error) from None
+        if answer.is_error:
+            raise self._refused(answer)
+        return answer.content
+
     def events(self, path: str) -> Iterator[str]:
         """The data of each server-sent event of a stream, as it comes.
 

@@ -68,8 +68,10 @@ def finding_lines(finding: dict[str, Any], verbose: bool, stacks: bool = False) 
     with `stacks`)."""
     where = finding["instanceId"] or "(installation)"
     state = "" if finding.get("open", True) else f", cleared {clock(finding.get('clearedAt'))}"
+    named = f"; incident {finding['incidentId']}" if finding.get("incidentId") else ""
     lines = [
-        f"{finding['kind']} {where}: {finding['summary']} (since {clock(finding['since'])}{state})"
+        f"{finding['kind']} {where}: {finding['summary']} "
+        f"(since {clock(finding['since'])}{state}{named})"
     ]
     if not verbose:
         return lines

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.gateway.bus import Bus, BusError
 from services.gateway.metrics import RequestMetrics
 from services.gateway.responses import ERRORS, Json, openapi_components
-from services.gateway.routes import chat, cluster, jobs, models, ops, runners, skulk
+from services.gateway.routes import chat, cluster, incidents, jobs, models, ops, runners, skulk
 from services.gateway.scatter import MissingPartitions
 from shared.connection import close, connect
 from shared.host import hostname
@@ -138,7 +138,7 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
     app.state.settings = settings
     app.state.capturing = set()  # nodes a capture is under way of
     app.state.metrics = RequestMetrics()
-    for module in (cluster, runners, jobs, chat, models, skulk, ops):
+    for module in (cluster, incidents, runners, jobs, chat, models, skulk, ops):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=WEB), name="static")
 

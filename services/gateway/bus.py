@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import datetime
 from typing import Any
 
@@ -315,21 +316,35 @@ class Bus:
         Raises:
             BusError: 503 when the diagnosis stream cannot be read in time.
         """
+        incidents: dict[object, Finding] = {}
+        for finding in await self._published(since=since, instance_id=instance_id):
+            key = finding.incidentId or (finding.instanceId, finding.kind, finding.since)
+            incidents[key] = finding
+        return sorted(incidents.values(), key=lambda f: f.since)[-limit:]
+
+    async def incident(self, incident_id: str) -> list[Finding]:
+        """Every word published of one incident, oldest first (none: no such incident in
+        the diagnosis stream).
+
+        Raises:
+            BusError: 503 when the diagnosis stream cannot be read in time.
+        """
+        return [f for f in await self._published() if f.incidentId == incident_id]
+
+    async def _published(
+        self, *, since: str | None = None, instance_id: str | None = None
+    ) -> list[Finding]:
+        """The findings in the diagnosis stream from `since` on, of one instance or all."""
         subjects = self.layout.subjects
         subject = subjects.diagnosis(instance_id) if instance_id else subjects.diagnosis_all()
-        incidents: dict[object, Finding] = {}
+        found: list[Finding] = []
         start = parse_ts(since) if since else None
 
         async def keep(msg: Msg) -> None:
             if start is not None and msg.metadata.timestamp < start:
                 return  # a server may start a consumer by time before it, never after
-            try:
-                finding = decode(msg.data, Finding)
-            except WireError:
-                return  # the aggregator wrote it; nothing else may
-            incidents[finding.incidentId or (finding.instanceId, finding.kind, finding.since)] = (
-                finding
-            )
+            with contextlib.suppress(WireError):  # the aggregator wrote it; nothing else may
+                found.append(decode(msg.data, Finding))
 
         try:
             follower = await follow(self.js, subject, keep, start_time=start)
@@ -339,7 +354,7 @@ class Bus:
                 await follower.stop()
         except (NatsError, TimeoutError) as exc:
             raise BusError(503, f"the diagnosis stream could not be read: {exc}") from None
-        return sorted(incidents.values(), key=lambda f: f.since)[-limit:]
+        return found
 
     async def memory_samples(
         self, *, instance_id: str | None, since: datetime, limit: int

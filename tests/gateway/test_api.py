@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import re
+import tarfile
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -19,12 +21,15 @@ from shared.timestamps import format_ts, now
 from shared.wire import (
     Finding,
     FindingKind,
+    FlightEntry,
     InstanceCreated,
     InstanceState,
     Memory,
     MemorySampled,
     MlxMemorySnapshot,
     NodeDiagnostics,
+    Phase,
+    PhaseEntries,
     RankTableStatus,
     RunnerAssignment,
     RunnerRef,
@@ -40,6 +45,7 @@ from shared.wire import (
     encode,
 )
 from tests.agents_stand_in import answer_probes
+from tests.aggregator.builders import placed
 from tests.conftest import FIXTURES
 from tests.gateway.conftest import Stack
 
@@ -786,9 +792,12 @@ async def test_a_rank_lost_mid_generation_ends_the_chat_with_a_502_naming_it(
     )
 
 
-def _finding(instance: str, since: str, *, cleared: str | None = None) -> bytes:
+def _finding(
+    instance: str, since: str, *, cleared: str | None = None, incident: str | None = None
+) -> bytes:
     return encode(
         Finding(
+            incidentId=incident,
             instanceId=instance,
             kind=FindingKind.STALLED_RANK,
             culpritRanks=[1],
@@ -800,6 +809,45 @@ def _finding(instance: str, since: str, *, cleared: str | None = None) -> bytes:
             clearedAt=cleared,
         )
     )
+
+
+async def test_an_incident_is_one_file_to_hand_over(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    js, subjects = stack.nc.jetstream(), stack.layout.subjects
+    instance = placed("i")
+    await js.publish(subjects.placement("i"), encode(instance))
+    for r in (0, 1):
+        ref = RunnerRef(runnerId=f"i-r{r}", nodeId=f"node-{r}", instanceId="i", modelId="tiny",
+                        deviceRank=r, worldSize=2)  # fmt: skip
+        batch = PhaseEntries(
+            runner=ref, entries=[FlightEntry(seq=0, at=now(), phase=Phase.IDLE, event="ready")]
+        )
+        await js.publish(subjects.runner(f"node-{r}", "i", r, "phase"), encode(batch))
+    opened = now()
+    await js.publish(subjects.diagnosis("i"), _finding("i", opened, incident="abc123"))
+    await js.publish(
+        subjects.diagnosis("i"), _finding("i", opened, cleared=now(), incident="abc123")
+    )
+    await js.publish(subjects.diagnosis("j"), _finding("j", opened, incident="other"))
+
+    async def bundled() -> httpx.Response | None:
+        reply = await stack.http.get("/v1/cluster/diagnosis/history/abc123/bundle")
+        timeline = await stack.http.get("/v1/cluster/timeline", params={"instanceId": "i"})
+        return reply if reply.status_code == 200 and timeline.json()["timeline"] else None
+
+    reply = await _until(bundled)
+    assert reply.headers["content-type"] == "application/gzip"
+    with tarfile.open(fileobj=io.BytesIO(reply.content)) as tar:
+        files = {m.name.split("/", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    assert {"README.txt", "incident.json", "timeline.json", "trace.json", "placement.json",
+            "versions.json"} <= set(files)  # fmt: skip
+    words = json.loads(files["incident.json"])
+    assert [w["open"] for w in words] == [True, False]  # every word of it, and no other's
+    assert len(json.loads(files["timeline.json"])["timeline"]) == 2
+    assert json.loads(files["trace.json"])["traceEvents"]
+    assert "not held:" in files["README.txt"].decode()
+    missing = await stack.http.get("/v1/cluster/diagnosis/history/nope/bundle")
+    assert missing.status_code == 404
 
 
 async def test_diagnosis_history_serves_every_incident_open_or_cleared(stack_for: Any) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import tarfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,7 +85,9 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
         assert out == "no findings: every instance is healthy\n"
         await asyncio.sleep(0.1)
     assert out.startswith("dead_rank llm-0: rank 0 (node-a): node unreachable")
-    assert re.search(r"\(since \d\d:\d\d:\d\dZ \(\d+s ago\)\)$", out.splitlines()[0])
+    assert re.search(
+        r"\(since \d\d:\d\d:\d\dZ \(\d+s ago\); incident [0-9a-f]{16}\)$", out.splitlines()[0]
+    )
     code, out, _ = await cli("diagnose", "--url", url, "--verbose")
     assert code == 1
     assert "\n  CULPRIT rank 0 (node-a): " in out
@@ -101,6 +104,14 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
     said, first = out.splitlines()[:2]
     assert said.startswith("incidents the diagnosis stream still holds (its retention): ")
     assert first.startswith("dead_rank llm-0: rank 0 (node-a): node unreachable")
+    incident = first.rsplit("incident ", 1)[1].rstrip(")")
+    bundle = tmp_path / "incident.tar.gz"
+    code, out, _ = await cli("diagnose", "--url", url, "--bundle", incident, "-o", str(bundle))
+    assert (code, out.startswith(f"wrote {bundle} (")) == (0, True)
+    with tarfile.open(bundle) as tar:
+        assert f"incident-{incident}/incident.json" in tar.getnames()
+    code, _, err = await cli("diagnose", "--url", url, "--bundle", "nope")
+    assert (code, err.startswith("rankscope: 404: no incident 'nope'")) == (1, True)
     code, out, _ = await cli("timeline", "--url", url, "--json")
     assert code == 0
     assert set(json.loads(out)) >= {"runners", "timeline", "unreachableNodes"}

@@ -1,0 +1,108 @@
+"""One incident as one file: `GET /v1/cluster/diagnosis/history/{incidentId}/bundle`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from datetime import timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Response
+
+from services.gateway.bundle import Bundle
+from services.gateway.bus import Bus
+from services.gateway.deps import bus, reader
+from services.gateway.responses import fail
+from services.gateway.trace import to_trace
+from shared.timestamps import format_ts, now, parse_ts
+from shared.wire import ClusterTimeline, NodeInfo, PlacementRunnerDiagnostics, WireError, decode
+
+__all__ = ["BEFORE_S", "router"]
+
+router = APIRouter(dependencies=[Depends(reader)], tags=["cluster"])
+Nats = Annotated[Bus, Depends(bus)]
+
+BEFORE_S = 60.0
+"""How much of the timeline before an incident opened its bundle holds."""
+
+
+@router.get(
+    "/v1/cluster/diagnosis/history/{incidentId}/bundle",
+    responses={200: {"content": {"application/gzip": {}}}, 404: {}},
+)
+async def incident_bundle(incidentId: str, nats: Nats) -> Response:  # noqa: N803
+    """A gzipped tar of the incident: every word published of it (with the evidence
+    captured: stacks, process state, MLX memory), its instance's timeline from a minute
+    before it opened to its close (JSON and Perfetto trace), the placement and the rank
+    table, the versions known, and a README saying what it could not hold."""
+    updates = await nats.incident(incidentId)
+    if not updates:
+        raise fail(
+            404, f"no incident {incidentId!r} in the diagnosis stream (or past its retention)"
+        )
+    last = updates[-1]
+    bundle = Bundle(incidentId)
+    bundle.add("incident.json", updates)
+    if last.instanceId:
+        await _timeline(nats, bundle, last.instanceId, last.since, last.clearedAt)
+        await _placement(nats, bundle, last.instanceId)
+    else:
+        bundle.lacks("a timeline: the incident is of the installation (NATS), not of one instance")
+    await _versions(nats, bundle, {e.nodeId for f in updates for e in f.evidence})
+    return Response(
+        bundle.archive(),
+        media_type="application/gzip",
+        headers={"Content-Disposition": f'attachment; filename="incident-{incidentId}.tar.gz"'},
+    )
+
+
+async def _timeline(
+    nats: Bus, bundle: Bundle, instance_id: str, since: str, cleared: str | None
+) -> None:
+    start = format_ts(parse_ts(since) - timedelta(seconds=BEFORE_S))
+    asked = {"instanceId": instance_id, "since": start, "until": cleared or now(), "limit": 100_000}
+    raw = await nats.query("timeline", asked)
+    try:
+        found = decode(raw, ClusterTimeline)
+    except WireError as exc:
+        bundle.lacks(f"the timeline: the aggregator answered nonsense ({exc})")
+        return
+    bundle.add("timeline.json", raw)
+    bundle.add("trace.json", to_trace(found))
+    if not found.timeline:
+        bundle.lacks(f"timeline entries from {start}: none held (evicted, or past retention)")
+    elif found.timeline[0].at > since:
+        bundle.lacks(f"timeline entries from {start} to {found.timeline[0].at}: none held")
+
+
+async def _placement(nats: Bus, bundle: Bundle, instance_id: str) -> None:
+    placed = decode(await nats.query("placement"), list[PlacementRunnerDiagnostics])
+    ranks = [p for p in placed if p.runnerId.startswith(f"{instance_id}-")]
+    if ranks:
+        bundle.add("placement.json", ranks)
+    else:
+        bundle.lacks("the placement: the instance is no longer placed")
+    table = await nats.ranktable(instance_id)
+    if table is None:
+        bundle.lacks("the rank table: the job has none now")
+    else:
+        version, stream = table
+        bundle.add("ranktable.json", {"version": version, "rankTable": stream.rankTable})
+        bundle.lacks(f"the rank table as it was at open: the one held is version {version}, now")
+
+
+async def _versions(nats: Bus, bundle: Bundle, nodes: set[str]) -> None:
+    known = await nats.values(nats.layout.nodes_bucket.bucket)
+    agents = {}
+    for node_id in sorted(nodes):
+        raw = known.get(node_id)
+        agents[node_id] = decode(raw, NodeInfo).agentVersion if raw else None
+    here = {name: _version(name) for name in ("rankscope", "mlx", "mlx-lm")}
+    bundle.add("versions.json", {"gateway": here, "agents": agents})
+    bundle.lacks("the MLX and mlx-lm versions of each node: agents report their own only")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
