@@ -73,6 +73,12 @@ def finding_lines(finding: dict[str, Any], verbose: bool, stacks: bool = False) 
         f"{finding['kind']} {where}: {finding['summary']} "
         f"(since {clock(finding['since'])}{state}{named})"
     ]
+    if seen := finding.get("seenBefore"):
+        times = "once" if seen["count"] == 1 else f"{seen['count']} times"
+        lines.append(
+            f"  the same fault ({finding.get('signature')}) seen {times} before: first "
+            f"{clock(seen['first'])}, last {clock(seen['last'])}"
+        )
     if not verbose:
         return lines
     culprits = set(finding["culpritRunnerIds"])

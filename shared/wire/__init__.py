@@ -3,6 +3,7 @@
 from shared.wire.codec import WireError, decode, decoder, encode
 from shared.wire.diagnosis import (
     Diagnosis,
+    FaultSignature,
     Finding,
     FindingKind,
     InstanceState,
@@ -12,6 +13,7 @@ from shared.wire.diagnosis import (
     RankRole,
     RankState,
     RunnerHistory,
+    SeenBefore,
     TimelineQuery,
 )
 from shared.wire.enums import Breadcrumb, Phase, RunnerStatusKind, TaskKind, TaskStatus
@@ -99,6 +101,7 @@ __all__ = [
     "Device",
     "Diagnosis",
     "EvidenceRequest",
+    "FaultSignature",
     "Finding",
     "FindingKind",
     "FlightEntry",
@@ -145,6 +148,7 @@ __all__ = [
     "RunnerSupervisorDiagnostics",
     "RunnerSynopsis",
     "RunnerTelemetry",
+    "SeenBefore",
     "Server",
     "ServerGroup",
     "SpecialHandling",

@@ -15,6 +15,7 @@ from shared.wire.node_diagnostics import ProcessState
 
 __all__ = [
     "Diagnosis",
+    "FaultSignature",
     "Finding",
     "FindingKind",
     "InstanceState",
@@ -24,6 +25,7 @@ __all__ = [
     "RankRole",
     "RankState",
     "RunnerHistory",
+    "SeenBefore",
     "TimelineQuery",
 ]
 
@@ -76,6 +78,30 @@ class RankEvidence(CamelStruct, kw_only=True, frozen=True):
     capturedAt: str | None = None
 
 
+class SeenBefore(CamelStruct, kw_only=True, frozen=True):
+    """How often the same fault (the same `signature`) was seen before an incident."""
+
+    count: int
+    first: str
+    last: str
+    incidentIds: list[str] = []
+    """The latest of them (20 at most)."""
+
+
+class FaultSignature(CamelStruct, kw_only=True, frozen=True):
+    """One fault and the incidents it was: how many, first and last when."""
+
+    signature: str
+    kind: FindingKind
+    count: int
+    first: str
+    last: str
+    incidentIds: list[str] = []
+    """The latest of them (20 at most)."""
+    summary: str
+    """The last word of the latest of them."""
+
+
 class Finding(CamelStruct, kw_only=True, frozen=True):
     """One problem of one instance: the ranks at fault, the ranks waiting on them, why.
 
@@ -96,6 +122,11 @@ class Finding(CamelStruct, kw_only=True, frozen=True):
     incidentId: str | None = None
     """The incident's id, the same from its opening to its clearing, across restarts of
     any service."""
+    signature: str | None = None
+    """The fault it is (its kind, where the culprits stood, the frames the ranks were in),
+    in the incident history."""
+    seenBefore: SeenBefore | None = None
+    """In the incident history: the incidents of the same signature before it."""
 
 
 class Diagnosis(CamelStruct, kw_only=True, frozen=True):

@@ -865,6 +865,12 @@ async def test_diagnosis_history_serves_every_incident_open_or_cleared(stack_for
         ("a", False, "2026-11-23T10:09:00Z"),  # one incident, in its last word
         ("b", True, None),
     ]
+    assert found[0]["signature"] == found[1]["signature"]  # the same fault, twice
+    assert (found[0]["seenBefore"], found[1]["seenBefore"]["count"]) == (None, 1)
+    (fault,) = (await stack.http.get("/v1/cluster/diagnosis/signatures")).json()
+    assert (fault["signature"], fault["count"], fault["kind"]) == (
+        found[0]["signature"], 2, "stalled_rank",
+    )  # fmt: skip
     only = await stack.http.get("/v1/cluster/diagnosis/history", params={"instanceId": "b"})
     assert [f["instanceId"] for f in only.json()["findings"]] == ["b"]
     newest = await stack.http.get("/v1/cluster/diagnosis/history", params={"limit": 1})

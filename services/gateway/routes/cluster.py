@@ -24,12 +24,12 @@ from shared.wire import (
     decode,
 )
 
-__all__ = ["Filters", "Nats", "router", "timeline"]
+__all__ = ["Filters", "Nats", "moment", "router", "timeline"]
 
 router = APIRouter(dependencies=[Depends(reader)], tags=["cluster"])
 
 
-def _moment(value: str | None, name: str) -> str | None:
+def moment(value: str | None, name: str) -> str | None:
     if value is None:
         return None
     try:
@@ -53,8 +53,8 @@ async def _filters(
         "instanceId": instanceId,
         "nodeId": nodeId,
         "modelId": modelId,
-        "since": _moment(since, "since"),
-        "until": _moment(until, "until"),
+        "since": moment(since, "since"),
+        "until": moment(until, "until"),
         "limit": limit,
     }
 
@@ -95,8 +95,8 @@ async def memory(
     """Each rank's MLX memory (active, peak, cache) from `since` to `until`, at most
     `points` per rank (of each slice of the span, its sample with the most active
     memory), from the samples runners send every second."""
-    end = parse_ts(_moment(until, "until") or now())
-    start = parse_ts(_moment(since, "since") or format_ts(end - timedelta(minutes=5)))
+    end = parse_ts(moment(until, "until") or now())
+    start = parse_ts(moment(since, "since") or format_ts(end - timedelta(minutes=5)))
     if start >= end:
         raise fail(422, "`since` must come before `until`")
     samples = await nats.memory_samples(instance_id=instanceId, since=start, limit=MEMORY_SAMPLES)
@@ -123,23 +123,6 @@ async def diagnosis(nats: Nats) -> Json:
         since=nats.reach.down_since_wall or now(),
     )
     return Json(Diagnosis(generatedAt=now(), findings=[outage]))
-
-
-@router.get(
-    "/v1/cluster/diagnosis/history",
-    response_class=Json,
-    responses={200: schema_ref(Diagnosis)},
-)
-async def diagnosis_history(
-    nats: Nats,
-    since: Annotated[str | None, Query(description="RFC 3339")] = None,
-    instanceId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
-    limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
-) -> Json:
-    """Every incident since `since` (of one instance, or all), open or cleared, in its
-    last word, oldest first: the newest `limit` of them."""
-    found = await nats.findings(since=_moment(since, "since"), instance_id=instanceId, limit=limit)
-    return Json(Diagnosis(generatedAt=now(), findings=found))
 
 
 @router.get(

@@ -1,4 +1,5 @@
-"""One incident as one file: `GET /v1/cluster/diagnosis/history/{incidentId}/bundle`."""
+"""Past incidents: the history (each with the fault it was and how often that was seen
+before), the faults by count, and one incident as one file."""
 
 from __future__ import annotations
 
@@ -6,23 +7,88 @@ import importlib.metadata
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Query, Response
 
 from services.gateway.bundle import Bundle
 from services.gateway.bus import Bus
 from services.gateway.deps import bus, reader
-from services.gateway.responses import fail
+from services.gateway.responses import Json, fail, schema_ref
+from services.gateway.routes.cluster import moment
+from services.gateway.signatures import seen_before
 from services.gateway.trace import to_trace
 from shared.timestamps import format_ts, now, parse_ts
-from shared.wire import ClusterTimeline, NodeInfo, PlacementRunnerDiagnostics, WireError, decode
+from shared.wire import (
+    ClusterTimeline,
+    Diagnosis,
+    FaultSignature,
+    Finding,
+    NodeInfo,
+    PlacementRunnerDiagnostics,
+    WireError,
+    decode,
+)
 
 __all__ = ["BEFORE_S", "router"]
+
+EVERY = 10**9
+"""No limit: signatures count over everything the diagnosis stream holds."""
 
 router = APIRouter(dependencies=[Depends(reader)], tags=["cluster"])
 Nats = Annotated[Bus, Depends(bus)]
 
 BEFORE_S = 60.0
 """How much of the timeline before an incident opened its bundle holds."""
+
+
+@router.get(
+    "/v1/cluster/diagnosis/history",
+    response_class=Json,
+    responses={200: schema_ref(Diagnosis)},
+)
+async def diagnosis_history(
+    nats: Nats,
+    since: Annotated[str | None, Query(description="RFC 3339")] = None,
+    instanceId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+) -> Json:
+    """Every incident since `since` (of one instance, or all), open or cleared, in its
+    last word, oldest first: the newest `limit` of them; each with its `signature` and
+    how often the same fault was seen before it (`seenBefore`)."""
+    start = moment(since, "since")
+    told = seen_before(await nats.findings(since=None, instance_id=None, limit=EVERY))
+    found = [
+        f
+        for f in told
+        if (start is None or f.since >= format_ts(parse_ts(start)))
+        and (instanceId is None or f.instanceId == instanceId)
+    ]
+    return Json(Diagnosis(generatedAt=now(), findings=found[-limit:]))
+
+
+@router.get(
+    "/v1/cluster/diagnosis/signatures",
+    response_class=Json,
+    responses={200: schema_ref(FaultSignature)},
+)
+async def fault_signatures(nats: Nats) -> Json:
+    """The faults the incident history holds, most often seen first: each with how many
+    incidents it was, first and last when, and the latest of them."""
+    faults: dict[str, list[Finding]] = {}
+    for finding in seen_before(await nats.findings(since=None, instance_id=None, limit=EVERY)):
+        faults.setdefault(finding.signature or "", []).append(finding)
+    listed = [
+        FaultSignature(
+            signature=mark,
+            kind=seen[-1].kind,
+            count=len(seen),
+            first=seen[0].since,
+            last=seen[-1].since,
+            incidentIds=[f.incidentId for f in seen[-20:] if f.incidentId],
+            summary=seen[-1].summary,
+        )
+        for mark, seen in faults.items()
+    ]
+    return Json(sorted(listed, key=lambda s: (-s.count, s.last)))
 
 
 @router.get(

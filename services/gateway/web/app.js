@@ -310,7 +310,10 @@ function showIncidents(past) {
   document.getElementById("incidents").innerHTML = shown.length
     ? `<h2>incidents (${past.length})</h2>` + shown.map((f) => {
       const end = f.open === false ? `cleared ${when(f.clearedAt)}, after ${Math.round(seconds(f.clearedAt) - seconds(f.since))}s` : "open";
-      return `<details class="incident"><summary>${headline(f)} · ${end}</summary>` +
+      const seen = f.seenBefore
+        ? ` · <b class="seen">seen ${f.seenBefore.count}× before</b>, first ${when(f.seenBefore.first)}`
+        : "";
+      return `<details class="incident"><summary>${headline(f)} · ${end}${seen}</summary>` +
         `<div class="summary">${escape(f.summary)}</div>${evidenceOf(f)}</details>`;
     }).join("")
     : "<h2>incidents</h2><p>none in the diagnosis stream</p>";
