@@ -124,7 +124,9 @@ class Cluster:
         latest = [self.latest(r) for r in RANKS]
         return all(s is not None and s.statusKind is RunnerStatusKind.READY for s in latest)
 
-    async def submit(self, command_id: str, max_tokens: int, deadline: str | None = None) -> None:
+    async def submit(
+        self, command_id: str, max_tokens: int, deadline: str | None = None, prompt: str = PROMPT
+    ) -> None:
         task = TaskCreated(
             at=now(),
             deadline=deadline,
@@ -132,7 +134,7 @@ class Cluster:
             instanceId="i",
             taskKind=TaskKind.TEXT_GENERATION,
             commandId=command_id,
-            request=GenerationRequest(prompt=PROMPT, maxTokens=max_tokens),
+            request=GenerationRequest(prompt=prompt, maxTokens=max_tokens),
         )
         await self.nc.jetstream().publish(self.layout.subjects.tasks("i"), encode(task))
 
@@ -341,15 +343,7 @@ async def test_a_prompt_past_the_model_s_context_is_refused_by_every_rank_at_onc
     cluster: Cluster,
 ) -> None:
     long = " ".join(f"{n}-{n * 7 % 13}" for n in range(6000))  # far past 4,096 tokens
-    task = TaskCreated(
-        at=now(),
-        taskId="task-cmd-long",
-        instanceId="i",
-        taskKind=TaskKind.TEXT_GENERATION,
-        commandId="cmd-long",
-        request=GenerationRequest(prompt=long, maxTokens=4),
-    )
-    await cluster.nc.jetstream().publish(cluster.layout.subjects.tasks("i"), encode(task))
+    await cluster.submit("cmd-long", 4, prompt=long)
 
     def refused() -> list[TaskStatusChanged]:
         return [s for s in cluster.task_statuses if s.taskId == "task-cmd-long" and s.refused]
