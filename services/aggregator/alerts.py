@@ -93,8 +93,8 @@ class Alerter:
         urls: Alertmanager base URLs (`http://host:9093`), with user and password in them
             for basic auth.
         token: a bearer token sent with every post, if set.
-        link: where an operator reads an instance's incidents (formatted with
-            `instance`).
+        link: where an operator reads an incident (formatted with `instance` and
+            `incident`, each made safe for a URL).
     """
 
     def __init__(self, urls: Sequence[str], token: str | None, link: str) -> None:
@@ -150,7 +150,10 @@ class Alerter:
                 self._resolving.pop((url, key), None)
 
     def _alert(self, finding: Finding, now: datetime) -> dict[str, Any]:
-        return alert(finding, self._link.format(instance=quote(finding.instanceId, safe="")), now)
+        link = self._link.format(
+            instance=quote(finding.instanceId, safe=""), incident=quote(_key(finding), safe="")
+        )
+        return alert(finding, link, now)
 
 
 def _key(finding: Finding) -> str:

@@ -54,7 +54,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             alerter=Alerter(
                 settings.alertmanager_url,
                 settings.alertmanager_token,
-                f"{public}/v1/cluster/diagnosis/history?instanceId={{instance}}",
+                f"{public}/v1/cluster/diagnosis/history/{{incident}}/bundle",
             )
             if settings.alertmanager_url
             else None,

@@ -108,6 +108,13 @@ async def incident_bundle(incidentId: str, nats: Nats) -> Response:  # noqa: N80
     last = updates[-1]
     bundle = Bundle(incidentId)
     bundle.add("incident.json", updates)
+    told = seen_before(await nats.findings(since=None, instance_id=None, limit=EVERY))
+    for finding in told:
+        if finding.incidentId == incidentId:
+            bundle.add(
+                "seen_before.json",
+                {"signature": finding.signature, "seenBefore": finding.seenBefore},
+            )
     if last.instanceId:
         await _timeline(nats, bundle, last.instanceId, last.since, last.clearedAt)
         await _placement(nats, bundle, last.instanceId)
