@@ -18,8 +18,9 @@ from urllib.parse import quote
 
 import httpx
 
+from shared.signatures import FaultHistory
 from shared.timestamps import format_ts, parse_ts
-from shared.wire import Finding, FindingKind
+from shared.wire import Finding, FindingKind, SeenBefore
 
 __all__ = ["RESEND_S", "Alerter", "alert"]
 
@@ -52,9 +53,12 @@ def _ranks(finding: Finding, culprits: bool) -> str:
     )
 
 
-def alert(finding: Finding, link: str, now: datetime) -> dict[str, Any]:
+def alert(
+    finding: Finding, link: str, now: datetime, seen: SeenBefore | None = None
+) -> dict[str, Any]:
     """The Alertmanager v2 alert of `finding` at `now`: firing while it is open (ending
-    a few resend periods ahead unless posted again), resolved once it cleared."""
+    a few resend periods ahead unless posted again), resolved once it cleared; `seen`, the
+    incidents of the same fault before it."""
     culprits = [e for e in finding.evidence if e.runnerId in finding.culpritRunnerIds]
     ends = (
         parse_ts(finding.clearedAt)
@@ -79,6 +83,14 @@ def alert(finding: Finding, link: str, now: datetime) -> dict[str, Any]:
             "culprits": _ranks(finding, culprits=True),
             "victims": _ranks(finding, culprits=False),
             "url": link,
+            **(
+                {
+                    "seen_before": f"seen {seen.count} times before, first at {seen.first}, "
+                    f"last at {seen.last}"
+                }
+                if seen
+                else {}
+            ),
         },
         "startsAt": finding.since,
         "endsAt": format_ts(ends),
@@ -97,7 +109,15 @@ class Alerter:
             `incident`, each made safe for a URL).
     """
 
-    def __init__(self, urls: Sequence[str], token: str | None, link: str) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        token: str | None,
+        link: str,
+        history: FaultHistory | None = None,
+    ) -> None:
+        self._history = history or FaultHistory()
+        """Every incident seen: how often an alert's fault was seen before."""
         self._urls = [u.rstrip("/") for u in urls]
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._link = link
@@ -107,8 +127,14 @@ class Alerter:
         """Cleared findings not yet taken, by (Alertmanager, incident)."""
         self._wake = asyncio.Event()
 
+    def remember(self, findings: Sequence[Finding]) -> None:
+        """Note incidents of the past (their last words), for how often a fault was seen."""
+        for finding in findings:
+            self._history.add(finding)
+
     def update(self, changed: Sequence[Finding], cleared: Sequence[Finding]) -> None:
         """Note what the diagnosis said this turn; what changed is posted at once."""
+        self.remember([*changed, *cleared])
         for finding in changed:
             self._firing[_key(finding)] = finding
         for finding in cleared:
@@ -153,7 +179,7 @@ class Alerter:
         link = self._link.format(
             instance=quote(finding.instanceId, safe=""), incident=quote(_key(finding), safe="")
         )
-        return alert(finding, link, now)
+        return alert(finding, link, now, self._history.before(finding))
 
 
 def _key(finding: Finding) -> str:

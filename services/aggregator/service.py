@@ -21,7 +21,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, Header
+from nats.js.api import Header
 from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
@@ -353,12 +353,15 @@ class AggregatorService:
     async def _restore_incidents(self) -> None:
         """Take up the incidents of its instances that were open when the last aggregator
         stopped, as it published them last: a freeze that outlasts a restart stays one
-        incident, with its id and `since`, and is closed once, by this aggregator."""
+        incident, with its id and `since`, and is closed once, by this aggregator. Its
+        alerts learn every past incident, to say how often a fault was seen before."""
         found: dict[str, Finding] = {}
+        past: list[Finding] = []
 
         async def keep(msg: Msg) -> None:
             with contextlib.suppress(WireError):  # only aggregators write there
                 finding = decode(msg.data, Finding)
+                past.append(finding)
                 if finding.open and finding.instanceId and self.partition.owns(finding.instanceId):
                     found[finding.instanceId] = finding
                 else:
@@ -369,7 +372,6 @@ class AggregatorService:
                 self._js,
                 self._layout.subjects.diagnosis_all(),
                 keep,
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
             )
             try:
                 await asyncio.wait_for(follower.caught_up.wait(), RESTORE_INCIDENTS_S)
@@ -383,6 +385,7 @@ class AggregatorService:
             self._incidents[instance_id] = Incident(finding=finding, opened=moment)
             self._announced.add((instance_id, finding.since))
         if self._alerter is not None:
+            self._alerter.remember(past)
             self._alerter.update(list(found.values()), [])  # its alert fires on, one alert
         if found:
             log.info("took up %d open incidents", len(found))

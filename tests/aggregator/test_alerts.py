@@ -160,3 +160,25 @@ async def test_an_alert_raised_while_alertmanager_is_down_is_posted_once_it_is_b
         manager.start()
         (firing,) = await _until(manager.alerts)
         assert firing["labels"]["instance"] == "i"
+
+
+@pytest.mark.usefixtures("disagreeing")
+async def test_an_alert_says_how_often_its_fault_was_seen_before(
+    nc: Client, js_ready: Layout, manager: Manager
+) -> None:
+    alerter = Alerter([manager.url], None, "http://gateway:8000/{incident}")
+    async with aggregator(nc, js_ready, thresholds=Thresholds(working=1.0), alerter=alerter):
+        (first,) = await _until(manager.alerts)
+        assert "seen_before" not in first["annotations"]
+        await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
+
+        async def resolved() -> bool:
+            return not await manager.alerts()
+
+        await _until(resolved)
+        # the same hang again, a few steps on
+        await publish(nc, js_ready, entries(rank(0), (2, 3, Phase.PREFILL_PIPELINE, 9)))
+        await publish(nc, js_ready, entries(rank(1), (1, 3, Phase.DECODE_BARRIER, 10)))
+        (again,) = await _until(manager.alerts)
+    assert again["labels"]["incident_id"] != first["labels"]["incident_id"]
+    assert again["annotations"]["seen_before"].startswith("seen 1 times before, first at ")

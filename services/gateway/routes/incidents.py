@@ -14,8 +14,8 @@ from services.gateway.bus import Bus
 from services.gateway.deps import bus, reader
 from services.gateway.responses import Json, fail, schema_ref
 from services.gateway.routes.cluster import moment
-from services.gateway.signatures import seen_before
 from services.gateway.trace import to_trace
+from shared.signatures import seen_before
 from shared.timestamps import format_ts, now, parse_ts
 from shared.wire import (
     ClusterTimeline,

@@ -3,7 +3,7 @@ happens; another fault is another."""
 
 from __future__ import annotations
 
-from services.gateway.signatures import seen_before, signature
+from shared.signatures import seen_before, signature
 from shared.wire import Finding, FindingKind, Phase, RankEvidence, RankRole
 
 WAITING_STACK = """Current thread 0x00007f4869ff7b80 (most recent call first):

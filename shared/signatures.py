@@ -12,7 +12,7 @@ import msgspec
 
 from shared.wire import Finding, SeenBefore
 
-__all__ = ["FRAMES", "seen_before", "signature"]
+__all__ = ["FRAMES", "FaultHistory", "seen_before", "signature"]
 
 FRAMES = 3
 """Innermost frames of each rank's main thread that a signature holds."""
@@ -66,3 +66,38 @@ def seen_before(incidents: Sequence[Finding]) -> list[Finding]:
         told.append(msgspec.structs.replace(finding, signature=mark, seenBefore=seen))
         before.append(finding)
     return told
+
+
+class FaultHistory:
+    """The last word of every incident seen so far, by the fault it was: what an alert
+    says of how often its fault was seen before."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, Finding] = {}
+
+    def add(self, finding: Finding) -> None:
+        """Note a word of an incident (the last one counts)."""
+        if finding.incidentId:
+            self._last[finding.incidentId] = finding
+
+    def before(self, finding: Finding) -> SeenBefore | None:
+        """The incidents of `finding`'s fault that opened before it, if any."""
+        mark = signature(finding)
+        earlier = sorted(
+            (
+                f
+                for f in self._last.values()
+                if f.since < finding.since
+                and f.incidentId != finding.incidentId
+                and signature(f) == mark
+            ),
+            key=lambda f: f.since,
+        )
+        if not earlier:
+            return None
+        return SeenBefore(
+            count=len(earlier),
+            first=earlier[0].since,
+            last=earlier[-1].since,
+            incidentIds=[f.incidentId for f in earlier[-20:] if f.incidentId],
+        )
