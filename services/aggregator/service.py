@@ -323,7 +323,7 @@ class AggregatorService:
         ]
         for follower in followers:
             await follower.caught_up.wait()
-        await self._restore_incidents()
+        await self._restore_incidents(stop)
         queries = await self._serve_queries()
         self.ready.set()
         log.info(
@@ -350,7 +350,7 @@ class AggregatorService:
         for follower in followers:
             await follower.stop()
 
-    async def _restore_incidents(self) -> None:
+    async def _restore_incidents(self, stop: asyncio.Event) -> None:
         """Take up the incidents of its instances that were open when the last aggregator
         stopped, as it published them last: a freeze that outlasts a restart stays one
         incident, with its id and `since`, and is closed once, by this aggregator. Its
@@ -373,12 +373,25 @@ class AggregatorService:
                 self._layout.subjects.diagnosis_all(),
                 keep,
             )
+            read, halted = (
+                asyncio.ensure_future(follower.caught_up.wait()),
+                asyncio.ensure_future(stop.wait()),
+            )
             try:
-                await asyncio.wait_for(follower.caught_up.wait(), RESTORE_INCIDENTS_S)
+                await asyncio.wait(
+                    {read, halted}, timeout=RESTORE_INCIDENTS_S, return_when="FIRST_COMPLETED"
+                )
             finally:
+                read.cancel()
+                halted.cancel()
                 await follower.stop()
         except (NatsError, TimeoutError) as exc:
             log.warning("open incidents not taken up (%s): they may open again", exc)
+            return
+        if not follower.caught_up.is_set():
+            if not stop.is_set():
+                log.warning("open incidents not taken up in %gs: they may open again",
+                            RESTORE_INCIDENTS_S)  # fmt: skip
             return
         moment = self._clock()
         for instance_id, finding in found.items():

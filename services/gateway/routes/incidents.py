@@ -16,6 +16,7 @@ from services.gateway.responses import Json, fail, schema_ref
 from services.gateway.routes.cluster import moment
 from services.gateway.trace import to_trace
 from shared.signatures import seen_before
+from shared.subjects import token
 from shared.timestamps import format_ts, now, parse_ts
 from shared.wire import (
     ClusterTimeline,
@@ -55,6 +56,8 @@ async def diagnosis_history(
     last word, oldest first: the newest `limit` of them; each with its `signature` and
     how often the same fault was seen before it (`seenBefore`)."""
     start = moment(since, "since")
+    if instanceId is not None:
+        token(instanceId)  # an id no subject can carry is a 422, as everywhere
     told = seen_before(await nats.findings(since=None, instance_id=None, limit=EVERY))
     found = [
         f
@@ -68,7 +71,7 @@ async def diagnosis_history(
 @router.get(
     "/v1/cluster/diagnosis/signatures",
     response_class=Json,
-    responses={200: schema_ref(FaultSignature)},
+    responses={200: schema_ref(list[FaultSignature])},
 )
 async def fault_signatures(nats: Nats) -> Json:
     """The faults the incident history holds, most often seen first: each with how many
