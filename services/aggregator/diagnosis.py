@@ -94,12 +94,8 @@ class _Judge:
         return not _stopped(view) and (not view.alive or self.unreachable(view))
 
     def unreachable(self, view: RunnerView) -> bool:
-        """Whether the rank's node is unreachable and the rank has not spoken since it was
-        found so (an agent restarting was asked before it listened)."""
-        asked = self.state.unreachable_asked.get(view.ref.nodeId)
-        return view.ref.nodeId in self.state.unreachable and not (
-            asked and view.stored_ns and view.stored_ns > asked
-        )
+        """Whether the rank's node is unreachable and the rank has not spoken since."""
+        return self.state.cut_off(view)
 
     def frozen(self, view: RunnerView) -> bool:
         """Running, yet silent: no memory sample for longer than a live runner allows. A

@@ -404,6 +404,14 @@ class ClusterState:
             if view.progressed is not None:
                 view.progressed = max(view.progressed, moment)
 
+    def cut_off(self, view: RunnerView) -> bool:
+        """Whether the runner's node is unreachable and the runner has not spoken since it
+        was found so (an agent restarting was asked before it listened)."""
+        asked = self.unreachable_asked.get(view.ref.nodeId)
+        return view.ref.nodeId in self.unreachable and not (
+            asked and view.stored_ns and view.stored_ns > asked
+        )
+
     def set_unreachable(self, unreachable: dict[str, UnreachableNode], asked_ns: int = 0) -> None:
         """Record which nodes are unreachable now, as found by asking them at `asked_ns`
         (ns since the epoch), touching the instances on those that became unreachable or
@@ -611,7 +619,9 @@ class ClusterState:
     def _rank_state(self, rank: RunnerAssignment) -> RankState:
         view = self.runners.get(rank.runnerId)
         status = view.status if view else None
-        lost = rank.nodeId in self.unreachable or (view is not None and not view.alive)
+        lost = (view is not None and not view.alive) or (
+            self.cut_off(view) if view is not None else rank.nodeId in self.unreachable
+        )
         return RankState(
             runnerId=rank.runnerId,
             nodeId=rank.nodeId,

@@ -232,3 +232,14 @@ def test_what_changes_an_instance_touches_it_for_the_next_diagnosis() -> None:
     assert state.take_touched() == set()  # still unreachable: nothing the judge sees changed
     state.set_unreachable({})
     assert state.take_touched() == {"i", "other"}
+
+
+def test_a_rank_heard_after_its_node_was_found_unreachable_is_not_lost() -> None:
+    state = _state()
+    ready = status(rank(1), 1, RunnerStatusKind.READY)
+    state.apply_telemetry(ready, stored_ns=1_000)
+    silent = {"node-1": UnreachableNode(nodeId="node-1", error="no agent answers")}
+    state.set_unreachable(silent, asked_ns=2_000)  # asked as its agent restarted
+    assert [r.lost for r in state.instance_states()[0].ranks] == [False, True]
+    state.apply_telemetry(status(rank(1), 2, RunnerStatusKind.READY), stored_ns=3_000)
+    assert [r.lost for r in state.instance_states()[0].ranks] == [False, False]
