@@ -178,8 +178,14 @@ def _launch(data: Path, port: int, *flags: str, **extra: str) -> subprocess.Pope
 
 
 def _stop(process: subprocess.Popen[str]) -> None:
+    """Stop `up` as Ctrl-C does, so it stops its NATS server too (on the portable path
+    nothing else would), and by force only if it does not end."""
     if process.poll() is None:
-        process.kill()
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
     process.wait()
     assert process.stdout is not None
     process.stdout.close()
