@@ -629,4 +629,5 @@ class ClusterState:
             statusKind=status.statusKind.value if status else None,
             ready=bool(view and view.ready) and not lost,
             lost=lost,
+            gaveUp=view is not None and view.gave_up is not None,
         )

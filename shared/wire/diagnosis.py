@@ -146,6 +146,8 @@ class RankState(CamelStruct, kw_only=True, frozen=True):
     statusKind: str | None = None
     ready: bool
     lost: bool
+    gaveUp: bool = False
+    """It gave up on a peer since it was last ready (a victim of another rank's fault)."""
 
 
 class InstanceState(CamelStruct, kw_only=True, frozen=True):

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from nats.aio.msg import Msg
 
@@ -767,8 +768,13 @@ async def test_a_client_that_leaves_mid_generation_cancels_the_task_on_every_ran
     await _until(queued)
 
 
+@pytest.mark.parametrize(
+    ("after", "shown"),
+    [(None, "RunnerFailed"), (RunnerStatusKind.CONNECTING, "RunnerConnecting")],
+    ids=["lost", "already-restarting"],
+)
 async def test_a_rank_lost_mid_generation_ends_the_chat_with_a_502_naming_it(
-    stack_for: Any,
+    stack_for: Any, after: RunnerStatusKind | None, shown: str
 ) -> None:
     stack: Stack = await stack_for()
     await _serving(stack)
@@ -783,12 +789,16 @@ async def test_a_rank_lost_mid_generation_ends_the_chat_with_a_502_naming_it(
         runner=_ref(first), seq=1, at=now(), statusKind=RunnerStatusKind.FAILED, processAlive=False
     )
     subject = stack.layout.subjects.runner(first.nodeId, "llm-0", first.deviceRank, "status")
-    # a rank lost without a word about the task (its agent died with it)
+    # a rank lost without a word about the task (its agent died with it, or its process
+    # was killed and its agent has started it again: it runs no task either way)
     await stack.nc.jetstream().publish(subject, encode(dead))
+    if after is not None:
+        back = msgspec.structs.replace(dead, seq=2, statusKind=after, processAlive=True)
+        await stack.nc.jetstream().publish(subject, encode(back))
     reply = await chat
     assert reply.status_code == 502
     assert reply.json()["detail"] == (
-        f"lost while generating: rank {first.deviceRank} on {first.nodeId} (RunnerFailed)"
+        f"lost while generating: rank {first.deviceRank} on {first.nodeId} ({shown})"
     )
 
 

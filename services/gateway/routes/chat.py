@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -30,6 +30,7 @@ from shared.wire import (
     ChatMessage,
     GenerationRequest,
     InstanceState,
+    RankState,
     TaskCreated,
     TaskEvent,
     TaskKind,
@@ -174,7 +175,7 @@ async def _chunks(
                     await _ranks_alive(nats, task.instanceId)
                     continue
                 if failures:
-                    raise _failure(failures) from None
+                    raise _failure(failures, await _dropped(nats, task.instanceId)) from None
                 if completed:
                     raise fail(
                         502,
@@ -241,22 +242,35 @@ def _settled(sending: asyncio.Task[None]) -> None:
 
 
 async def _ranks_alive(nats: Bus, instance_id: str) -> None:
-    """A 502 naming the rank when a rank of the instance is lost (or the instance gone)."""
+    """A 502 naming the ranks that dropped out of the generation (or the instance gone)."""
+    dropped = await _dropped(nats, instance_id)
+    if dropped:
+        raise fail(502, _lost(dropped))
+
+
+async def _dropped(nats: Bus, instance_id: str) -> list[RankState]:
+    """The ranks of a generating instance that are lost, or no longer ready or serving (one
+    killed and already restarting is not running the task either): those that failed on
+    their own first, those that only gave up on a failed peer after them. A 502 when the
+    instance is gone; none when the aggregator cannot tell now (the deadline still holds)."""
     try:
         # of the instance's partition alone: an instance missing from the answer is gone
         asked = {"instanceId": instance_id}
         states = decode(await nats.query("instances", asked), list[InstanceState])
     except (BusError, WireError):
-        return  # cannot tell now; the deadline still holds
+        return []
     state = next((s for s in states if s.instanceId == instance_id), None)
     if state is None:
         raise fail(502, f"instance {instance_id} was released while generating")
-    lost = [r for r in state.ranks if r.lost]
-    if lost:
-        names = ", ".join(
-            f"rank {r.deviceRank} on {r.nodeId} ({r.statusKind or 'no status'})" for r in lost
-        )
-        raise fail(502, f"lost while generating: {names}")
+    return sorted((r for r in state.ranks if r.lost or not r.ready), key=lambda r: r.gaveUp)
+
+
+def _lost(dropped: list[RankState]) -> str:
+    return "lost while generating: " + ", ".join(
+        f"rank {r.deviceRank} on {r.nodeId} ({r.statusKind or 'no status'}"
+        + (", gave up on a peer)" if r.gaveUp else ")")
+        for r in dropped
+    )
 
 
 def _status_of(
@@ -276,12 +290,15 @@ def _status_of(
     return event
 
 
-def _failure(failures: list[TaskStatusChanged]) -> HTTPException:
+def _failure(failures: list[TaskStatusChanged], dropped: Sequence[RankState] = ()) -> HTTPException:
     """The answer to a task the ranks reported failed: a 422 when they refused it as asked
-    (the request is at fault), else a 502."""
+    (the request is at fault), else a 502 naming first the `dropped` ranks that said
+    nothing of it (a rank killed cannot), then those that did."""
     if all(f.refused for f in failures):
         return fail(422, failures[0].detail or "the ranks refused the request")
-    return fail(502, _failed(failures))
+    reported = {f.runnerId for f in failures}
+    silent = [r for r in dropped if r.runnerId not in reported]
+    return fail(502, "; ".join(([_lost(silent)] if silent else []) + [_failed(failures)]))
 
 
 def _failed(failures: list[TaskStatusChanged]) -> str:
