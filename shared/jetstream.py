@@ -24,6 +24,7 @@ from nats.js.errors import (
 
 from shared.settings import Settings
 from shared.subjects import Subjects
+from shared.wire.events import TASK_HORIZON_S
 
 __all__ = [
     "DUPLICATE_WINDOW_S",
@@ -221,6 +222,18 @@ class Layout:
         )
 
     @property
+    def inputs_stream(self) -> StreamSpec:
+        """Tasks whole, one copy per node of their instance, kept as long as a task may wait
+        to start: no agent may read the tasks stream's copies of other nodes' prompts."""
+        return StreamSpec(
+            self._name("INPUTS"),
+            (self.subjects.task_inputs_all(),),
+            max_age_s=TASK_HORIZON_S,
+            max_bytes=256 << 20,
+            replicas=self.replicas,
+        )
+
+    @property
     def ranktable_stream(self) -> StreamSpec:
         """Rank tables; the latest per job stays readable, with a short history behind it."""
         return StreamSpec(
@@ -271,6 +284,7 @@ class Layout:
             self.runner_stream,
             self.placement_stream,
             self.tasks_stream,
+            self.inputs_stream,
             self.ranktable_stream,
             self.diagnosis_stream,
             self.deadletter_stream,

@@ -2,8 +2,9 @@
 
 - an agent (one user per node, `agent-<nodeId>`) publishes telemetry, task status and
   output only under its own node's subjects, and its own heartbeat key; it answers probes
-  of its own node, reads the placement and task streams (its assignments) and its own
-  node's last telemetry, and reports messages it could not apply (dead letters);
+  of its own node, reads the placement and task streams (its assignments; tasks there
+  carry no prompt), its own node's copy of each task, whole, and its own node's last
+  telemetry, and reports messages it could not apply (dead letters);
 - the aggregator reads telemetry, placements, tasks and nodes, and writes only findings
   and dead letters; it answers queries and probes agents;
 - the rank-table service reads specs, nodes, placements and runner status, and writes
@@ -143,6 +144,8 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 *api.read(api.stream("PLACEMENT"), api.stream("TASKS")),
                 # a restarted runner resumes its seq from its last stored message
                 f"$JS.API.DIRECT.GET.{api.stream('RUNNER')}.{subjects.runner_of_node(node_id)}",
+                # its own copy of each task of its instances, prompts included
+                f"$JS.API.DIRECT.GET.{api.stream('INPUTS')}.{subjects.task_inputs_of_node(node_id)}",
             ),
             subscribe=(
                 *inbox,
@@ -202,6 +205,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
             publish=(
                 subjects.query_all(),
                 subjects.tasks_of_any(),
+                subjects.task_inputs_all(),
                 subjects.node_request_all("diagnostics"),
                 subjects.node_request_all("evidence"),  # Skulk's capture route
                 kv_key(layout.runners_bucket.bucket),

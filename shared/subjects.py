@@ -156,6 +156,20 @@ class Subjects:
         """Status of every instance's tasks from every node."""
         return f"{self.prefix}.tasks.*.status.*"
 
+    def task_input(self, node_id: str, instance_id: str, task_id: str) -> str:
+        """A task whole, prompt included, for the ranks of one node:
+        `<prefix>.input.<nodeId>.<instanceId>.<taskId>`; the task on `tasks` carries none,
+        so a node reads the prompts of its own instances alone."""
+        return f"{self.prefix}.input.{token(node_id)}.{token(instance_id)}.{token(task_id)}"
+
+    def task_inputs_of_node(self, node_id: str) -> str:
+        """Whole tasks for the ranks of one node."""
+        return f"{self.prefix}.input.{token(node_id)}.>"
+
+    def task_inputs_all(self) -> str:
+        """Whole tasks for every node."""
+        return f"{self.prefix}.input.>"
+
     def ranktable(self, job_id: str) -> str:
         """The rank table of one job (= instance)."""
         return f"{self.prefix}.ranktable.{token(job_id)}"

@@ -49,6 +49,7 @@ from shared.wire import (
     RunnerTelemetry,
     TaskCreated,
     TaskEvent,
+    TaskKind,
     TaskStatus,
     TaskStatusChanged,
     TokenChunk,
@@ -106,6 +107,8 @@ class Agent:
         """The latest placement event of each instance while the stream is replayed (None
         once caught up): what is released by then never starts a runner."""
         self._placing = asyncio.Lock()
+        self._submitting = asyncio.Lock()
+        """Held per agent while tasks go to ranks: in stream order, each read whole first."""
         self._stacks = Path(tempfile.mkdtemp(prefix="rankscope-stacks-"))
         """Where runners write their stacks when asked (removed at shutdown)."""
         self.dead_letters = DeadLetters(
@@ -254,42 +257,75 @@ class Agent:
         if held is not None and (follower is None or not follower.caught_up.is_set()):
             held.append((msg.metadata.sequence.stream, event))
             return
-        self._submit_held(event.instanceId)
-        self._submit(msg.metadata.sequence.stream, event, replayed=False)
+        async with self._submitting:
+            await self._submit_held(event.instanceId)
+            await self._submit(msg.metadata.sequence.stream, event, replayed=False)
 
     async def _release_held(self, instance_id: str, follower: Follower) -> None:
         """Submit what the replay of an instance's tasks held once it is read to the end."""
         await follower.caught_up.wait()
         if self._task_followers.get(instance_id) is follower:
-            self._submit_held(instance_id)
+            async with self._submitting:
+                await self._submit_held(instance_id)
 
-    def _submit_held(self, instance_id: str) -> None:
+    async def _submit_held(self, instance_id: str) -> None:
         held = self._held.pop(instance_id, None)
-        if held:
-            for seq, event in held:
-                self._submit(seq, event, replayed=True)
+        for seq, event in held or ():
+            await self._submit(seq, event, replayed=True)
 
-    def _submit(self, seq: int, event: TaskCreated, *, replayed: bool) -> None:
+    async def _submit(self, seq: int, event: TaskCreated, *, replayed: bool) -> None:
         """Hand a task to this node's ranks of its instance, unless it is done already, for
-        an earlier placement, or past its deadline (said so as this rank's status once)."""
+        an earlier placement, past its deadline or its request unreadable (said so as this
+        rank's status once)."""
         placed = self._placed.get(event.instanceId)
         if placed is None or event.at < placed.at or event.taskId in self._final_tasks:
             return
-        local = [
-            s for s in self.supervisors.values() if s.config.runner.instanceId == event.instanceId
-        ]
         if replayed and event.taskId in self._started_tasks:
             why = TaskStatus.FAILED, "a restart interrupted it; it is not run twice"
         elif event.expired(time.time()):
             why = TaskStatus.TIMED_OUT, "its deadline passed before this rank could start it"
+        elif (whole := await self._whole(event)) is None:
+            why = TaskStatus.FAILED, "its request could not be read from NATS"
         else:
-            for supervisor in local:
-                supervisor.submit(seq, event)
+            for supervisor in self._local(event.instanceId):
+                supervisor.submit(seq, whole)
             return
         log.info("task %s of %s not started: %s", event.taskId, event.instanceId, why[1])
         self._final_tasks.add(event.taskId)
-        for supervisor in local:
+        for supervisor in self._local(event.instanceId):
             self._task_status(supervisor.config.runner, event.taskId, *why, False)
+
+    def _local(self, instance_id: str) -> list[RunnerSupervisor]:
+        return [s for s in self.supervisors.values() if s.config.runner.instanceId == instance_id]
+
+    async def _whole(self, event: TaskCreated) -> TaskCreated | None:
+        """`event` with its request: a generation's as this node's copy holds it (the tasks
+        stream carries none); None when that copy is missing, not this task's, or unread
+        by the task's deadline while NATS cannot answer."""
+        if event.taskKind is not TaskKind.TEXT_GENERATION or event.request is not None:
+            return event
+        stream = self._layout.inputs_stream.name
+        subject = self._layout.subjects.task_input(self._node_id, event.instanceId, event.taskId)
+        delay = 0.1
+        while True:
+            try:
+                raw = await self._js.get_last_msg(stream, subject, direct=True)
+                whole = decode(raw.data or b"", TaskCreated)
+            except NotFoundError:
+                log.warning("task %s has no request for this node on %s", event.taskId, subject)
+                return None
+            except WireError as exc:
+                log.warning("the request of task %s is unreadable: %s", event.taskId, exc)
+                return None
+            except (NatsError, TimeoutError) as exc:
+                if event.expired(time.time() + delay):
+                    return None
+                log.warning("cannot read task %s (%s); asking again", event.taskId, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+                continue
+            same = (whole.taskId, whole.instanceId) == (event.taskId, event.instanceId)
+            return whole if same and whole.request is not None else None
 
     def _output(self, chunk: TokenChunk) -> None:
         # Core NATS, in order: tasks start in the order they are created.

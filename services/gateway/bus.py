@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -208,6 +210,28 @@ class Bus:
         except WireError as exc:
             raise BusError(502, f"the agent of node {node_id!r} answered nonsense: {exc}") from None
         return captured
+
+    async def submit(self, task: TaskCreated, nodes: Iterable[str]) -> None:
+        """Submit `task` to every rank of its instance, on `nodes`: each node's copy whole,
+        then the task without its request on the tasks stream, which orders it among the
+        instance's tasks (its ranks wait for it there and read their copy then).
+
+        Raises:
+            BusError: 503 when JetStream did not take it.
+        """
+        subjects = self.layout.subjects
+        await asyncio.gather(
+            *(
+                self.publish(
+                    subjects.task_input(node, task.instanceId, task.taskId),
+                    encode(task),
+                    f"{task.taskId}:{token(node)}",
+                )
+                for node in sorted(set(nodes))
+            )
+        )
+        ordered = msgspec.structs.replace(task, request=None)
+        await self.publish(subjects.tasks(task.instanceId), encode(ordered), task.taskId)
 
     async def cancel(self, instance_id: str, task_id: str) -> None:
         """Ask every rank of an instance to stop a task.

@@ -744,8 +744,9 @@ async def test_a_client_that_leaves_mid_generation_cancels_the_task_on_every_ran
 
     async def leave_after_first_chunk() -> None:
         async with stack.http.stream("POST", "/v1/chat/completions", json=body) as events:
-            async for _ in events.aiter_lines():
-                return  # the first line arrived: go away
+            async for line in events.aiter_lines():
+                if "Hel" in line:
+                    return  # the first text arrived: go away
 
     client = asyncio.create_task(leave_after_first_chunk())
     task = decode((await tasks.next_msg(timeout=10)).data, TaskEvent)

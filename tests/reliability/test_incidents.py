@@ -22,8 +22,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import pytest_asyncio
 
-from shared.wire import Finding, FindingKind, Phase, ProcessState, RankRole
-from tests.reliability.deployment import FAULT_TEST_MARKS, SPEC, Deployment, serving
+from shared.jetstream import Layout
+from shared.wire import (
+    Finding,
+    FindingKind,
+    Phase,
+    ProcessState,
+    RankRole,
+    TaskCreated,
+    decode,
+)
+from tests.reliability.deployment import FAULT_TEST_MARKS, JOB, SPEC, Deployment, serving
 
 pytestmark = FAULT_TEST_MARKS
 
@@ -140,6 +149,27 @@ async def test_a_client_gone_mid_stream_frees_the_instance_for_the_next_chat(
         return True if len(ranks) == 2 else None
 
     await deployment.until("the abandoned task cancelled on both ranks", cancelled, 30)
+
+
+async def test_a_chat_s_prompt_is_stored_only_in_the_copies_for_its_nodes(
+    deployment: Deployment,
+) -> None:
+    await deployment.until("both ranks ready", deployment.ready, 120)
+    prompt = "Which rank holds the secret 7f3a?"
+    body = CHAT | {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
+    reply = await deployment.http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    js, layout = deployment.nc.jetstream(), Layout()
+    ordered = await js.get_last_msg(layout.tasks_stream.name, layout.subjects.tasks(JOB))
+    task = decode(ordered.data or b"", TaskCreated)
+    assert task.request is None, "the tasks stream, which every agent reads, holds the prompt"
+    for node in NODES:  # each node's ranks ran it from their own copy
+        raw = await js.get_last_msg(
+            layout.inputs_stream.name, layout.subjects.task_input(node, JOB, task.taskId)
+        )
+        whole = decode(raw.data or b"", TaskCreated)
+        assert whole.request is not None
+        assert whole.request.messages[0].content == prompt
 
 
 async def test_a_rank_killed_mid_generation_ends_the_chat_with_a_502_naming_it(

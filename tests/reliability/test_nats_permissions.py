@@ -126,6 +126,26 @@ async def test_no_agent_can_roll_up_the_node_bucket(server: EmbeddedNats) -> Non
     await close(aggregator.nc)
 
 
+async def test_an_agent_reads_only_its_own_node_s_prompts(server: EmbeddedNats) -> None:
+    inputs = LAYOUT.inputs_stream.name
+    gateway = await _login(server, "gateway")
+    for node in NODES:
+        await gateway.js.publish(SUBJECTS.task_input(node, "i", "t"), node.encode())
+    await close(gateway.nc)
+    agent = await _login(server, agent_user("node-a"))
+    mine = await agent.js.get_last_msg(inputs, SUBJECTS.task_input("node-a", "i", "t"), direct=True)
+    assert mine.data == b"node-a"
+    theirs = SUBJECTS.task_input("node-b", "i", "t")
+    with pytest.raises((TimeoutError, NatsError)):
+        await agent.js.get_last_msg(inputs, theirs, direct=True)
+    await agent.refused(f"DIRECT.GET.{inputs}.{theirs}")
+    with pytest.raises((TimeoutError, NatsError)):
+        await agent.js.add_consumer(inputs, ConsumerConfig(ack_policy=AckPolicy.NONE))
+    await agent.refused(f"CONSUMER.CREATE.{inputs}")
+    await agent.publish_refused(SUBJECTS.task_input("node-a", "i", "forged"))
+    await close(agent.nc)
+
+
 async def test_an_agent_reads_no_other_node_s_telemetry(server: EmbeddedNats) -> None:
     agent = await _login(server, agent_user("node-b"))
     await agent.js.publish(SUBJECTS.runner("node-b", "i", 1, "memory"), b"{}")

@@ -163,7 +163,7 @@ async def _chunks(
     ]
     finished = False
     try:
-        await nats.publish(subjects.tasks(task.instanceId), encode(task), task.taskId)
+        await nats.submit(task, nodes.values())
         deadline, expected, completed = time.monotonic() + GENERATION_TIMEOUT_S, 0, False
         failures: list[TaskStatusChanged] = []
         while True:
