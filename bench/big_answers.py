@@ -23,7 +23,7 @@ from pathlib import Path
 import nats
 from common import placements, runner_ref, token_entry
 
-import services.aggregator.service as aggregator_service
+import services.aggregator.queries as aggregator_queries
 from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
@@ -147,7 +147,7 @@ def main() -> None:
         print(_line("no big clients", quiet))
         lane = asyncio.run(_run(server.url, state, args.seconds, big=True))
         print(_line(f"{BIG_CLIENTS} clients x {BIG_LIMIT:,} entries, own lane", lane))
-        aggregator_service.HEAVY_ENTRIES = 10**9  # every timeline on the query path
+        aggregator_queries.HEAVY_ENTRIES = 10**9  # every timeline on the query path
         one_go = asyncio.run(_run(server.url, state, args.seconds, big=True))
         print(_line(f"{BIG_CLIENTS} clients x {BIG_LIMIT:,} entries, one lane", one_go))
 

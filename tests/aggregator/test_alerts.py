@@ -156,7 +156,7 @@ async def test_an_alert_raised_while_alertmanager_is_down_is_posted_once_it_is_b
     limits = Thresholds(working=1.0)
     alerter = Alerter([manager.url], None, "http://gateway:8000/{instance}")
     async with aggregator(nc, js_ready, thresholds=limits, alerter=alerter) as running:
-        await _until(lambda: asyncio.sleep(0, running.service._incidents))
+        await _until(lambda: asyncio.sleep(0, running.service.findings.incidents))
         manager.start()
         (firing,) = await _until(manager.alerts)
         assert firing["labels"]["instance"] == "i"

@@ -20,9 +20,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from services.aggregator import service as service_module
+from services.aggregator import findings as findings_module
+from services.aggregator import liveness as liveness_module
 from services.aggregator.diagnosis import Thresholds
-from services.aggregator.service import FOLLOW_RELEASED_S, NO_AGENT, VIEWS, AggregatorService
+from services.aggregator.ingest import FOLLOW_RELEASED_S
+from services.aggregator.liveness import NO_AGENT
+from services.aggregator.queries import VIEWS
+from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
 from shared.jetstream import Layout, ensure
@@ -124,7 +128,7 @@ async def test_an_incident_outlasting_a_restart_is_one_incident_closed_once(
         assert opened.incidentId
     async with aggregator(nc, js_ready, thresholds=limits) as restarted:
         await asyncio.sleep(1.5)  # judged again, and again, as the stall goes on
-        (kept,) = restarted.service._incidents.values()
+        (kept,) = restarted.service.findings.incidents.values()
         assert (kept.finding.incidentId, kept.finding.since) == (opened.incidentId, opened.since)
         await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
         said = [await asyncio.wait_for(findings.get(), WAIT)]
@@ -147,7 +151,7 @@ async def test_changed_instances_are_judged_at_once_and_every_instance_as_time_p
         # nothing arrives after these: only judging every instance sees them go stale
         opened = await asyncio.wait_for(findings.get(), WAIT)
         assert (opened.kind, opened.open) == (FindingKind.RANK_DISAGREEMENT, True)
-        monkeypatch.setattr(service_module, "SWEEP_S", 3600.0)  # no more sweeps
+        monkeypatch.setattr(findings_module, "SWEEP_S", 3600.0)  # no more sweeps
         await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
         cleared = await asyncio.wait_for(findings.get(), WAIT)  # judged: it changed
         assert (cleared.kind, cleared.open) == (FindingKind.RANK_DISAGREEMENT, False)
@@ -295,7 +299,7 @@ async def test_telemetry_of_a_runner_no_placement_made_changes_nothing(
         moment[0] += 31  # what no placement claims in time is refused
         await until(lambda: service.dead_letters.counts.get("telemetry_unplaced") == 1)
         assert "k-r0" not in service.state.runners
-        assert "k" not in service._incidents
+        assert "k" not in service.findings.incidents
 
 
 async def test_a_runner_s_first_seq_must_be_one_it_could_have_reached(
@@ -449,7 +453,7 @@ async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
     await kv.put(token("node-0"), encode(node_info("node-0", 8, address="10.1.1.1")))
     await publish(nc, js_ready, placed())
     async with aggregator(nc, js_ready, probe_interval=0.1, probe_timeout=0.2) as running:
-        await running.service.probe()
+        await running.service.liveness.probe()
         unreachable = running.service.state.unreachable
         assert set(unreachable) == {"node-0", "node-1"}
         assert unreachable["node-0"].url == "10.1.1.1"
@@ -462,7 +466,7 @@ async def test_silent_and_expired_nodes_are_unreachable_with_reasons(
 async def test_a_node_is_unreachable_at_once_without_an_agent_else_after_two_silent_rounds(
     nc: Client, js_ready: Layout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(service_module, "PROBE_SLICE", 64)  # 200 nodes asked in 4 slices
+    monkeypatch.setattr(liveness_module, "PROBE_SLICE", 64)  # 200 nodes asked in 4 slices
     kv = await nc.jetstream().key_value(js_ready.nodes_bucket.bucket)
     nodes = [f"node-{i}" for i in range(200)]
     for node_id in nodes:
@@ -485,12 +489,12 @@ async def test_a_node_is_unreachable_at_once_without_an_agent_else_after_two_sil
     for node_id in nodes[:150]:  # the last 50 have no agent at all
         await nc.subscribe(js_ready.subjects.node_diagnostics(node_id), cb=answer)
     async with aggregator(nc, js_ready, probe_interval=60, probe_timeout=0.5) as running:
-        await running.service.probe()
+        await running.service.liveness.probe()
         at_first = dict(running.service.state.unreachable)
         misbehave.set()
-        await running.service.probe()
+        await running.service.liveness.probe()
         once = dict(running.service.state.unreachable)
-        await running.service.probe()
+        await running.service.liveness.probe()
         twice = running.service.state.unreachable
     assert set(at_first) == set(once) == set(nodes[150:])  # one silent round: a busy node
     assert {u.error for u in at_first.values()} == {NO_AGENT}
@@ -531,14 +535,14 @@ async def test_a_silent_node_whose_heartbeat_is_overdue_is_unreachable_from_its_
     await ensure(nc.jetstream(), short)
     mute, beat = await _two_nodes_then_silent(nc, short)
     async with aggregator(nc, short, probe_interval=60, probe_timeout=0.3) as running:
-        await until(lambda: len(running.service._heartbeats) == 2)
-        await running.service.probe()
+        await until(lambda: len(running.service.liveness.heartbeats) == 2)
+        await running.service.liveness.probe()
         assert running.service.state.unreachable == {}
         mute.set()  # both fall silent; node-1 still beats, node-0 does not
         await asyncio.sleep(2.2)
         await beat("node-1")
-        await until(lambda: time.monotonic() - running.service._heartbeats["node-1"] < 1)
-        await running.service.probe()
+        await until(lambda: time.monotonic() - running.service.liveness.heartbeats["node-1"] < 1)
+        await running.service.liveness.probe()
         unreachable = running.service.state.unreachable
     assert set(unreachable) == {"node-0"}  # node-1: one silent round, a busy node
     assert unreachable["node-0"].error.startswith(
@@ -554,18 +558,18 @@ async def test_heartbeats_read_late_by_a_busy_aggregator_make_no_node_overdue(
     async with aggregator(
         nc, js_ready, probe_interval=60, probe_timeout=0.3, clock=lambda: moment[0]
     ) as running:
-        await until(lambda: len(running.service._heartbeats) == 2)
-        await running.service.probe()
+        await until(lambda: len(running.service.liveness.heartbeats) == 2)
+        await running.service.liveness.probe()
         assert running.service.state.unreachable == {}
         mute.set()
         # by its own clock, this aggregator read nothing for 6 s (it was busy): node-0's
         # beat looks old, but NATS stored it as recently as the newest beat read since
         moment[0] += js_ready.node_ttl_s * 0.6
         await beat("node-1")
-        await until(lambda: running.service._heartbeats["node-1"] == moment[0])
-        await running.service.probe()
+        await until(lambda: running.service.liveness.heartbeats["node-1"] == moment[0])
+        await running.service.liveness.probe()
         once = dict(running.service.state.unreachable)
-        await running.service.probe()
+        await running.service.liveness.probe()
         twice = running.service.state.unreachable
     assert once == {}  # one silent round each: busy nodes
     assert set(twice) == {"node-0", "node-1"}
@@ -661,7 +665,7 @@ async def test_answers_in_time_count_though_the_aggregator_was_too_busy_to_read_
 
             monkeypatch.setattr(nc, "publish", publish_noting)
             monkeypatch.setattr(nc, "flush", flush_then_stall)
-            await running.service.probe()
+            await running.service.liveness.probe()
             assert set(running.service.state.unreachable) == {"node-without-agent"}
     finally:
         done.set()
@@ -678,7 +682,7 @@ async def test_a_node_whose_clock_is_off_is_flagged_and_a_bad_heartbeat_dead_let
     bad = json.loads(encode(node_info("node-2", 8)))
     await kv.put(token("node-2"), json.dumps({**bad, "lastHeartbeat": "yesterday"}).encode())
     async with aggregator(nc, js_ready) as running:
-        offsets = running.service.clock_offsets
+        offsets = running.service.liveness.clock_offsets
         await until(lambda: len(offsets) == 2)
         assert 29 < offsets["node-0"] < 31
         assert abs(offsets["node-1"]) < 2
@@ -838,7 +842,7 @@ async def test_seqs_acknowledged_but_never_received_show_as_unseen(
     responder = await nc.subscribe(js_ready.subjects.node_diagnostics("node-0"), cb=node_0_answers)
     async with aggregator(nc, js_ready) as running:
         await until(lambda: running.service.state.store.size == 120)
-        await running.service.probe()
+        await running.service.liveness.probe()
         first, second = decode((await query(nc, js_ready, "history")).data, list[RunnerHistory])
     await responder.unsubscribe()
     assert (first.lastSeq, first.acknowledgedSeq, first.unseenSeqs) == (119, 149, 30)
@@ -860,7 +864,7 @@ async def test_a_partition_is_delivered_its_own_instances_alone(
         await publish(nc, js_ready, placed(late))
         await publish(nc, js_ready, entries(rank(0, late), (1, 2, Phase.IDLE, None)))
         await until(lambda: service.state.store.size == 2)
-        folded = service._folding
+        folded = service.ingest.folding
         telemetry = folded[js_ready.runner_stream.name]
         assert telemetry.handled == 3  # its own, late's first gone over again: no other
         assert {v.ref.instanceId for v in service.state.runners.values()} == set(mine)
@@ -879,7 +883,7 @@ async def test_a_partition_stops_following_an_instance_a_while_after_its_release
     async with aggregator(
         nc, js_ready, partition=Partition(0, 2), clock=lambda: moment[0]
     ) as running:
-        telemetry = running.service._folding[js_ready.runner_stream.name]
+        telemetry = running.service.ingest.folding[js_ready.runner_stream.name]
         released = InstanceReleased(
             at=at(2), instanceId=name, cause=ReleaseCause.SPEC_DELETED, reason="spec deleted"
         )
@@ -887,7 +891,7 @@ async def test_a_partition_stops_following_an_instance_a_while_after_its_release
         await publish(nc, js_ready, entries(rank(0, name), (1, 3, Phase.IDLE, None)))
         await until(lambda: telemetry.handled == 2)  # its last words, after the release
         moment[0] += FOLLOW_RELEASED_S + 1
-        await until(lambda: not running.service._followed)
+        await until(lambda: not running.service.ingest.followed)
         await publish(nc, js_ready, entries(rank(0, name), (2, 4, Phase.IDLE, None)))
         await asyncio.sleep(0.5)
         assert telemetry.handled == 2  # no longer delivered

@@ -84,7 +84,7 @@ async def _rebuilt(
     async with aggregator(nc, layout, snapshots=snapshots) as running:
         await until(lambda: running.service.state.store.size == 2 * 171)
         views = _views(running.service)
-        read = running.service._folding[layout.runner_stream.name].handled
+        read = running.service.ingest.folding[layout.runner_stream.name].handled
     return (*views, read)
 
 

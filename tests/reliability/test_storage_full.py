@@ -65,14 +65,14 @@ async def test_a_full_store_is_one_finding_and_not_ready_until_there_is_room(
         health = json.loads((await query(tight, LAYOUT, "health")).data)
         assert health["ready"] is False
         assert "insufficient" in health["storageProblem"]
-        await until(lambda: "" in service._incidents)
+        await until(lambda: "" in service.findings.incidents)
         diagnosis = decode((await query(tight, LAYOUT, "diagnosis")).data, Diagnosis)
         (finding,) = diagnosis.findings
         assert finding.kind is FindingKind.JETSTREAM_STORAGE
         assert finding.summary.startswith("JetStream not storing since ")
         await tight.jetstream().purge_stream(LAYOUT.ranktable_stream.name)
         await until(lambda: service.storage.storing)
-        await until(lambda: "" not in service._incidents)
+        await until(lambda: "" not in service.findings.incidents)
         assert json.loads((await query(tight, LAYOUT, "health")).data)["ready"] is True
     assert caplog.text.count("JetStream is not storing") == 1
 

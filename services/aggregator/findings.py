@@ -1,0 +1,332 @@
+"""Findings as they open, change and clear: the diagnosis judged over the views, evidence
+gathered from the agents as an incident opens, each finding published in order (kept
+while NATS is out), logged once and handed to the alerts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+
+from services.aggregator.alerts import Alerter
+from services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from services.aggregator.views import ClusterState
+from shared.connection import Reachability
+from shared.jetstream import Layout
+from shared.partitions import Partition
+from shared.replay import follow
+from shared.storage import Storage
+from shared.timestamps import now
+from shared.wire import (
+    EvidenceRequest,
+    Finding,
+    FindingKind,
+    InstanceCreated,
+    NodeEvidence,
+    RunnerEvidence,
+    WireError,
+    decode,
+    encode,
+)
+
+__all__ = ["Findings"]
+
+log = logging.getLogger(__name__)
+
+SWEEP_S = 1.0
+"""How often the diagnosis judges every instance; in between, the ones that changed."""
+ROUND_S = 0.25
+"""How often the instances that changed are judged."""
+JUDGE_SLICE = 100
+"""Instances judged between two turns of the queries (about a millisecond of work)."""
+EVIDENCE_WAIT_S = 5.0
+"""Longest the aggregator waits for an agent's evidence of a new finding."""
+UNPUBLISHED_FINDINGS = 10_000
+"""Findings kept for the diagnosis stream while NATS is out; the oldest go first."""
+RESTORE_INCIDENTS_S = 10.0
+"""How long taking up the open incidents may take at start."""
+
+Outage = tuple[FindingKind, str, str]
+
+
+class Findings:
+    """The open incidents of its instances and what is published of them.
+
+    Args:
+        nc: NATS connection (evidence requests).
+        js: JetStream context (the diagnosis stream).
+        layout: subjects.
+        state: the views judged.
+        partition: the instances it judges.
+        thresholds: when a rank counts as stuck.
+        placed_at: when each instance was placed, by `clock`.
+        reach: whether NATS answers (an outage is the only finding then).
+        storage: whether JetStream stores.
+        alerter: where findings go as alerts, if anywhere.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        nc: Client,
+        js: JetStreamContext,
+        layout: Layout,
+        state: ClusterState,
+        partition: Partition,
+        thresholds: Thresholds,
+        placed_at: Mapping[str, float],
+        reach: Reachability,
+        storage: Storage,
+        alerter: Alerter | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self._nc = nc
+        self._js = js
+        self._layout = layout
+        self._state = state
+        self._partition = partition
+        self._thresholds = thresholds
+        self._placed_at = placed_at
+        self._reach = reach
+        self._storage = storage
+        self._alerter = alerter
+        self._clock = clock
+        self.incidents: dict[str, Incident] = {}
+        """The open incident of each instance (`""`: of the installation)."""
+        self._swept = -math.inf
+        """When the diagnosis last judged every instance."""
+        self._evidence: dict[tuple[str, str], dict[str, RunnerEvidence]] = {}
+        """What the agents captured of each open incident's ranks, by (instance, since)."""
+        self.capturing: set[asyncio.Task[None]] = set()
+        self._unpublished: deque[Finding] = deque(maxlen=UNPUBLISHED_FINDINGS)
+        """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
+        self._announced: set[tuple[str, str]] = set()
+        """Open findings already logged (an update of one is published, not logged)."""
+
+    def culprits(self) -> set[str]:
+        """The runners the open incidents blame."""
+        return {r for i in self.incidents.values() for r in i.finding.culpritRunnerIds}
+
+    async def restore(self, stop: asyncio.Event) -> None:
+        """Take up the incidents of its instances that were open when the last aggregator
+        stopped, as it published them last: a freeze that outlasts a restart stays one
+        incident, with its id and `since`, and is closed once, by this aggregator. Its
+        alerts learn every past incident, to say how often a fault was seen before."""
+        found: dict[str, Finding] = {}
+        past: list[Finding] = []
+
+        async def keep(msg: Msg) -> None:
+            with contextlib.suppress(WireError):  # only aggregators write there
+                finding = decode(msg.data, Finding)
+                past.append(finding)
+                if finding.open and finding.instanceId and self._partition.owns(finding.instanceId):
+                    found[finding.instanceId] = finding
+                else:
+                    found.pop(finding.instanceId, None)
+
+        try:
+            follower = await follow(self._js, self._layout.subjects.diagnosis_all(), keep)
+            read, halted = (
+                asyncio.ensure_future(follower.caught_up.wait()),
+                asyncio.ensure_future(stop.wait()),
+            )
+            try:
+                await asyncio.wait(
+                    {read, halted}, timeout=RESTORE_INCIDENTS_S, return_when="FIRST_COMPLETED"
+                )
+            finally:
+                read.cancel()
+                halted.cancel()
+                await follower.stop()
+        except (NatsError, TimeoutError) as exc:
+            log.warning("open incidents not taken up (%s): they may open again", exc)
+            return
+        if not follower.caught_up.is_set():
+            if not stop.is_set():
+                log.warning("open incidents not taken up in %gs: they may open again",
+                            RESTORE_INCIDENTS_S)  # fmt: skip
+            return
+        moment = self._clock()
+        for instance_id, finding in found.items():
+            self.incidents[instance_id] = Incident(finding=finding, opened=moment)
+            self._announced.add((instance_id, finding.since))
+        if self._alerter is not None:
+            self._alerter.remember(past)
+            self._alerter.update(list(found.values()), [])  # its alert fires on, one alert
+        if found:
+            log.info("took up %d open incidents", len(found))
+
+    def _outage(self) -> Outage | None:
+        if not self._reach.reachable:
+            reach = self._reach
+            return FindingKind.NATS_UNREACHABLE, reach.down_since_wall or "", reach.why()
+        if not self._storage.storing:
+            storage = self._storage
+            return FindingKind.JETSTREAM_STORAGE, storage.failing_since_wall or "", storage.why()
+        return None
+
+    def _judged(
+        self, instances: Iterable[InstanceCreated], outage: Outage | None
+    ) -> dict[str, Incident]:
+        return diagnose(
+            self._state,
+            now=self._clock(),
+            wall=now(),
+            incidents=self.incidents,
+            placed_at=lambda i: self._placed_at.get(i, self._clock()),
+            thresholds=self._thresholds,
+            outage=outage,
+            instances=instances,
+        )
+
+    async def evaluate(self) -> tuple[list[Finding], list[Finding]]:
+        """Diagnose the instances touched since the last call, and every instance once per
+        `SWEEP_S` (thresholds are crossed with time alone), `JUDGE_SLICE` instances at a
+        time between turns of the queries; returns (findings opened or changed, findings
+        that cleared)."""
+        outage = self._outage()
+        if outage is not None:
+            return self._settle(self._judged(list(self._state.instances.values()), outage))
+        instances, touched = self._state.instances, self._state.take_touched()
+        found: dict[str, Incident] = {}
+        if (moment := self._clock()) >= self._swept + SWEEP_S:
+            self._swept, picked = moment, list(instances.values())
+        else:
+            picked = [instances[i] for i in touched if i in instances]
+            found = {i: kept for i, kept in self.incidents.items() if i in instances}
+        for start in range(0, len(picked), JUDGE_SLICE):
+            if start:
+                await asyncio.sleep(0)
+            judged = picked[start : start + JUDGE_SLICE]
+            for instance in judged:
+                found.pop(instance.instanceId, None)
+            found |= self._judged(judged, None)
+        return self._settle(found)
+
+    def _settle(self, found: dict[str, Incident]) -> tuple[list[Finding], list[Finding]]:
+        """Keep what `found` says, capturing evidence of the incidents it opens."""
+        before = self.incidents
+        opened = [
+            i.finding
+            for key, i in found.items()
+            if key not in before or before[key].finding.since != i.finding.since
+        ]
+        for finding in opened:
+            if finding.evidence:
+                self._capture(finding)
+        found = {key: self._with_evidence(i) for key, i in found.items()}
+        changed = [
+            i.finding
+            for key, i in found.items()
+            if key not in before or _told(before[key].finding) != _told(i.finding)
+        ]
+        cleared = [
+            msgspec.structs.replace(i.finding, open=False, clearedAt=now())
+            for key, i in before.items()
+            if key not in found or found[key].finding.since != i.finding.since
+        ]
+        self.incidents = found
+        live = {(i.finding.instanceId, i.finding.since) for i in found.values()}
+        for gone in set(self._evidence) - live:
+            del self._evidence[gone]
+        return changed, cleared
+
+    def _capture(self, finding: Finding) -> None:
+        """Ask the agents of every rank of `finding` for their stacks and memory now; they
+        join the finding when they arrive."""
+        key = (finding.instanceId, finding.since)
+        self._evidence[key] = {}
+        nodes: dict[str, list[str]] = {}
+        for rank in finding.evidence:
+            nodes.setdefault(rank.nodeId, []).append(rank.runnerId)
+        for node_id, runner_ids in nodes.items():
+            task = asyncio.get_running_loop().create_task(self._gather(key, node_id, runner_ids))
+            self.capturing.add(task)
+            task.add_done_callback(self.capturing.discard)
+
+    async def _gather(self, key: tuple[str, str], node_id: str, runner_ids: list[str]) -> None:
+        request = encode(EvidenceRequest(runnerIds=runner_ids))
+        try:
+            reply = await self._nc.request(
+                self._layout.subjects.node_evidence(node_id), request, timeout=EVIDENCE_WAIT_S
+            )
+            answer = decode(reply.data, NodeEvidence)
+        except (NatsError, TimeoutError, WireError) as exc:
+            log.warning("no evidence from %s: %s", node_id, exc or type(exc).__name__)
+            return
+        held = self._evidence.get(key)
+        if held is None:
+            return  # the incident is over already
+        for runner in answer.runners:
+            if runner.runnerId in runner_ids:  # a node speaks only for the runners asked of it
+                held[runner.runnerId] = runner
+        self._state.version += 1
+
+    def _with_evidence(self, incident: Incident) -> Incident:
+        held = self._evidence.get((incident.finding.instanceId, incident.finding.since))
+        if not held:
+            return incident
+        ranks = [
+            msgspec.structs.replace(
+                rank,
+                process=captured.process,
+                stack=captured.stack,
+                mlxMemory=captured.mlxMemory,
+                capturedAt=captured.capturedAt,
+            )
+            if (captured := held.get(rank.runnerId)) is not None
+            else rank
+            for rank in incident.finding.evidence
+        ]
+        finding = msgspec.structs.replace(incident.finding, evidence=ranks)
+        return Incident(finding=finding, opened=incident.opened)
+
+    async def publish_forever(self, stop: asyncio.Event) -> None:
+        """Judge every `ROUND_S`; log, alert and publish what opened, changed or cleared."""
+        while not stop.is_set():
+            appeared, cleared = await self.evaluate()
+            for finding in [*appeared, *cleared]:
+                key = (finding.instanceId, finding.since)
+                if finding.open and key not in self._announced:
+                    self._announced.add(key)
+                    log.warning("finding %s open: %s", finding.kind.value, finding.summary)
+                elif not finding.open:
+                    self._announced.discard(key)
+                    log.warning("finding %s cleared: %s", finding.kind.value, finding.summary)
+            # each partition sees the installation's own findings (NATS out): one says so
+            ours = [f for f in [*cleared, *appeared] if f.instanceId or self._partition.index == 0]
+            self._unpublished.extend(ours)
+            if self._alerter is not None:
+                self._alerter.update([f for f in ours if f.open], [f for f in ours if not f.open])
+            while self._unpublished and self._reach.reachable:
+                finding = self._unpublished[0]
+                try:
+                    await self._js.publish(
+                        self._layout.subjects.diagnosis(finding.instanceId), encode(finding)
+                    )
+                except (NatsError, TimeoutError):
+                    break  # kept, in order, for the next round
+                self._unpublished.popleft()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), ROUND_S)
+
+
+def _told(finding: Finding) -> tuple[object, ...]:
+    """What an operator is told by a finding, but for its wording (which ages each second)."""
+    return (
+        finding.since,
+        finding.kind,
+        finding.culpritRunnerIds,
+        finding.waitingRanks,
+        [(e.gaveUp, e.exitReason, e.processAlive, e.capturedAt) for e in finding.evidence],
+    )

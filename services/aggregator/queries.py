@@ -1,0 +1,219 @@
+"""The aggregator's answers to `rankscope.query.<view>`: one endpoint per view of the NATS
+micro service, big timelines built a slice at a time in a lane of their own, identical
+timeline queries answered once."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from importlib.metadata import version
+from typing import Any
+
+from nats.aio.client import Client
+from nats.micro import add_service
+from nats.micro.request import Request, ServiceError
+from nats.micro.service import Service
+
+from services.aggregator.views import ClusterState
+from shared.partitions import Partition
+from shared.subjects import AGGREGATOR_SERVICE, Subjects
+from shared.timestamps import now
+from shared.wire import Diagnosis, Finding, PlacementQuery, TimelineQuery, WireError, decode, encode
+
+__all__ = ["VIEWS", "Queries"]
+
+SERVICE_VERSION = version("rankscope")
+
+VIEWS = ("timeline", "placement", "diagnosis", "instances", "history", "health")
+"""The views it answers, one service endpoint each on `subjects.query(view)`; instances
+share the requests (the service's queue group), any one answering."""
+
+ANSWER_REUSE_S = 0.5
+"""How long an unchanged view's answer may be served again (its `secondsInPhase` ages)."""
+ANSWER_CACHE_BYTES = 128 << 20
+"""Bytes of timeline answers kept for reuse; the oldest go first."""
+HEAVY_ENTRIES = 5_000
+"""Timelines of more entries than this are built in a lane of their own, a slice at a
+time, so a small query never waits behind them for more than one slice."""
+SLICE_ENTRIES = 2_000
+"""Entries built between two turns of the other queries."""
+
+
+class Queries:
+    """Answers the views of `state`.
+
+    Args:
+        nc: NATS connection.
+        subjects: where the queries come.
+        state: the views.
+        partition: the partition it answers for.
+        node_id: this aggregator's node id (`localNodeId` of the timeline by default).
+        findings: the open findings (the diagnosis view).
+        health: readiness and counters (the health view).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        nc: Client,
+        subjects: Subjects,
+        state: ClusterState,
+        partition: Partition,
+        node_id: str,
+        findings: Callable[[], list[Finding]],
+        health: Callable[[], dict[str, Any]],
+        clock: Callable[[], float],
+    ) -> None:
+        self._nc = nc
+        self._subjects = subjects
+        self._state = state
+        self._partition = partition
+        self._node_id = node_id
+        self._findings = findings
+        self._health = health
+        self._clock = clock
+        self._answers: dict[bytes, tuple[int, float, bytes]] = {}
+        self._answer_bytes = 0
+        self._heavy_lane = asyncio.Semaphore(1)
+        self.heavy: set[asyncio.Task[None]] = set()
+
+    async def serve(self) -> Service:
+        """Answer queries from now on: it joins its partition's queue group only once its
+        views are built, so a restarted twin never answers in place of a ready one."""
+        part = self._partition
+        queries = await add_service(
+            self._nc,
+            name=AGGREGATOR_SERVICE,
+            version=SERVICE_VERSION,
+            description="Cross-rank views of every runner's flight recorder",
+            metadata={"partition": str(part)},
+        )
+        for view in VIEWS:
+            await queries.add_endpoint(
+                name=view,
+                subject=self._subjects.query(view, part.index, part.count),
+                handler=functools.partial(self._answer, view),
+            )
+        return queries
+
+    async def _answer(self, view: str, request: Request) -> None:
+        data = request.data or b"{}"
+        query = self._heavy_timeline_query(view, data)
+        if query is None:
+            await request.respond(self._answerable(self._query(view, data)))
+            return
+        task = asyncio.create_task(self._respond_heavy(request, data, query))
+        self.heavy.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self.heavy.discard)
+
+    def _heavy_timeline_query(self, view: str, data: bytes) -> TimelineQuery | None:
+        if view != "timeline":
+            return None
+        try:
+            query = decode(data, TimelineQuery)
+        except WireError:
+            return None  # answered as a bad query
+        return query if query.limit > HEAVY_ENTRIES else None
+
+    async def _respond_heavy(self, request: Request, data: bytes, query: TimelineQuery) -> None:
+        async with self._heavy_lane:
+            cached = self._cached(data)
+            if cached is None:
+                version = self._state.version
+                cached = await self._timeline_in_slices(query)
+                self._remember(data, version, cached)
+        try:
+            await request.respond(self._answerable(cached))
+        except ServiceError as error:  # answered after the handler returned: by hand
+            await request.respond_error(error.code, error.description)
+
+    async def _timeline_in_slices(self, query: TimelineQuery) -> bytes:
+        """The timeline's JSON, its entries encoded a slice at a time between turns of the
+        other queries and of ingest (the plan holds what it needs of evicted entries)."""
+        plan = self._state.timeline_plan(query, local_node_id=query.localNodeId or self._node_id)
+        before, after = encode(plan.head).split(b'"timeline":[]', 1)
+        pieces = [before, b'"timeline":[']
+        for start in range(0, plan.size, SLICE_ENTRIES):
+            if start:
+                pieces.append(b",")
+            pieces.append(encode(plan.entries(start, start + SLICE_ENTRIES))[1:-1])
+            await asyncio.sleep(0)
+        pieces += [b"]", after]
+        return b"".join(pieces)  # one copy of tens of MB, not three
+
+    def _answerable(self, body: bytes) -> bytes:
+        if len(body) > self._nc.max_payload:
+            raise _failed(
+                413,
+                f"the answer is {len(body):,} bytes, over the NATS "
+                f"limit of {self._nc.max_payload:,}; narrow the query",
+            )
+        return body
+
+    def _query(self, view: str, data: bytes) -> bytes:
+        if view == "health":
+            return encode(self._health())
+        try:
+            if view == "timeline":
+                return self._timeline(data)
+            if view == "placement":
+                asked = decode(data, PlacementQuery)
+                wanted = asked.runnerId
+                found = self._state.placement(local_node_id=asked.localNodeId or self._node_id)
+                if wanted is None:
+                    return encode(found)
+                for item in found:
+                    if item.runnerId == wanted:
+                        return encode(item)
+                raise _failed(404, f"no placed runner {wanted!r}")
+            if view == "diagnosis":
+                return encode(Diagnosis(generatedAt=now(), findings=self._findings()))
+            if view == "instances":
+                return encode(self._state.instance_states())
+            if view == "history":
+                return encode(self._state.history())
+        except WireError as exc:
+            raise _failed(422, f"bad {view} query: {exc}") from None
+        raise _failed(
+            404,
+            f"no view {view!r}; try timeline, placement, diagnosis, instances, history or health",
+        )
+
+    def _timeline(self, data: bytes) -> bytes:
+        """Identical timeline queries within `ANSWER_REUSE_S` of each other, with nothing
+        applied in between, share one answer: a roomful of browsers costs one build."""
+        answer = self._cached(data)
+        if answer is None:
+            query = decode(data, TimelineQuery)
+            local = query.localNodeId or self._node_id
+            answer = encode(self._state.timeline(query, local_node_id=local))
+            self._remember(data, self._state.version, answer)
+        return answer
+
+    def _cached(self, query: bytes) -> bytes | None:
+        cached = self._answers.get(query)
+        if (
+            cached
+            and cached[0] == self._state.version
+            and self._clock() - cached[1] < ANSWER_REUSE_S
+        ):
+            return cached[2]
+        return None
+
+    def _remember(self, query: bytes, version: int, answer: bytes) -> None:
+        """Keep `answer` for reuse within `ANSWER_CACHE_BYTES`, dropping the oldest."""
+        if len(answer) > ANSWER_CACHE_BYTES // 2:
+            return
+        if (old := self._answers.pop(query, None)) is not None:
+            self._answer_bytes -= len(old[2])
+        while self._answers and self._answer_bytes + len(answer) > ANSWER_CACHE_BYTES:
+            self._answer_bytes -= len(self._answers.pop(next(iter(self._answers)))[2])
+        self._answers[query] = (version, self._clock(), answer)
+        self._answer_bytes += len(answer)
+
+
+def _failed(status: int, error: str) -> ServiceError:
+    """A query the aggregator cannot answer, as a service error whose code is HTTP's."""
+    return ServiceError(code=str(status), description=error)
