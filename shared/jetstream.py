@@ -224,12 +224,13 @@ class Layout:
     @property
     def inputs_stream(self) -> StreamSpec:
         """Tasks whole, one copy per node of their instance, kept as long as a task may wait
-        to start: no agent may read the tasks stream's copies of other nodes' prompts."""
+        to start (the oldest go first past 64 MiB): no agent may read the prompts of
+        another node's instances."""
         return StreamSpec(
             self._name("INPUTS"),
             (self.subjects.task_inputs_all(),),
             max_age_s=TASK_HORIZON_S,
-            max_bytes=256 << 20,
+            max_bytes=64 << 20,
             replicas=self.replicas,
         )
 

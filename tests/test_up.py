@@ -259,7 +259,7 @@ def _small_disk(where: Path, size: str) -> Iterator[Path]:
 async def test_a_store_broken_on_a_full_disk_is_restarted_once_there_is_room(
     tmp_path: Path,
 ) -> None:
-    with _small_disk(tmp_path / "disk", "1200m") as disk:
+    with _small_disk(tmp_path / "disk", "1300m") as disk:
         small = {"RANKSCOPE_TELEMETRY_MAX_BYTES": "64Mi"}  # the streams' reservations fit
         with _up(disk, env=small) as (process, shown):
             nc = await connect(Settings(nats_url=shown["NATS"].split()[0]), "test")
