@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import RunnerConfig, Timeouts
-from services.agent.runner.shard import unsupported
+from services.agent.runner.entry import unsupported
 from services.agent.supervisor import RunnerSupervisor
 from shared.deadletter import DeadLetters
 from shared.host import hostname

@@ -23,20 +23,24 @@ from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import Any
 
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.channel import (
-    ENTRIES,
-    ENTRY,
-    MEMORY,
-    OUTPUT,
-    STATUS,
-    TASK,
-    EntryMessage,
+    PERMANENT_EXIT,
+    STACK_SIGNAL,
+    Assigned,
+    Entries,
+    Entry,
+    Memory,
+    Output,
+    Status,
+    Stop,
+    TaskReport,
+    ToAgent,
+    ToRunner,
 )
 from services.agent.runner.config import RunnerConfig
-from services.agent.runner.process import PERMANENT_EXIT, STACK_SIGNAL, STOP, runner_main
+from services.agent.runner.entry import runner_main
 from services.agent.runner.watchdog import WEDGED_EXIT
 from shared.processes import process_state, signal_name
 from shared.subjects import Subjects, TelemetryKind
@@ -140,7 +144,7 @@ class RunnerSupervisor:
         self._on_task = on_task
         self._context = multiprocessing.get_context("spawn")
         self._process: BaseProcess | None = None
-        self._tasks: Queue[Any] | None = None
+        self._tasks: Queue[ToRunner] | None = None
         self._readers: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._crashes: deque[float] = deque()
@@ -190,8 +194,8 @@ class RunnerSupervisor:
     def start(self) -> None:
         """Spawn the runner process and start listening to it."""
         self._loop = asyncio.get_running_loop()
-        telemetry: Queue[Any] = self._context.Queue(_TELEMETRY_QUEUE)
-        control: Queue[Any] = self._context.Queue()
+        telemetry: Queue[ToAgent] = self._context.Queue(_TELEMETRY_QUEUE)
+        control: Queue[ToAgent] = self._context.Queue()
         self._tasks = self._context.Queue()
         self._process = self._context.Process(
             target=runner_main,
@@ -211,7 +215,7 @@ class RunnerSupervisor:
         self._loop.add_reader(self._process.sentinel, self._on_exit_signal)
         log.info("runner started", extra={"runnerId": self.runner_id, "pid": self.pid})
 
-    def _read(self, channel: Queue[Any], process: BaseProcess) -> None:
+    def _read(self, channel: Queue[ToAgent], process: BaseProcess) -> None:
         assert self._loop is not None
         while True:
             try:
@@ -227,87 +231,69 @@ class RunnerSupervisor:
             except RuntimeError:  # the agent's loop is gone: nobody is listening any more
                 return
 
-    def _entry(self, item: EntryMessage) -> None:
+    def _entry(self, item: Entry) -> None:
         self._stacks_ready = True  # its first entry comes after it can dump its stacks
-        _, at, phase, event, detail, attrs, task_id, command_id, memory, dropped = item
-        if event == Breadcrumb.PEER_LOST:
-            self._lost_peer = str(attrs.get("site", phase))
-        if dropped:
-            attrs = {**attrs, "droppedBefore": dropped}
-            self.dropped_entries += dropped
+        attrs = item.attrs
+        if item.event == Breadcrumb.PEER_LOST:
+            self._lost_peer = str(attrs.get("site", item.phase.value))
+        if item.dropped:
+            attrs = {**attrs, "droppedBefore": item.dropped}
+            self.dropped_entries += item.dropped
         self._record(
             FlightEntry(
                 seq=self._next_seq(),
-                at=at,
-                phase=Phase(phase),
-                event=event,
-                detail=detail,
+                at=item.at,
+                phase=item.phase,
+                event=item.event,
+                detail=item.detail,
                 attrs=attrs,
-                taskId=task_id,
-                commandId=command_id,
-                mlxMemory=memory,
+                taskId=item.taskId,
+                commandId=item.commandId,
+                mlxMemory=item.memory,
             )
         )
 
-    def _handle(self, item: tuple[Any, ...]) -> None:
-        kind = item[0]
-        if kind == ENTRY:
-            self._entry(item)
-        elif kind == ENTRIES:
-            for entry in item[1]:
-                self._entry(entry)
-        elif kind == MEMORY:
-            self.synopsis = replace(self.synopsis, memory=item[1])
-            sample = MemorySampled(
-                runner=self.config.runner, seq=self._next_seq(), snapshot=item[1]
-            )
-            self._publisher.telemetry(
-                self._subject("memory"), encode(sample), self.runner_id, sample.seq
-            )
-        elif kind == STATUS:
-            status = RunnerStatusKind(item[1])
-            if status is RunnerStatusKind.READY:
-                self._victim_exits = 0
-            self._set_status(status, item[2])
-        elif kind == TASK:
-            outcome = TaskStatus(item[2])
-            self.completed_tasks += outcome is TaskStatus.COMPLETE
-            self._on_task(item[1], outcome, item[3], item[4])
-        elif kind == OUTPUT:
-            _, command_id, seq, text, finish, tokens = item
-            prompt, completion = tokens if tokens else (None, None)
-            self._on_output(
-                TokenChunk(
-                    commandId=command_id,
-                    seq=seq,
-                    text=text,
-                    finishReason=finish,
-                    promptTokens=prompt,
-                    completionTokens=completion,
+    def _handle(self, item: ToAgent) -> None:
+        match item:
+            case Entry():
+                self._entry(item)
+            case Entries(entries):
+                for entry in entries:
+                    self._entry(entry)
+            case Memory(snapshot):
+                self.synopsis = replace(self.synopsis, memory=snapshot)
+                sample = MemorySampled(
+                    runner=self.config.runner, seq=self._next_seq(), snapshot=snapshot
                 )
-            )
+                self._publisher.telemetry(
+                    self._subject("memory"), encode(sample), self.runner_id, sample.seq
+                )
+            case Status(kind, detail):
+                if kind is RunnerStatusKind.READY:
+                    self._victim_exits = 0
+                self._set_status(kind, detail)
+            case TaskReport():
+                self.completed_tasks += item.status is TaskStatus.COMPLETE
+                self._on_task(item.taskId, item.status, item.detail, item.refused)
+            case Output():
+                prompt, completion = item.tokens if item.tokens else (None, None)
+                self._on_output(
+                    TokenChunk(
+                        commandId=item.commandId,
+                        seq=item.seq,
+                        text=item.text,
+                        finishReason=item.finish,
+                        promptTokens=prompt,
+                        completionTokens=completion,
+                    )
+                )
 
     def _record(self, entry: FlightEntry) -> None:
         before, self.synopsis = self.synopsis, advance(self.synopsis, [entry])
         if self.synopsis.phase is not before.phase:
             self.phase_since = time.monotonic()
-        ref, rank = self.config.runner, self.config.assignment
-        self.entries.append(
-            TimelineEntry(
-                at=entry.at,
-                nodeId=ref.nodeId,
-                runnerId=ref.runnerId,
-                deviceRank=rank.deviceRank,
-                worldSize=rank.worldSize,
-                phase=entry.phase,
-                event=entry.event,
-                detail=entry.detail,
-                attrs=entry.attrs,
-                taskId=entry.taskId,
-                commandId=entry.commandId,
-                mlxMemory=entry.mlxMemory,
-            )
-        )
+        ref = self.config.runner
+        self.entries.append(entry.of(ref))
         self._publisher.entry(ref, self._subject("phase"), entry)
 
     def _set_status(
@@ -337,7 +323,7 @@ class RunnerSupervisor:
     def submit(self, seq: int, task: TaskCreated) -> None:
         """Hand a task (with its stream sequence, the order all ranks agree on) to the runner."""
         if self._tasks is not None and self.alive:
-            self._tasks.put((seq, task))
+            self._tasks.put(Assigned(seq, task))
 
     def _on_exit_signal(self) -> None:
         assert self._loop is not None
@@ -410,7 +396,7 @@ class RunnerSupervisor:
         if process is None or not process.is_alive():
             return
         if self._tasks is not None:
-            self._tasks.put(STOP)
+            self._tasks.put(Stop())
         for action in (None, process.terminate, process.kill):
             if action is not None and process.is_alive():
                 action()

@@ -13,7 +13,7 @@ from unittest.mock import MagicMock
 
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner import watchdog as watchdog_module
-from services.agent.runner.channel import ENTRIES, ENTRY, OUTPUT
+from services.agent.runner.channel import Entries, Entry, Output
 from services.agent.runner.config import RunnerConfig
 from services.agent.runner.recorder import Recorder
 from services.agent.runner.shard import ring_hosts
@@ -57,11 +57,11 @@ def test_full_queue_drops_and_counts_without_blocking() -> None:
         recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index})
     assert recorder.dropped == 3
     kept = [telemetry.get(timeout=5), telemetry.get(timeout=5)]
-    assert [item[5]["i"] for item in kept] == [0, 1]
+    assert [item.attrs["i"] for item in kept] == [0, 1]
     recorder.record(Phase.COMPLETION, "stop")
     after = telemetry.get(timeout=5)
-    assert after[0] == ENTRY
-    assert after[-1] == 3  # the next entry that fits says how many went missing before it
+    assert isinstance(after, Entry)
+    assert after.dropped == 3  # the next entry that fits says how many went missing before it
     recorder.flush()
 
 
@@ -77,7 +77,7 @@ def _drain(channel: Any, wait: float = 0.5) -> list[Any]:
 
 def _entries(messages: list[Any]) -> list[Any]:
     """The entries in telemetry messages, batches unpacked, in order."""
-    return [e for m in messages for e in (m[1] if m[0] == ENTRIES else [m])]
+    return [e for m in messages for e in (m.entries if isinstance(m, Entries) else [m])]
 
 
 def test_a_tokens_entries_and_text_wait_for_the_next_tokens_then_go_together() -> None:
@@ -90,14 +90,16 @@ def test_a_tokens_entries_and_text_wait_for_the_next_tokens_then_go_together() -
         recorder.output("cmd", f"t{index} ")
         recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index}, batch=True)
     sent = _drain(telemetry)
-    assert [e[3] for e in _entries(sent)] == ["first_token"]  # the tokens' entries wait
-    assert _drain(control) == [(OUTPUT, "cmd", 0, "t0 ", None, None)]  # the first text goes
+    assert [e.event for e in _entries(sent)] == ["first_token"]  # the tokens' entries wait
+    assert _drain(control) == [Output(commandId="cmd", seq=0, text="t0 ")]  # the first text goes
     recorder.output("cmd", "t5", "stop", (3, 6))
-    assert _drain(control) == [(OUTPUT, "cmd", 1, "t1 t2 t3 t4 t5", "stop", (3, 6))]
+    assert _drain(control) == [
+        Output(commandId="cmd", seq=1, text="t1 t2 t3 t4 t5", finish="stop", tokens=(3, 6))
+    ]
     recorder.record(Phase.COMPLETION, "stop")
     (batch,) = _drain(telemetry)  # one message, one wakeup of the agent
-    assert batch[0] == ENTRIES
-    assert [(e[3], e[5].get("i")) for e in batch[1]] == [
+    assert isinstance(batch, Entries)
+    assert [(e.event, e.attrs.get("i")) for e in batch.entries] == [
         *(("token", i) for i in range(5)),
         ("stop", None),
     ]
@@ -112,8 +114,8 @@ def test_with_no_wait_between_tokens_each_goes_at_once() -> None:
     for index in range(3):
         recorder.output("cmd", f"t{index}")
         recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index}, batch=True)
-    assert [m[0] for m in _drain(telemetry)] == [ENTRY] * 3
-    assert [(m[2], m[3]) for m in _drain(control)] == [(0, "t0"), (1, "t1"), (2, "t2")]
+    assert [type(m) for m in _drain(telemetry)] == [Entry] * 3
+    assert [(m.seq, m.text) for m in _drain(control)] == [(0, "t0"), (1, "t1"), (2, "t2")]
     recorder.flush()
 
 
@@ -139,16 +141,19 @@ def test_a_rank_stuck_mid_decode_has_its_waiting_tokens_out_with_its_wait_note()
     process = context.Process(target=_stuck_after_tokens, args=(telemetry, control, seen))
     process.start()
     try:
-        assert telemetry.get(timeout=30)[3] == "first_token"
+        assert telemetry.get(timeout=30).event == "first_token"
         batch = telemetry.get(timeout=30)  # while it is still stuck
-        assert [(e[3], e[5].get("i")) for e in batch[1]] == [
+        assert [(e.event, e.attrs.get("i")) for e in batch.entries] == [
             ("token", 0),
             ("token", 1),
             ("token", 2),
             (Breadcrumb.COLLECTIVE_WAIT, None),
         ]
         chunks = [control.get(timeout=5), control.get(timeout=5)]
-        assert [(c[2], c[3], c[4]) for c in chunks] == [(0, "t0 ", None), (1, "t1 t2 ", None)]
+        assert [(c.seq, c.text, c.finish) for c in chunks] == [
+            (0, "t0 ", None),
+            (1, "t1 t2 ", None),
+        ]
     finally:
         seen.set()
         process.join(30)
@@ -164,10 +169,10 @@ def test_a_dropped_batch_counts_every_entry_in_it() -> None:
         recorder.record(Phase.DECODE_STREAM, "token", attrs={"i": index}, batch=True)
     recorder.record(Phase.PARSER, "finalize")  # the four go as one, and find no room
     assert recorder.dropped == 4
-    assert telemetry.get(timeout=5)[3] == "first_token"
+    assert telemetry.get(timeout=5).event == "first_token"
     recorder.record(Phase.COMPLETION, "stop")
     after = telemetry.get(timeout=5)
-    assert (after[3], after[-1]) == ("stop", 4)
+    assert (after.event, after.dropped) == ("stop", 4)
     recorder.flush()
 
 
@@ -190,7 +195,7 @@ def _guard_in_turn(calls: list[Guarded], note_s: float, telemetry: Any) -> None:
     recorder.flush()
 
 
-def _guarded(calls: list[Guarded], note_s: float) -> tuple[int | None, list[tuple[Any, ...]]]:
+def _guarded(calls: list[Guarded], note_s: float) -> tuple[int | None, list[Entry]]:
     """The exit code of a process running `calls`, and the entries it recorded."""
     context = multiprocessing.get_context("spawn")
     telemetry: Any = context.Queue()
@@ -213,28 +218,28 @@ DECODING = [("decode_stream", 30.0, 0.0)] * 50
 def test_a_short_deadline_after_many_long_ones_still_ends_the_wedged_runner() -> None:
     code, entries = _guarded([*DECODING, ("cancel_check", 0.3, 1.5)], note_s=5.0)
     assert code == WEDGED_EXIT  # not 0: the watchdog looked at 0.3 s, not at the 5 s note
-    (timeout,) = [e for e in entries if e[3] == Breadcrumb.COLLECTIVE_TIMEOUT]
-    assert timeout[4] == "cancel_check did not finish within 0.3s"
-    assert timeout[5]["site"] == "cancel_check"
+    (timeout,) = [e for e in entries if e.event == Breadcrumb.COLLECTIVE_TIMEOUT]
+    assert timeout.detail == "cancel_check did not finish within 0.3s"
+    assert timeout.attrs["site"] == "cancel_check"
 
 
 def test_a_long_wait_after_many_short_ones_is_noted_with_since_when_and_its_end() -> None:
     code, entries = _guarded([*DECODING, ("decode_stream", 30.0, 0.8)], note_s=0.2)
     assert code == 0
-    events = [e[3] for e in entries]
+    events = [e.event for e in entries]
     assert events == [Breadcrumb.COLLECTIVE_WAIT, Breadcrumb.COLLECTIVE_RESUMED]
     wait, resumed = entries
-    parse_ts(wait[5]["since"])
-    assert wait[4] == f"waiting in decode_stream since {wait[5]['since']}"
-    assert resumed[5]["site"] == "decode_stream"
-    assert resumed[5]["waitedSeconds"] >= 0.8
+    parse_ts(str(wait.attrs["since"]))
+    assert wait.detail == f"waiting in decode_stream since {wait.attrs['since']}"
+    assert resumed.attrs["site"] == "decode_stream"
+    assert float(str(resumed.attrs["waitedSeconds"])) >= 0.8
 
 
 def test_a_long_call_that_advances_chunk_by_chunk_is_never_taken_for_wedged() -> None:
     prefill = ("prefill_pipeline", 0.5, (0.3, 0.3, 0.3, 0.3))  # 1.2 s in all, 0.3 s a chunk
     code, entries = _guarded([prefill], note_s=5.0)
     assert code == 0
-    assert not [e for e in entries if e[3] == Breadcrumb.COLLECTIVE_TIMEOUT]
+    assert not [e for e in entries if e.event == Breadcrumb.COLLECTIVE_TIMEOUT]
     code, _ = _guarded([("prefill_pipeline", 0.5, (1.2,))], note_s=5.0)
     assert code == WEDGED_EXIT  # the same work in one piece, with no progress between
 

@@ -1,54 +1,119 @@
-"""Messages from a runner process to its agent, as plain tuples (cheap to pickle).
+"""Messages between a runner process and its agent, one struct per kind (pickled across
+the process boundary, as cheap as tuples: msgspec structs pickle as their fields).
 
-Two queues: telemetry (bounded; a full queue drops and counts, never stalls inference) and
-control (status, task status, generated text: must all arrive, and are few). Entries that
-went together (several tokens' worth) travel as one `ENTRIES` message: one wakeup of the
-agent for all of them.
+To the runner, one queue: its instance's tasks, each with its place in the task stream,
+and at last a `Stop`. To the agent, two queues: telemetry (bounded; a full queue drops
+and counts, never stalls inference) and control (status, task status, generated text:
+must all arrive, and are few). Entries that went together (several tokens' worth) travel
+as one `Entries` message: one wakeup of the agent for all of them.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import signal
 
-from shared.wire import Attrs, MlxMemorySnapshot
+import msgspec
+
+from shared.wire import (
+    Attrs,
+    MlxMemorySnapshot,
+    Phase,
+    RunnerStatusKind,
+    TaskCreated,
+    TaskStatus,
+)
 
 __all__ = [
-    "ENTRIES",
-    "ENTRY",
-    "MEMORY",
-    "OUTPUT",
-    "STATUS",
-    "TASK",
-    "EntriesMessage",
-    "EntryMessage",
-    "MemoryMessage",
-    "OutputMessage",
-    "StatusMessage",
-    "TaskMessage",
+    "PERMANENT_EXIT",
+    "STACK_SIGNAL",
+    "Assigned",
+    "Entries",
+    "Entry",
+    "Memory",
+    "Output",
+    "Status",
+    "Stop",
+    "TaskReport",
+    "ToAgent",
+    "ToRunner",
 ]
 
-ENTRY: Literal["entry"] = "entry"
-ENTRIES: Literal["entries"] = "entries"
-MEMORY: Literal["memory"] = "memory"
-STATUS: Literal["status"] = "status"
-TASK: Literal["task"] = "task"
-OUTPUT: Literal["output"] = "output"
+STACK_SIGNAL = signal.SIGUSR1
+"""Makes a runner write its threads' Python stacks to its `stack_path` (faulthandler, so
+it works while the interpreter is blocked in C)."""
 
-EntryMessage = tuple[
-    Literal["entry"],
-    str,  # at
-    str,  # phase
-    str,  # event
-    str | None,  # detail
-    Attrs,
-    str | None,  # taskId
-    str | None,  # commandId
-    MlxMemorySnapshot | None,
-    int,  # entries dropped before this one
-]
-EntriesMessage = tuple[Literal["entries"], list[EntryMessage]]
-MemoryMessage = tuple[Literal["memory"], MlxMemorySnapshot]
-StatusMessage = tuple[Literal["status"], str, str | None]  # statusKind, detail
-TaskMessage = tuple[Literal["task"], str, str, str | None]  # taskId, taskStatus, detail
-# commandId, seq, text, finish, (prompt tokens, completion tokens) on the last chunk
-OutputMessage = tuple[Literal["output"], str, int, str, str | None, tuple[int, int] | None]
+PERMANENT_EXIT = 78
+"""Exit code of a runner that failed loading its model: the same error would recur on
+every start (a missing file, an architecture it cannot split), so it is not restarted."""
+
+
+class Entry(msgspec.Struct, kw_only=True):
+    """One flight-recorder entry, not yet numbered (the agent gives it its `seq`)."""
+
+    at: str
+    phase: Phase
+    event: str
+    detail: str | None = None
+    attrs: Attrs
+    taskId: str | None = None
+    commandId: str | None = None
+    memory: MlxMemorySnapshot | None = None
+    dropped: int = 0
+    """Entries dropped (the queue was full) since the last one that went."""
+
+
+class Entries(msgspec.Struct, frozen=True):
+    """Entries that went together, in order."""
+
+    entries: list[Entry]
+
+
+class Memory(msgspec.Struct, frozen=True):
+    """A periodic MLX memory sample."""
+
+    sample: MlxMemorySnapshot
+
+
+class Status(msgspec.Struct, frozen=True):
+    """The runner's status changed."""
+
+    kind: RunnerStatusKind
+    detail: str | None = None
+
+
+class TaskReport(msgspec.Struct, frozen=True, kw_only=True):
+    """This rank's status of a task; `refused`: failed as asked, before any work."""
+
+    taskId: str
+    status: TaskStatus
+    detail: str | None = None
+    refused: bool = False
+
+
+class Output(msgspec.Struct, frozen=True, kw_only=True):
+    """Generated text of a command, numbered from 0; the last has `finish` and the
+    (prompt, completion) token counts."""
+
+    commandId: str
+    seq: int
+    text: str
+    finish: str | None = None
+    tokens: tuple[int, int] | None = None
+
+
+ToAgent = Entry | Entries | Memory | Status | TaskReport | Output
+
+
+class Assigned(msgspec.Struct, frozen=True):
+    """A task of the runner's instance; `seq`, its place in the task stream, orders it
+    alike on every rank."""
+
+    seq: int
+    task: TaskCreated
+
+
+class Stop(msgspec.Struct, frozen=True):
+    """Stop serving (the agent releases the runner)."""
+
+
+ToRunner = Assigned | Stop

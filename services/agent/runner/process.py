@@ -17,6 +17,7 @@ from typing import Any, cast
 import mlx.core as mx
 from setproctitle import setproctitle
 
+from services.agent.runner.channel import PERMANENT_EXIT, STACK_SIGNAL, Stop, ToAgent, ToRunner
 from services.agent.runner.config import RunnerConfig
 from services.agent.runner.generation import STREAM, Generation, RefusedError, barrier
 from services.agent.runner.memory import snapshot
@@ -35,24 +36,13 @@ from shared.wire import (
     TaskStatus,
 )
 
-__all__ = ["PERMANENT_EXIT", "STACK_SIGNAL", "STOP", "runner_main"]
-
-STOP = "stop"
-"""Put on the task queue to ask the runner to shut down cleanly."""
-
-STACK_SIGNAL = signal.SIGUSR1
-"""Makes a runner write its threads' Python stacks to its `stack_path` (faulthandler, so
-it works while the interpreter is blocked in C)."""
-
-PERMANENT_EXIT = 78
-"""Exit code of a runner that failed loading its model: the same error would recur on
-every start (a missing file, an architecture it cannot split), so it is not restarted."""
+__all__ = ["runner_main"]
 
 _NO_TASK = -1
 
 
 class _Runner:
-    def __init__(self, config: RunnerConfig, recorder: Recorder, tasks: Queue[Any]) -> None:
+    def __init__(self, config: RunnerConfig, recorder: Recorder, tasks: Queue[ToRunner]) -> None:
         self.config = config
         self.recorder = recorder
         self.tasks = tasks
@@ -144,11 +134,11 @@ class _Runner:
                 return
             self._take(item)
 
-    def _take(self, item: Any) -> None:
-        if item == STOP:
+    def _take(self, item: ToRunner) -> None:
+        if isinstance(item, Stop):
             self.stopping.set()
             return
-        seq, task = item
+        seq, task = item.seq, item.task
         self.recorder.record(
             Phase.TASK_SUBMISSION,
             "task_acknowledged",
@@ -243,7 +233,10 @@ def _sample_memory(recorder: Recorder, every: float, stop: threading.Event) -> N
 
 
 def runner_main(
-    config: RunnerConfig, telemetry: Queue[Any], control: Queue[Any], tasks: Queue[Any]
+    config: RunnerConfig,
+    telemetry: Queue[ToAgent],
+    control: Queue[ToAgent],
+    tasks: Queue[ToRunner],
 ) -> None:
     """Entry point of the spawned runner process."""
     tie = die_with_parent(signal.SIGKILL)  # even from inside a collective, no handler runs

@@ -17,16 +17,15 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.queues import Queue
-from typing import Any
 
 from services.agent.runner.channel import (
-    ENTRIES,
-    ENTRY,
-    MEMORY,
-    OUTPUT,
-    STATUS,
-    TASK,
-    EntryMessage,
+    Entries,
+    Entry,
+    Memory,
+    Output,
+    Status,
+    TaskReport,
+    ToAgent,
 )
 from shared.timestamps import now
 from shared.wire import Attrs, MlxMemorySnapshot, Phase, RunnerStatusKind, TaskStatus
@@ -52,8 +51,8 @@ class Recorder:
     def __init__(
         self,
         *,
-        telemetry: Queue[Any],
-        control: Queue[Any],
+        telemetry: Queue[ToAgent],
+        control: Queue[ToAgent],
         memory: Callable[[], MlxMemorySnapshot],
         enabled: bool = True,
         window: float = BATCH_WINDOW_S,
@@ -67,7 +66,7 @@ class Recorder:
         self.phase = Phase.CREATED
         self.dropped = 0
         self._unreported_drops = 0
-        self._entries: list[EntryMessage] = []
+        self._entries: list[Entry] = []
         self._entries_sent = -math.inf
         self._command: str | None = None
         """The command whose text is being sent, with its next chunk's seq, the text
@@ -93,17 +92,15 @@ class Recorder:
         self.phase = phase
         if not self._enabled:
             return
-        entry: EntryMessage = (
-            ENTRY,
-            now(),
-            phase.value,
-            event,
-            detail,
-            attrs or {},
-            task_id,
-            command_id,
-            self._memory() if memory else None,
-            0,
+        entry = Entry(
+            at=now(),
+            phase=phase,
+            event=event,
+            detail=detail,
+            attrs=attrs or {},
+            taskId=task_id,
+            commandId=command_id,
+            memory=self._memory() if memory else None,
         )
         with self._lock:
             self._entries.append(entry)
@@ -118,9 +115,9 @@ class Recorder:
         entries, self._entries, self._entries_sent = self._entries, [], moment
         if not entries:
             return
-        entries[0] = (*entries[0][:-1], self._unreported_drops)
+        entries[0].dropped = self._unreported_drops
         try:
-            self._telemetry.put_nowait(entries[0] if len(entries) == 1 else (ENTRIES, entries))
+            self._telemetry.put_nowait(entries[0] if len(entries) == 1 else Entries(entries))
         except queue.Full:
             self.dropped += len(entries)
             self._unreported_drops += len(entries)
@@ -134,13 +131,13 @@ class Recorder:
         with self._lock:
             self._send_entries(time.monotonic())
             try:
-                self._telemetry.put_nowait((MEMORY, sample))
+                self._telemetry.put_nowait(Memory(sample))
             except queue.Full:
                 self.dropped += 1
 
     def status(self, kind: RunnerStatusKind, detail: str | None = None) -> None:
         """Report a runner status change."""
-        self._control.put((STATUS, kind.value, detail))
+        self._control.put(Status(kind, detail))
 
     def task(
         self,
@@ -152,7 +149,7 @@ class Recorder:
     ) -> None:
         """Report this rank's status of a task (`refused`: failed as asked, before any work:
         the request is at fault)."""
-        self._control.put((TASK, task_id, status.value, detail, refused))
+        self._control.put(TaskReport(taskId=task_id, status=status, detail=detail, refused=refused))
 
     def output(
         self,
@@ -181,7 +178,15 @@ class Recorder:
     ) -> None:
         if self._command is None or (not self._text and finish is None):
             return
-        self._control.put((OUTPUT, self._command, self._seq, self._text, finish, tokens))
+        self._control.put(
+            Output(
+                commandId=self._command,
+                seq=self._seq,
+                text=self._text,
+                finish=finish,
+                tokens=tokens,
+            )
+        )
         self._seq, self._text, self._text_sent = self._seq + 1, "", moment
 
     def flush(self) -> None:
