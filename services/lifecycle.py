@@ -1,5 +1,6 @@
 """Run a service in the foreground until SIGINT or SIGTERM, and always exit after that;
-non-zero when its NATS connection closed for good, so that its supervisor restarts it."""
+non-zero when its NATS connection closed for good, so that its supervisor restarts it.
+Every service starts on NATS the same way (`connected`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 import uvloop
+from nats.aio.client import Client
+from nats.js import JetStreamContext
 
-from shared.connection import ConnectionLostError
-from shared.jetstream import LayoutError
+from shared.connection import ConnectionLostError, Lifeline, close, connect
+from shared.jetstream import Layout, LayoutError, ensure
 from shared.settings import Settings
 
-__all__ = ["SHUTDOWN_GRACE_S", "run_until_signalled"]
+__all__ = ["SHUTDOWN_GRACE_S", "Connected", "connected", "run_until_signalled"]
 
 log = logging.getLogger("rankscope")
 
@@ -55,3 +60,26 @@ def run_until_signalled(
         log.error("%s", exc)
         return 1
     return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """A service's NATS connection, its JetStream context and the installation's layout."""
+
+    nc: Client
+    js: JetStreamContext
+    layout: Layout
+
+
+async def connected(
+    stack: AsyncExitStack, settings: Settings, name: str, stop: asyncio.Event
+) -> Connected:
+    """Connect service `name` (closed with `stack`; `stop` is set when the connection
+    closes for good) and make sure the installation's streams and buckets are there."""
+    lifeline = stack.enter_context(Lifeline(stop))
+    nc = await connect(settings, name, on_lost=lifeline)
+    stack.push_async_callback(close, nc)
+    js = nc.jetstream()
+    layout = Layout.from_settings(settings)
+    await ensure(js, layout)
+    return Connected(nc, js, layout)

@@ -1,4 +1,4 @@
-"""Keep one node's entry alive in the `rankscope_nodes` bucket.
+"""Keep one node's entry alive in the `rankscope_nodes` bucket, and read the entries.
 
 The bucket's TTL removes the entry when the beats stop; a clean stop deletes it at once.
 """
@@ -13,12 +13,28 @@ from collections.abc import Callable
 from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 
-from shared.subjects import token
-from shared.wire import NodeInfo, encode
+from shared.deadletter import DeadLetters
+from shared.subjects import kv_key, token, untoken
+from shared.wire import NodeInfo, WireError, decode, encode
 
-__all__ = ["Heartbeat"]
+__all__ = ["Heartbeat", "heard"]
 
 log = logging.getLogger(__name__)
+
+
+def heard(
+    entry: KeyValue.Entry, bucket: str, dead_letters: DeadLetters
+) -> tuple[str, NodeInfo | None] | None:
+    """The node an entry of the nodes `bucket` is of, with its heartbeat (None: the entry
+    was deleted or expired); None for a heartbeat that does not decode, dead-lettered."""
+    node_id = untoken(entry.key)
+    if entry.operation is not None:
+        return node_id, None
+    try:
+        return node_id, decode(entry.value or b"", NodeInfo)
+    except WireError as exc:
+        dead_letters.reject(kv_key(bucket, entry.key), entry.value, "node_undecodable", exc)
+        return None
 
 
 class Heartbeat:

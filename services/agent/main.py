@@ -14,11 +14,9 @@ from setproctitle import setproctitle
 from services.agent.agent import Agent
 from services.agent.publisher import TelemetryPublisher
 from services.agent.runner.config import Timeouts
-from services.lifecycle import run_until_signalled
-from shared.connection import Lifeline, close, connect
+from services.lifecycle import connected, run_until_signalled
 from shared.heartbeat import Heartbeat
 from shared.host import hostname, memory_bytes
-from shared.jetstream import Layout, ensure
 from shared.replay import follow
 from shared.settings import Settings
 from shared.timestamps import now
@@ -64,12 +62,8 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         )
 
     async with contextlib.AsyncExitStack() as stack:
-        lifeline = stack.enter_context(Lifeline(stop))
-        nc = await connect(settings, f"rankscope-agent-{identity}", on_lost=lifeline)
-        stack.push_async_callback(close, nc)
-        js = nc.jetstream()
-        layout = Layout.from_settings(settings)
-        await ensure(js, layout)
+        bus = await connected(stack, settings, f"rankscope-agent-{identity}", stop)
+        nc, js, layout = bus.nc, bus.js, bus.layout
         publisher = TelemetryPublisher(js=js)
         publishing_stop = asyncio.Event()
         publishing = asyncio.create_task(publisher.run(publishing_stop))

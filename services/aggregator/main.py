@@ -12,9 +12,7 @@ from services.aggregator.service import AggregatorService
 from services.aggregator.snapshot import SnapshotFile
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
-from services.lifecycle import run_until_signalled
-from shared.connection import Lifeline, close, connect
-from shared.jetstream import Layout, ensure
+from services.lifecycle import connected, run_until_signalled
 from shared.settings import Settings
 
 __all__ = ["run", "serve_until"]
@@ -23,12 +21,8 @@ __all__ = ["run", "serve_until"]
 async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
     """Run the aggregator until `stop` is set."""
     async with contextlib.AsyncExitStack() as stack:
-        lifeline = stack.enter_context(Lifeline(stop))
-        nc = await connect(settings, "rankscope-aggregator", on_lost=lifeline)
-        stack.push_async_callback(close, nc)
-        js = nc.jetstream()
-        layout = Layout.from_settings(settings)
-        await ensure(js, layout)
+        bus = await connected(stack, settings, "rankscope-aggregator", stop)
+        nc, js, layout = bus.nc, bus.js, bus.layout
         part = settings.partition
         kept = f"aggregator-{layout.subjects.prefix}" + ("" if part.whole else f"-{part.name}")
         public = settings.public_url or f"http://{settings.gateway_host}:{settings.gateway_port}"

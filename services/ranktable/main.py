@@ -6,20 +6,16 @@ import asyncio
 import contextlib
 import logging
 
-from services.lifecycle import run_until_signalled
+from services.lifecycle import connected, run_until_signalled
 from services.ranktable.grpc_server import serve
 from services.ranktable.hub import TableHub
 from services.ranktable.models import ModelShapes
 from services.ranktable.service import RankTableService
 from shared.connection import (
     REACH_CHECK_S,
-    Lifeline,
     Reachability,
-    close,
-    connect,
     keep_checking,
 )
-from shared.jetstream import Layout, ensure
 from shared.settings import Settings
 from shared.storage import STORAGE_CHECK_S, Storage
 
@@ -31,12 +27,8 @@ log = logging.getLogger("rankscope.ranktable")
 async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
     """Run the service and its gRPC server until `stop` is set."""
     async with contextlib.AsyncExitStack() as stack:
-        lifeline = stack.enter_context(Lifeline(stop))
-        nc = await connect(settings, "rankscope-ranktable", on_lost=lifeline)
-        stack.push_async_callback(close, nc)
-        js = nc.jetstream()
-        layout = Layout.from_settings(settings)
-        await ensure(js, layout)
+        bus = await connected(stack, settings, "rankscope-ranktable", stop)
+        nc, js, layout = bus.nc, bus.js, bus.layout
         hub = TableHub()
         server, port = await serve(hub, settings.grpc_host, settings.grpc_port)
         stack.push_async_callback(server.stop, 1.0)

@@ -15,7 +15,7 @@ from shared.timestamps import check_ts, to_epoch
 from shared.wire.base import CamelStruct
 from shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
 from shared.wire.memory import MlxMemorySnapshot
-from shared.wire.timeline import Attrs
+from shared.wire.timeline import Attrs, TimelineEntry
 
 __all__ = [
     "TASK_HORIZON_S",
@@ -89,6 +89,23 @@ class FlightEntry(CamelStruct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         _utc(self, "at")  # a bad time is refused with its message, not carried into views
+
+    def of(self, runner: RunnerRef) -> TimelineEntry:
+        """This entry of `runner` as a timeline shows it."""
+        return TimelineEntry(
+            at=self.at,
+            nodeId=runner.nodeId,
+            runnerId=runner.runnerId,
+            deviceRank=runner.deviceRank,
+            worldSize=runner.worldSize,
+            phase=self.phase,
+            event=self.event,
+            detail=self.detail,
+            attrs=self.attrs,
+            taskId=self.taskId,
+            commandId=self.commandId,
+            mlxMemory=self.mlxMemory,
+        )
 
 
 class _Telemetry(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
