@@ -24,6 +24,7 @@ import nats
 from common import placements, publish_placements, runner_ref, token_entry
 from nats.js.api import DeliverPolicy
 
+from services.aggregator import answers
 from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
@@ -149,7 +150,7 @@ def _query_and_memory(stored: int) -> None:
     latencies = []
     for _ in range(200):
         started = time.perf_counter()
-        encode(state.timeline(TimelineQuery(limit=1000), local_node_id="bench"))
+        encode(answers.timeline(state, TimelineQuery(limit=1000), local_node_id="bench"))
         latencies.append((time.perf_counter() - started) * 1000)
     latencies.sort()
     print(

@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-from services.aggregator.views import ClusterState, RunnerView
+from services.aggregator.runners import RunnerView
+from services.aggregator.views import ClusterState
 from shared.timestamps import format_ts, parse_ts
 from shared.wire import (
     Breadcrumb,

@@ -21,12 +21,12 @@ from nats.js.kv import KeyValue
 from services.aggregator.views import ClusterState
 from shared.connection import Reachability
 from shared.deadletter import DeadLetters
+from shared.heartbeat import heard
 from shared.jetstream import Layout
 from shared.partitions import Partition
 from shared.storage import Storage
-from shared.subjects import kv_key, untoken
 from shared.timestamps import to_epoch
-from shared.wire import NodeDiagnostics, NodeInfo, UnreachableNode, WireError, decode
+from shared.wire import NodeDiagnostics, UnreachableNode, WireError, decode
 
 __all__ = ["NO_AGENT", "Liveness"]
 
@@ -115,18 +115,13 @@ class Liveness:
 
     async def on_node(self, entry: KeyValue.Entry) -> None:
         """Take in a node's heartbeat (or its entry's expiry)."""
-        node_id = untoken(entry.key)
-        if entry.operation is not None:
-            self._state.set_node(node_id, None)
+        if (node := heard(entry, self._layout.nodes_bucket.bucket, self._dead_letters)) is None:
+            return
+        node_id, info = node
+        self._state.set_node(node_id, info)
+        if info is None:
             self.clock_offsets.pop(node_id, None)
             return
-        try:
-            info = decode(entry.value or b"", NodeInfo)
-        except WireError as exc:
-            subject = kv_key(self._layout.nodes_bucket.bucket, entry.key)
-            self._dead_letters.reject(subject, entry.value, "node_undecodable", exc)
-            return
-        self._state.set_node(node_id, info)
         self.heartbeats[node_id] = self._newest_read = self._clock()
         if entry.created is not None:  # when NATS stored it, ns
             self._beats_stored[node_id] = entry.created

@@ -15,6 +15,7 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
+from services.aggregator import answers
 from services.aggregator.views import ClusterState
 from shared.partitions import Partition
 from shared.subjects import AGGREGATOR_SERVICE, Subjects
@@ -74,8 +75,8 @@ class Queries:
         self._findings = findings
         self._health = health
         self._clock = clock
-        self._answers: dict[bytes, tuple[int, float, bytes]] = {}
-        self._answer_bytes = 0
+        self._cache: dict[bytes, tuple[int, float, bytes]] = {}
+        self._cache_bytes = 0
         self._heavy_lane = asyncio.Semaphore(1)
         self.heavy: set[asyncio.Task[None]] = set()
 
@@ -132,7 +133,9 @@ class Queries:
     async def _timeline_in_slices(self, query: TimelineQuery) -> bytes:
         """The timeline's JSON, its entries encoded a slice at a time between turns of the
         other queries and of ingest (the plan holds what it needs of evicted entries)."""
-        plan = self._state.timeline_plan(query, local_node_id=query.localNodeId or self._node_id)
+        plan = answers.timeline_plan(
+            self._state, query, local_node_id=query.localNodeId or self._node_id
+        )
         before, after = encode(plan.head).split(b'"timeline":[]', 1)
         pieces = [before, b'"timeline":[']
         for start in range(0, plan.size, SLICE_ENTRIES):
@@ -161,7 +164,9 @@ class Queries:
             if view == "placement":
                 asked = decode(data, PlacementQuery)
                 wanted = asked.runnerId
-                found = self._state.placement(local_node_id=asked.localNodeId or self._node_id)
+                found = answers.placement(
+                    self._state, local_node_id=asked.localNodeId or self._node_id
+                )
                 if wanted is None:
                     return encode(found)
                 for item in found:
@@ -171,9 +176,9 @@ class Queries:
             if view == "diagnosis":
                 return encode(Diagnosis(generatedAt=now(), findings=self._findings()))
             if view == "instances":
-                return encode(self._state.instance_states())
+                return encode(answers.instance_states(self._state))
             if view == "history":
-                return encode(self._state.history())
+                return encode(answers.history(self._state))
         except WireError as exc:
             raise _failed(422, f"bad {view} query: {exc}") from None
         raise _failed(
@@ -188,12 +193,12 @@ class Queries:
         if answer is None:
             query = decode(data, TimelineQuery)
             local = query.localNodeId or self._node_id
-            answer = encode(self._state.timeline(query, local_node_id=local))
+            answer = encode(answers.timeline(self._state, query, local_node_id=local))
             self._remember(data, self._state.version, answer)
         return answer
 
     def _cached(self, query: bytes) -> bytes | None:
-        cached = self._answers.get(query)
+        cached = self._cache.get(query)
         if (
             cached
             and cached[0] == self._state.version
@@ -206,12 +211,12 @@ class Queries:
         """Keep `answer` for reuse within `ANSWER_CACHE_BYTES`, dropping the oldest."""
         if len(answer) > ANSWER_CACHE_BYTES // 2:
             return
-        if (old := self._answers.pop(query, None)) is not None:
-            self._answer_bytes -= len(old[2])
-        while self._answers and self._answer_bytes + len(answer) > ANSWER_CACHE_BYTES:
-            self._answer_bytes -= len(self._answers.pop(next(iter(self._answers)))[2])
-        self._answers[query] = (version, self._clock(), answer)
-        self._answer_bytes += len(answer)
+        if (old := self._cache.pop(query, None)) is not None:
+            self._cache_bytes -= len(old[2])
+        while self._cache and self._cache_bytes + len(answer) > ANSWER_CACHE_BYTES:
+            self._cache_bytes -= len(self._cache.pop(next(iter(self._cache)))[2])
+        self._cache[query] = (version, self._clock(), answer)
+        self._cache_bytes += len(answer)
 
 
 def _failed(status: int, error: str) -> ServiceError:

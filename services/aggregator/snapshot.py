@@ -29,8 +29,9 @@ from typing import NoReturn
 
 import msgspec
 
+from services.aggregator.runners import Runners, RunnerView, TaskView
 from services.aggregator.store import EntryStore, SeqTracker, StoreImage
-from services.aggregator.views import ClusterState, Runners, RunnerView, TaskView
+from services.aggregator.views import ClusterState
 from shared.synopsis import Synopsis
 from shared.wire import (
     FlightEntry,

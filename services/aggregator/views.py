@@ -9,53 +9,35 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
-import msgspec
-
-from services.aggregator.store import EntryStore, Selection, SeqTracker
+from services.aggregator.runners import Runners, RunnerView, TaskView
+from services.aggregator.store import EntryStore
 from shared.inputs import BadInputError
-from shared.synopsis import Synopsis, advance
-from shared.timestamps import from_micros, micros, now, to_epoch
+from shared.synopsis import advance
+from shared.timestamps import from_micros, micros
 from shared.wire import (
     Breadcrumb,
-    ClusterTimeline,
     FlightEntry,
     InstanceCreated,
     InstanceReleased,
-    InstanceState,
     MemorySampled,
     NodeInfo,
-    Phase,
     PhaseEntries,
     PlacementEvent,
-    PlacementRunnerDiagnostics,
-    PlacementTaskDiagnostics,
-    RankState,
-    RunnerAssignment,
-    RunnerHistory,
     RunnerRef,
-    RunnerStatusChanged,
     RunnerStatusKind,
-    RunnerSynopsis,
     RunnerTelemetry,
     TaskCreated,
     TaskEvent,
     TaskKind,
-    TaskStatus,
-    TimelineEntry,
-    TimelineQuery,
     UnreachableNode,
     encode,
 )
 
-__all__ = ["ClusterState", "RunnerView", "Runners", "TaskView", "TimelinePlan"]
+__all__ = ["ClusterState"]
 
 TASKS_PER_INSTANCE = 128
-UNLISTED = 2
-"""Probes in a row a runner's node answers without it before it counts as not alive (one
-is not enough: an agent lists a runner only once it has started it)."""
 SEQ_SLACK = 200_000
 """Seqs a runner's next message may skip at once: entries its agent dropped when its
 buffer (100,000 entries) overflowed, twice over."""
@@ -63,139 +45,12 @@ SEQ_RATE = 10_000
 """Seqs a second a runner may skip beyond `SEQ_SLACK` while it was not heard from (far
 more than an entry per token of any model); a larger jump is refused, since it would make
 every later message of that runner look old."""
-_READY = frozenset({RunnerStatusKind.READY, RunnerStatusKind.RUNNING})
 _GAVE_UP = frozenset({Breadcrumb.COLLECTIVE_TIMEOUT, Breadcrumb.PEER_LOST})
-
-
-@dataclass(slots=True)
-class RunnerView:
-    """Everything known about one runner."""
-
-    ref: RunnerRef
-    seqs: SeqTracker = field(default_factory=SeqTracker)
-    status: RunnerStatusChanged | None = None
-    synopsis: Synopsis = field(default_factory=Synopsis)
-    """Where its entries say it is (phase, task, step, memory)."""
-    memory_seq: int = -1
-    """The seq of the memory sample its synopsis shows (samples may overtake each other)."""
-    progressed: float | None = None
-    heard: float | None = None
-    acknowledged: int | None = None
-    """The newest seq its agent had acknowledged by JetStream, as of the last probe."""
-    waiting_in: str | None = None
-    """The collective its last entry says it is waiting in (its site)."""
-    gave_up: FlightEntry | None = None
-    """The last time it gave up on a peer since it was last ready (its collective timed
-    out, or the ring lost the peer): a victim's breadcrumb, kept across its restarts."""
-    failure: RunnerStatusChanged | None = None
-    """Its last failure since it was last ready (how its process ended)."""
-    unlisted: int = 0
-    """Probes in a row its node answered without listing it: no agent supervises it."""
-    stored_ns: int | None = None
-    """When NATS stored its last message (ns since the epoch), if known."""
-    placed_ns: int | None = None
-    """When NATS stored the placement that created it (ns since the epoch), if known:
-    nothing of it can have been stored before."""
-
-    @property
-    def alive(self) -> bool:
-        """Whether the supervisor last reported the process alive (unknown counts as yes),
-        and its node's agent still lists it (one restarted without it did not keep it)."""
-        return (self.status is None or self.status.processAlive) and self.unlisted < UNLISTED
-
-    @property
-    def ready(self) -> bool:
-        """Whether the runner last reported itself ready or serving."""
-        return self.status is not None and self.alive and self.status.statusKind in _READY
-
-
-class Runners(dict[str, RunnerView]):
-    """Every runner by id, also found by its instance and by its node (a query for one
-    instance looks at its ranks, not at every runner). Runners join by `add` only; a
-    runner's ref never changes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._of_instance: dict[str, list[RunnerView]] = {}
-        self._on_node: dict[str, list[RunnerView]] = {}
-
-    def add(self, view: RunnerView) -> RunnerView:
-        """Hold `view`, whose runner id is new here."""
-        self[view.ref.runnerId] = view
-        self._of_instance.setdefault(view.ref.instanceId, []).append(view)
-        self._on_node.setdefault(view.ref.nodeId, []).append(view)
-        return view
-
-    def of_instance(self, instance_id: str) -> Collection[RunnerView]:
-        """The runners of one instance."""
-        return self._of_instance.get(instance_id, ())
-
-    def on_node(self, node_id: str) -> Collection[RunnerView]:
-        """The runners on one node."""
-        return self._on_node.get(node_id, ())
-
-
-class TimelinePlan:
-    """A timeline answer in the making: its head (every field but the entries) and the
-    entries it will hold, built by slices in order."""
-
-    def __init__(
-        self, head: ClusterTimeline, selection: Selection, refs: dict[str, RunnerRef]
-    ) -> None:
-        self.head = head
-        self.selection = selection
-        self._refs = refs
-
-    @property
-    def size(self) -> int:
-        """Entries the answer will hold."""
-        return len(self.selection.rows)
-
-    def entries(self, start: int, stop: int) -> list[TimelineEntry]:
-        """Entries `[start, stop)` of the answer, oldest first."""
-        rows = self.selection.rows[start:stop]
-        return [
-            _entry(self._refs[row[3]], stored)
-            for row, stored in zip(rows, self.selection.read(start, stop), strict=True)
-        ]
 
 
 def _site(entry: FlightEntry) -> str:
     site = entry.attrs.get("site")
     return site if isinstance(site, str) else entry.phase.value
-
-
-def _unseen(view: RunnerView) -> int:
-    """Acknowledged seqs newer than the newest received."""
-    if view.acknowledged is None:
-        return 0
-    last = view.seqs.last
-    return max(view.acknowledged - (-1 if last is None else last), 0)
-
-
-def _entry(ref: RunnerRef, stored: FlightEntry) -> TimelineEntry:
-    return TimelineEntry(
-        at=stored.at,
-        nodeId=ref.nodeId,
-        runnerId=ref.runnerId,
-        deviceRank=ref.deviceRank,
-        worldSize=ref.worldSize,
-        phase=stored.phase,
-        event=stored.event,
-        detail=stored.detail,
-        attrs=stored.attrs,
-        taskId=stored.taskId,
-        commandId=stored.commandId,
-        mlxMemory=stored.mlxMemory,
-    )
-
-
-@dataclass(slots=True)
-class TaskView:
-    """A task of an instance and each rank's status of it."""
-
-    created: TaskCreated
-    statuses: dict[str, TaskStatus] = field(default_factory=dict)
 
 
 class ClusterState:
@@ -204,11 +59,20 @@ class ClusterState:
     Args:
         store: where entries are kept.
         clock: monotonic seconds, for progress (the runners' clocks are not trusted here).
+        wall: seconds since the epoch (`time.time`, or a virtual clock in tests).
     """
 
-    def __init__(self, *, store: EntryStore, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        store: EntryStore,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.store = store
         self._clock = clock
+        self.wall = wall
+        """Seconds since the epoch: when a message counts as received, a view as made."""
         self.runners = Runners()
         self.instances: dict[str, InstanceCreated] = {}
         self.tasks: dict[str, OrderedDict[str, TaskView]] = {}
@@ -255,7 +119,7 @@ class ClusterState:
             view.stored_ns = stored_ns
         if isinstance(event, PhaseEntries):
             fresh = view.seqs.fresh(event.entries)
-            received = now()
+            received = from_micros(int(self.wall() * 1e6))
             self.store.add(view.ref.runnerId, raw or encode(event), fresh, micros(received))
             newer = [e for _, e in fresh if e.seq > view.synopsis.seq]
             self._progress(view, newer, received)
@@ -458,176 +322,3 @@ class ClusterState:
     def placed_nodes(self) -> set[str]:
         """Nodes that hold a rank of a live instance."""
         return {a.nodeId for i in self.instances.values() for a in i.assignments}
-
-    # Views
-
-    def _selected(self, query: TimelineQuery) -> list[RunnerView]:
-        if query.instanceId is not None:
-            candidates = self.runners.of_instance(query.instanceId)
-        elif query.nodeId is not None:
-            candidates = self.runners.on_node(query.nodeId)
-        else:
-            candidates = self.runners.values()
-        return [
-            view
-            for view in candidates
-            if (query.instanceId is None or view.ref.instanceId == query.instanceId)
-            and (query.nodeId is None or view.ref.nodeId == query.nodeId)
-            and (query.modelId is None or view.ref.modelId == query.modelId)
-        ]
-
-    def _synopsis(self, view: RunnerView, moment: float) -> RunnerSynopsis:
-        status = view.status
-        return RunnerSynopsis(
-            nodeId=view.ref.nodeId,
-            runnerId=view.ref.runnerId,
-            instanceId=view.ref.instanceId,
-            modelId=view.ref.modelId,
-            deviceRank=view.ref.deviceRank,
-            worldSize=view.ref.worldSize,
-            pid=status.pid if status else None,
-            processAlive=view.alive if status else False,
-            statusKind=status.statusKind.value if status else RunnerStatusKind.IDLE.value,
-            phase=view.synopsis.phase or Phase.CREATED,
-            phaseDetail=view.synopsis.detail,
-            secondsInPhase=round(max(moment - to_epoch(view.synopsis.phase_since), 0.0), 3)
-            if view.synopsis.phase_since
-            else 0.0,
-            lastProgressAt=view.synopsis.last_at,
-            activeTaskId=view.synopsis.task_id,
-            activeCommandId=view.synopsis.command_id,
-            lastMlxMemory=view.synopsis.memory,
-        )
-
-    def timeline_plan(self, query: TimelineQuery, *, local_node_id: str) -> TimelinePlan:
-        """What the seed-001 `ClusterTimeline` under `query`'s filters holds: its head now,
-        its entries chosen but built on demand (a big answer is built a slice at a time)."""
-        views = self._selected(query)
-        moment = time.time()
-        runners = sorted(
-            (self._synopsis(v, moment) for v in views),
-            key=lambda r: (r.modelId, r.deviceRank, r.runnerId),
-        )
-        by_id = {v.ref.runnerId: v.ref for v in views}
-        selection = self.store.select(
-            {runner_id: (ref.nodeId, ref.deviceRank) for runner_id, ref in by_id.items()},
-            limit=query.limit,
-            since=micros(query.since) if query.since else None,
-            until=micros(query.until) if query.until else None,
-        )
-        nodes = {v.ref.nodeId for v in views}
-        unreachable = [
-            u
-            for node, u in sorted(self.unreachable.items())
-            if (query.nodeId is None and query.instanceId is None) or node in nodes
-        ]
-        head = ClusterTimeline(
-            generatedAt=now(),
-            localNodeId=local_node_id,
-            runners=runners,
-            timeline=[],
-            unreachableNodes=unreachable,
-        )
-        return TimelinePlan(head, selection, by_id)
-
-    def timeline(self, query: TimelineQuery, *, local_node_id: str) -> ClusterTimeline:
-        """The seed-001 `ClusterTimeline` under `query`'s filters."""
-        plan = self.timeline_plan(query, local_node_id=local_node_id)
-        return msgspec.structs.replace(plan.head, timeline=plan.entries(0, plan.size))
-
-    def history(self) -> list[RunnerHistory]:
-        """How much of each runner's history is held, by instance and rank."""
-        found = []
-        for view in sorted(
-            self.runners.values(), key=lambda v: (v.ref.instanceId, v.ref.deviceRank)
-        ):
-            oldest, evicted = self.store.retention(view.ref.runnerId)
-            found.append(
-                RunnerHistory(
-                    runnerId=view.ref.runnerId,
-                    nodeId=view.ref.nodeId,
-                    instanceId=view.ref.instanceId,
-                    deviceRank=view.ref.deviceRank,
-                    firstSeq=view.seqs.first,
-                    lastSeq=view.seqs.last,
-                    missingSeqs=view.seqs.missing,
-                    heldEntries=self.store.count(view.ref.runnerId),
-                    evictedEntries=evicted,
-                    oldestAt=None if oldest is None else from_micros(oldest),
-                    acknowledgedSeq=view.acknowledged,
-                    unseenSeqs=_unseen(view),
-                )
-            )
-        return found
-
-    def placement(self, *, local_node_id: str) -> list[PlacementRunnerDiagnostics]:
-        """Seed-000 placement of every rank of every live instance, by instance and rank."""
-        found = []
-        for instance in sorted(self.instances.values(), key=lambda i: i.instanceId):
-            tasks = self.tasks.get(instance.instanceId, OrderedDict())
-            for rank in instance.assignments:
-                view = self.runners.get(rank.runnerId)
-                node = self.nodes.get(rank.nodeId)
-                found.append(
-                    PlacementRunnerDiagnostics(
-                        runnerId=rank.runnerId,
-                        nodeId=rank.nodeId,
-                        friendlyName=node.friendlyName if node else None,
-                        statusKind=view.status.statusKind.value if view and view.status else None,
-                        deviceRank=rank.deviceRank,
-                        worldSize=rank.worldSize,
-                        startLayer=rank.startLayer,
-                        endLayer=rank.endLayer,
-                        nLayers=rank.nLayers,
-                        isLocal=rank.nodeId == local_node_id,
-                        isMaster=False,
-                        tasks=list(self._tasks_of(instance, rank.runnerId, tasks.values())),
-                    )
-                )
-        return found
-
-    @staticmethod
-    def _tasks_of(
-        instance: InstanceCreated, runner_id: str, tasks: Iterable[TaskView]
-    ) -> Iterable[PlacementTaskDiagnostics]:
-        """Tasks that concern one runner: submitted to its instance since it was placed."""
-        for task in tasks:
-            if task.created.at < instance.at:
-                continue
-            yield PlacementTaskDiagnostics(
-                taskId=task.created.taskId,
-                taskKind=task.created.taskKind.value,
-                taskStatus=task.statuses.get(runner_id, TaskStatus.PENDING).value,
-                instanceId=instance.instanceId,
-                commandId=task.created.commandId,
-                runnerId=runner_id,
-                modelId=instance.modelId,
-            )
-
-    def instance_states(self) -> list[InstanceState]:
-        """Ready and lost ranks of every live instance."""
-        return [
-            InstanceState(
-                instanceId=i.instanceId,
-                runnerSpecId=i.runnerSpecId,
-                modelId=i.modelId,
-                ranks=[self._rank_state(a) for a in i.assignments],
-            )
-            for i in sorted(self.instances.values(), key=lambda i: i.instanceId)
-        ]
-
-    def _rank_state(self, rank: RunnerAssignment) -> RankState:
-        view = self.runners.get(rank.runnerId)
-        status = view.status if view else None
-        lost = (view is not None and not view.alive) or (
-            self.cut_off(view) if view is not None else rank.nodeId in self.unreachable
-        )
-        return RankState(
-            runnerId=rank.runnerId,
-            nodeId=rank.nodeId,
-            deviceRank=rank.deviceRank,
-            statusKind=status.statusKind.value if status else None,
-            ready=bool(view and view.ready) and not lost,
-            lost=lost,
-            gaveUp=view is not None and view.gave_up is not None,
-        )

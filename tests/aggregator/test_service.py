@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from services.aggregator import answers
 from services.aggregator import findings as findings_module
 from services.aggregator import liveness as liveness_module
 from services.aggregator.diagnosis import Thresholds
@@ -158,9 +159,9 @@ async def test_changed_instances_are_judged_at_once_and_every_instance_as_time_p
 
 
 def _views(service: AggregatorService) -> tuple[object, ...]:
-    timeline = service.state.timeline(TimelineQuery(limit=100_000), local_node_id="agg")
+    timeline = answers.timeline(service.state, TimelineQuery(limit=100_000), local_node_id="agg")
     runners = [replace_seconds(r) for r in timeline.runners]
-    return timeline.timeline, runners, service.state.placement(local_node_id="agg")
+    return timeline.timeline, runners, answers.placement(service.state, local_node_id="agg")
 
 
 def replace_seconds(synopsis: RunnerSynopsis) -> RunnerSynopsis:
@@ -759,7 +760,9 @@ async def test_a_big_timeline_is_the_same_answer_and_small_queries_overtake_it(
         assert arrived == ["diagnosis", "timeline"]  # not queued behind the big build
         decode(small.data, Diagnosis)
         built = decode(big.data, ClusterTimeline)
-        whole = running.service.state.timeline(TimelineQuery(limit=60_000), local_node_id="agg")
+        whole = answers.timeline(
+            running.service.state, TimelineQuery(limit=60_000), local_node_id="agg"
+        )
         assert [e.attrs["step"] for e in built.timeline] == list(range(60_000))
         assert built.timeline == whole.timeline
         assert [r.runnerId for r in built.runners] == [r.runnerId for r in whole.runners]
@@ -868,7 +871,7 @@ async def test_a_partition_is_delivered_its_own_instances_alone(
         telemetry = folded[js_ready.runner_stream.name]
         assert telemetry.handled == 3  # its own, late's first gone over again: no other
         assert {v.ref.instanceId for v in service.state.runners.values()} == set(mine)
-        held = service.state.timeline(TimelineQuery(instanceId=late), local_node_id="x")
+        held = answers.timeline(service.state, TimelineQuery(instanceId=late), local_node_id="x")
         assert [e.at for e in held.timeline] == [at(2)]  # none stored before it was placed
         assert service.dead_letters.counts == {"telemetry_before_placement": 1}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
+from services.aggregator import answers
 from services.aggregator.service import AggregatorService
 from services.aggregator.snapshot import SnapshotFile
 from services.aggregator.store import EntryStore
@@ -62,18 +63,18 @@ async def _history(nc: Client, layout: Layout, first: int, count: int) -> None:
 
 def _views(service: AggregatorService) -> tuple[object, ...]:
     state = service.state
-    timeline = state.timeline(TimelineQuery(limit=100_000), local_node_id="agg")
+    timeline = answers.timeline(state, TimelineQuery(limit=100_000), local_node_id="agg")
     filtered = [
-        state.timeline(query, local_node_id="agg")
+        answers.timeline(state, query, local_node_id="agg")
         for query in (TimelineQuery(instanceId="i"), TimelineQuery(nodeId="node-1"))
     ]
     return (
         timeline.timeline,
         [(f.timeline, [r.runnerId for r in f.runners]) for f in filtered],
         [(r.runnerId, r.phase, r.lastProgressAt, r.activeTaskId) for r in timeline.runners],
-        state.history(),
-        state.placement(local_node_id="agg"),
-        state.instance_states(),
+        answers.history(state),
+        answers.placement(state, local_node_id="agg"),
+        answers.instance_states(state),
         state.duplicates,
     )
 
@@ -143,7 +144,7 @@ async def test_a_snapshot_of_streams_since_made_again_is_ignored(
     await _history(nc, js_ready, 200, 2)
     async with aggregator(nc, js_ready, EntryStore(), snapshots=snapshots) as running:
         await until(lambda: running.service.state.store.size == 2 * 2)
-        history = running.service.state.history()
+        history = answers.history(running.service.state)
     assert [(h.firstSeq, h.lastSeq) for h in history] == [(200, 201), (200, 201)]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.aggregator import answers
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
 from shared.wire import (
@@ -38,7 +39,7 @@ def test_timeline_merges_ranks_by_time_with_ties_by_node_then_rank() -> None:
     state = _state()
     state.apply_telemetry(entries(rank(1), (0, 2, Phase.CREATED, None), (1, 3, Phase.IDLE, None)))
     state.apply_telemetry(entries(rank(0), (0, 1, Phase.CREATED, None), (1, 3, Phase.IDLE, None)))
-    timeline = state.timeline(TimelineQuery(), local_node_id="agg")
+    timeline = answers.timeline(state, TimelineQuery(), local_node_id="agg")
     assert [(e.at, e.deviceRank) for e in timeline.timeline] == [
         (at(1), 0),
         (at(2), 1),
@@ -64,12 +65,12 @@ def test_limit_keeps_the_newest_in_ascending_order_and_filters_apply() -> None:
     state.apply_telemetry(
         entries(rank(1), *[(i, i + 0.5, Phase.DECODE_STREAM, i) for i in range(10)])
     )
-    newest = state.timeline(TimelineQuery(limit=3), local_node_id="a").timeline
+    newest = answers.timeline(state, TimelineQuery(limit=3), local_node_id="a").timeline
     assert [e.at for e in newest] == [at(8.5), at(9), at(9.5)]
-    only = state.timeline(TimelineQuery(nodeId="node-1", since=at(8)), local_node_id="a")
+    only = answers.timeline(state, TimelineQuery(nodeId="node-1", since=at(8)), local_node_id="a")
     assert [e.at for e in only.timeline] == [at(8.5), at(9.5)]
     assert [r.runnerId for r in only.runners] == ["i-r1"]
-    assert state.timeline(TimelineQuery(modelId="other"), local_node_id="a").runners == []
+    assert answers.timeline(state, TimelineQuery(modelId="other"), local_node_id="a").runners == []
 
 
 def test_filters_by_instance_and_node_find_exactly_their_runners() -> None:
@@ -79,7 +80,7 @@ def test_filters_by_instance_and_node_find_exactly_their_runners() -> None:
         state.apply_telemetry(entries(ref, (0, 1, Phase.IDLE, None)))
 
     def found(**filters: str) -> list[str]:
-        timeline = state.timeline(TimelineQuery(**filters), local_node_id="a")  # type: ignore[arg-type]
+        timeline = answers.timeline(state, TimelineQuery(**filters), local_node_id="a")  # type: ignore[arg-type]
         assert {e.runnerId for e in timeline.timeline} == {r.runnerId for r in timeline.runners}
         return [r.runnerId for r in timeline.runners]
 
@@ -98,7 +99,7 @@ def test_synopsis_tracks_phase_status_and_task() -> None:
     state.apply_telemetry(
         entries(rank(0), (1, 1, Phase.PREFILL_PIPELINE, 3), (2, 2, Phase.PREFILL_PIPELINE, 4))
     )
-    (synopsis,) = state.timeline(TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    (synopsis,) = answers.timeline(state, TimelineQuery(nodeId="node-0"), local_node_id="a").runners
     assert synopsis.phase is Phase.PREFILL_PIPELINE
     assert synopsis.lastProgressAt == at(2)
     assert synopsis.activeTaskId == "t1"
@@ -114,12 +115,12 @@ def test_a_status_or_sample_that_overtook_older_entries_does_not_hide_them() -> 
     state.apply_telemetry(
         entries(rank(0), (5, 5, Phase.DECODE_STREAM, 4), (6, 6, Phase.IDLE, None))
     )
-    (synopsis,) = state.timeline(TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    (synopsis,) = answers.timeline(state, TimelineQuery(nodeId="node-0"), local_node_id="a").runners
     assert synopsis.phase is Phase.IDLE  # not left in prefill for good
     assert synopsis.lastProgressAt == at(6)
     assert synopsis.activeTaskId is None
     state.apply_telemetry(entries(rank(0), (2, 2, Phase.PREFILL_PIPELINE, 3)))  # late
-    (late,) = state.timeline(TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    (late,) = answers.timeline(state, TimelineQuery(nodeId="node-0"), local_node_id="a").runners
     assert late.phase is Phase.IDLE
 
 
@@ -142,7 +143,7 @@ def test_placement_lists_each_rank_with_only_its_own_task_status() -> None:
         )
     )
     state.apply_telemetry(status(rank(1), 0, RunnerStatusKind.READY))
-    found = state.placement(local_node_id="node-0")
+    found = answers.placement(state, local_node_id="node-0")
     assert [(p.runnerId, p.startLayer, p.endLayer, p.isLocal) for p in found] == [
         ("i-r0", 0, 4, True),
         ("i-r1", 4, 8, False),
@@ -160,15 +161,15 @@ def test_released_instances_leave_placement_but_keep_their_history() -> None:
     state.apply_placement(
         InstanceReleased(at=at(9), instanceId="i", cause=ReleaseCause.SPEC_DELETED, reason="gone")
     )
-    assert state.placement(local_node_id="a") == []
-    assert len(state.timeline(TimelineQuery(), local_node_id="a").timeline) == 1
+    assert answers.placement(state, local_node_id="a") == []
+    assert len(answers.timeline(state, TimelineQuery(), local_node_id="a").timeline) == 1
 
 
 def test_instance_state_says_ready_and_lost() -> None:
     state = _state()
     state.apply_telemetry(status(rank(0), 0, RunnerStatusKind.READY))
     state.apply_telemetry(status(rank(1), 0, RunnerStatusKind.FAILED, alive=False))
-    (instance,) = state.instance_states()
+    (instance,) = answers.instance_states(state)
     assert [(r.ready, r.lost) for r in instance.ranks] == [(True, False), (False, True)]
 
 
@@ -178,9 +179,9 @@ def test_a_runner_its_agent_no_longer_lists_is_not_alive() -> None:
     runners = [state.runners["i-r0"]]
 
     def alive() -> tuple[bool, bool]:
-        found = state.timeline(TimelineQuery(), local_node_id="a").runners
+        found = answers.timeline(state, TimelineQuery(), local_node_id="a").runners
         (synopsis,) = [r for r in found if r.runnerId == "i-r0"]
-        (instance,) = state.instance_states()
+        (instance,) = answers.instance_states(state)
         return synopsis.processAlive, instance.ranks[0].lost
 
     state.note_listed(set(), runners)  # once: it may not be started yet
@@ -240,6 +241,6 @@ def test_a_rank_heard_after_its_node_was_found_unreachable_is_not_lost() -> None
     state.apply_telemetry(ready, stored_ns=1_000)
     silent = {"node-1": UnreachableNode(nodeId="node-1", error="no agent answers")}
     state.set_unreachable(silent, asked_ns=2_000)  # asked as its agent restarted
-    assert [r.lost for r in state.instance_states()[0].ranks] == [False, True]
+    assert [r.lost for r in answers.instance_states(state)[0].ranks] == [False, True]
     state.apply_telemetry(status(rank(1), 2, RunnerStatusKind.READY), stored_ns=3_000)
-    assert [r.lost for r in state.instance_states()[0].ranks] == [False, False]
+    assert [r.lost for r in answers.instance_states(state)[0].ranks] == [False, False]

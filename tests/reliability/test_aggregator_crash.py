@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from nats.errors import Error as NatsError
 
+from services.aggregator import answers
 from services.aggregator.service import AggregatorService
 from services.aggregator.store import EntryStore
 from services.aggregator.views import ClusterState
@@ -121,7 +122,9 @@ async def test_an_aggregator_stopped_mid_stream_serves_identical_views(
             await asyncio.sleep(0.1)
         assert served is not None, "the restarted aggregator never served every entry"
         assert served.localNodeId == served_by
-        mine = reference.state.timeline(TimelineQuery(limit=100_000), local_node_id="reference")
+        mine = answers.timeline(
+            reference.state, TimelineQuery(limit=100_000), local_node_id="reference"
+        )
         assert served.timeline == mine.timeline  # entry for entry
         assert [r.runnerId for r in served.runners] == [r.runnerId for r in mine.runners]
         restarted.terminate()
