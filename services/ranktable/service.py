@@ -9,7 +9,6 @@ the world dirty, so bursts of changes coalesce into one pass.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,12 +18,13 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from services.ranktable.catalog import SHAPE_RETRY_S, Catalog
 from services.ranktable.hub import TableHub
 from services.ranktable.models import ModelShapes
-from services.ranktable.placement import MAX_RUNNERS_PER_NODE, NodeView, Plan, plan
+from services.ranktable.nodes import LiveNodes
+from services.ranktable.placement import MAX_RUNNERS_PER_NODE, Plan, plan
 from services.ranktable.state import (
     PlacementState,
     Readiness,
@@ -37,19 +37,17 @@ from shared.deadletter import DeadLetters
 from shared.headers import VERSION_HEADER
 from shared.inputs import BadInputError, parse_telemetry
 from shared.jetstream import Layout, publish_acked
-from shared.model_shape import ModelShape, Unsupported
+from shared.model_shape import ModelShape
 from shared.replay import Follower, follow, follow_bucket
-from shared.specs import MAX_REPLICAS, PlacementSpec, SpecError, validate
-from shared.subjects import kv_key, token, untoken
+from shared.specs import MAX_REPLICAS
+from shared.subjects import token
 from shared.timestamps import now, to_epoch
 from shared.wire import (
     InstanceCreated,
     InstanceReleased,
-    NodeInfo,
     PlacementEvent,
     RankTable,
     RankTableStream,
-    Runner,
     RunnerMetrics,
     RunnerSpecStatus,
     RunnerStatusChanged,
@@ -61,13 +59,6 @@ from shared.wire import (
 __all__ = ["RankTableService"]
 
 log = logging.getLogger(__name__)
-
-SHAPE_RETRY_S = 5.0
-"""Seconds between asking the nodes again for a model's shape none could tell."""
-
-
-async def _no_shapes() -> str:
-    return "this rank-table service asks no node"
 
 
 class RankTableService:
@@ -103,31 +94,30 @@ class RankTableService:
     ) -> None:
         self._js = js
         self._shapes = shapes
-        self._pending: dict[str, PlacementSpec] = {}
-        """Specs whose model's shape no node has told yet (an older revision runs on)."""
-        self._unshaped: dict[str, str] = {}
-        self._asked: dict[str, float] = {}
-        self._connected = connected
         self._layout = layout
         self._hub = hub
         self._port_base = port_base
-        self._max_replicas = max_replicas
         self._max_runners_per_node = max_runners_per_node
         self._clock = clock
-        self._specs: dict[str, PlacementSpec] = {}
-        self._refused: dict[str, tuple[int, str]] = {}
-        self._nodes: dict[str, NodeView] = {}
-        self._deadlines: dict[str, float] = {}
+        self._dirty = asyncio.Event()
+        self.dead_letters = DeadLetters(
+            js=js, subject=layout.subjects.deadletter("ranktable"), service="ranktable"
+        )
+        self._catalog = Catalog(max_replicas=max_replicas, shapes=shapes, clock=clock)
+        self._nodes = LiveNodes(
+            bucket=layout.nodes_bucket.bucket,
+            ttl=layout.node_ttl_s,
+            dead_letters=self.dead_letters,
+            changed=self._dirty.set,
+            connected=connected,
+            clock=clock,
+        )
         self._state = PlacementState()
         self._readiness = Readiness()
         self._tables: dict[str, tuple[int, RankTable]] = {}
         self._statuses: dict[str, RunnerSpecStatus] = {}
         self._status_kv: KeyValue | None = None
-        self._dirty = asyncio.Event()
         self.ready = asyncio.Event()
-        self.dead_letters = DeadLetters(
-            js=js, subject=layout.subjects.deadletter("ranktable"), service="ranktable"
-        )
 
     @property
     def placements(self) -> dict[str, InstanceCreated]:
@@ -150,14 +140,14 @@ class RankTableService:
         followers = (
             status,
             await follow_bucket(
-                self._js, self._layout.runners_bucket.bucket, self._on(self._on_spec)
+                self._js, self._layout.runners_bucket.bucket, self._on(self._catalog.on_spec)
             ),
             await follow_bucket(
-                self._js, self._layout.nodes_bucket.bucket, self._on(self._on_node)
+                self._js, self._layout.nodes_bucket.bucket, self._on(self._nodes.on_node)
             ),
         )
         async with asyncio.TaskGroup() as tasks:
-            expiry = tasks.create_task(self._expire_nodes(nodes_kv, stop))
+            expiry = tasks.create_task(self._nodes.expire_forever(nodes_kv, stop))
             for follower in followers:
                 await follower.caught_up.wait()
             reconciler = tasks.create_task(self._reconcile_forever(stop))
@@ -232,161 +222,11 @@ class RankTableService:
 
         return handle
 
-    def _on_spec(self, entry: KeyValue.Entry) -> None:
-        spec_id = untoken(entry.key)
-        self._refused.pop(spec_id, None)
-        self._pending.pop(spec_id, None)
-        self._unshaped.pop(spec_id, None)
-        self._asked.pop(spec_id, None)
-        if entry.operation is not None:  # deleted or purged
-            self._specs.pop(spec_id, None)
-            return
-        revision = entry.revision or 0
-        try:
-            runner = decode(entry.value or b"", Runner)
-            if runner.id and runner.id != spec_id:
-                raise SpecError(f"id {runner.id!r} does not match its key {spec_id!r}")
-            spec = validate(
-                msgspec.structs.replace(runner, id=spec_id), revision, self._max_replicas
-            )
-            known = self._shapes.known(spec.model_path or "") if self._shapes else None
-            if spec.model is None and known is not None:
-                spec = spec.shaped(known)
-        except (WireError, SpecError) as exc:
-            self._specs.pop(spec_id, None)
-            self._refused[spec_id] = (revision, f"rejected: {exc}")
-            log.warning("Runner spec rejected: %s", exc, extra={"runnerId": spec_id})
-            return
-        if spec.model is None:
-            self._pending[spec_id] = spec
-        else:
-            self._specs[spec_id] = spec
-
-    async def _shape_pending(self) -> None:
-        """Ask the live nodes for the shapes of the pending specs' models, each spec at
-        most every `SHAPE_RETRY_S`; a spec whose shape is told joins the placeable ones."""
-        moment = self._clock()
-        due = {
-            spec_id: spec
-            for spec_id, spec in self._pending.items()
-            if self._asked.get(spec_id, -SHAPE_RETRY_S) + SHAPE_RETRY_S <= moment
-        }
-        if not due:
-            return
-        nodes = sorted(self._nodes)
-        asked = [
-            self._shapes.ask(spec.model_path or "", nodes) if self._shapes else _no_shapes()
-            for spec in due.values()
-        ]
-        for (spec_id, spec), found in zip(due.items(), await asyncio.gather(*asked), strict=True):
-            self._asked[spec_id] = moment
-            if self._pending.get(spec_id) is not spec:
-                continue  # changed while the nodes were asked
-            if isinstance(found, Unsupported):
-                del self._pending[spec_id]
-                self._unshaped.pop(spec_id, None)
-                self._refused[spec_id] = (spec.revision, f"rejected: {found.reason}")
-                log.warning("Runner spec rejected: %s", found.reason, extra={"runnerId": spec_id})
-                continue
-            if isinstance(found, str):
-                self._unshaped[spec_id] = (
-                    f"waiting for its model's shape: no node could read metadata.modelPath "
-                    f"{spec.model_path!r} ({found})"
-                )
-                continue
-            del self._pending[spec_id]
-            self._unshaped.pop(spec_id, None)
-            try:
-                self._specs[spec_id] = spec.shaped(found)
-            except SpecError as exc:
-                self._specs.pop(spec_id, None)
-                self._refused[spec_id] = (spec.revision, f"rejected: {exc}")
-        if self._pending:
-            asyncio.get_running_loop().call_later(SHAPE_RETRY_S, self._dirty.set)
-
-    def _on_node(self, entry: KeyValue.Entry) -> None:
-        node_id = untoken(entry.key)
-        if entry.operation is not None:
-            self._forget_node(node_id, "left")
-            return
-        try:
-            info = decode(entry.value or b"", NodeInfo)
-        except WireError as exc:
-            subject = kv_key(self._layout.nodes_bucket.bucket, entry.key)
-            self.dead_letters.reject(subject, entry.value, "node_undecodable", exc)
-            return
-        self._nodes[node_id] = NodeView.of(info)
-        self._deadlines[node_id] = self._clock() + self._layout.node_ttl_s
-
-    def _forget_node(self, node_id: str, how: str) -> None:
-        if self._nodes.pop(node_id, None) is not None:
-            log.warning("node %s", how, extra={"nodeId": node_id})
-        self._deadlines.pop(node_id, None)
-
-    async def _still_there(self, kv: KeyValue, node_id: str, recheck: float) -> bool:
-        """Whether the server still holds the node's heartbeat. The bucket's TTL is the
-        authority: a watcher can lag (just after NATS came back, its consumer is rebuilt)."""
-        try:
-            entry = await kv.get(token(node_id))
-        except KeyNotFoundError:
-            return False
-        except (NatsError, TimeoutError):
-            return True  # cannot tell now; ask again at the next round
-        self._on_node(entry)
-        self._deadlines[node_id] = self._clock() + recheck
-        return True
-
-    def _bus_silent(self, overdue: list[str]) -> str | None:
-        """Why silence proves nothing about the nodes now, if it does not: NATS does not
-        answer, or every node (of two or more) went quiet at once, as when the server is
-        paused or the nodes' side of NATS is cut off."""
-        if not self._connected():
-            return "NATS unreachable"
-        if len(self._deadlines) > 1 and len(overdue) == len(self._deadlines):
-            return f"no heartbeat from any of {len(overdue)} nodes"
-        return None
-
-    async def _expire_nodes(self, kv: KeyValue, stop: asyncio.Event) -> None:
-        period, ttl, outage = self._layout.node_ttl_s / 4, self._layout.node_ttl_s, False
-        while not stop.is_set():
-            moment = self._clock()
-            overdue = [n for n, deadline in self._deadlines.items() if deadline <= moment]
-            silent = self._bus_silent(overdue)
-            if silent is not None:
-                if not outage:
-                    log.warning("%s: an outage, not lost nodes; nothing is re-placed", silent)
-                outage = True
-            elif outage:
-                outage = False
-                log.info("heartbeats are back: every node has %gs to be heard again", ttl)
-                self._deadlines = {node_id: moment + ttl for node_id in self._deadlines}
-            else:
-                for node_id in overdue:
-                    if not await self._still_there(kv, node_id, period):
-                        self._forget_node(node_id, "lost: no heartbeat within the TTL")
-                        self._dirty.set()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), period)
-
-    async def _nodes_back(self, stop: asyncio.Event) -> None:
-        """After a restart, give the nodes of live instances one TTL to be heard before
-        deciding anything: agents restarted along with this service have not sent their
-        first heartbeat yet, and their instances are theirs to keep."""
-        deadline = self._clock() + self._layout.node_ttl_s
-        while not stop.is_set() and self._clock() < deadline:
-            placed = {a.nodeId for i in self._state.instances.values() for a in i.assignments}
-            if placed <= set(self._nodes):
-                return
-            await asyncio.sleep(0.1)
-        missing = sorted(
-            {a.nodeId for i in self._state.instances.values() for a in i.assignments}
-            - set(self._nodes)
-        )
-        if missing:
-            log.warning("not heard within the TTL since start: %s", ", ".join(missing))
+    def _placed_nodes(self) -> set[str]:
+        return {a.nodeId for i in self._state.instances.values() for a in i.assignments}
 
     async def _reconcile_forever(self, stop: asyncio.Event) -> None:
-        await self._nodes_back(stop)
+        await self._nodes.back(self._placed_nodes, stop)
         while not stop.is_set():
             await self._dirty.wait()
             self._dirty.clear()
@@ -400,10 +240,11 @@ class RankTableService:
 
     async def reconcile(self) -> Plan:
         """Place, release, then publish every changed rank table and spec status."""
-        await self._shape_pending()
+        if await self._catalog.shape_waiting(sorted(self._nodes.views)):
+            asyncio.get_running_loop().call_later(SHAPE_RETRY_S, self._dirty.set)
         decided = plan(
-            self._specs.values(),
-            self._nodes,
+            self._catalog.placeable(),
+            self._nodes.views,
             self._state.instances,
             self._state.attempts,
             port_base=self._port_base,
@@ -451,7 +292,7 @@ class RankTableService:
 
     def _jobs(self) -> set[str]:
         """Jobs that have a rank table: every replica of a spec, and what is placed."""
-        wanted = {s.instance_id(r) for s in self._specs.values() for r in range(s.replicas)}
+        wanted = {s.instance_id(r) for s in self._catalog.placeable() for r in range(s.replicas)}
         return wanted | set(self._state.instances)
 
     async def _publish_tables(self) -> None:
@@ -499,43 +340,11 @@ class RankTableService:
             pods_preempted_total=self._state.preempted_pods.get(spec_id, 0),
         )
 
+    def _instances_of(self, spec_id: str) -> list[str]:
+        return sorted(i for i, p in self._state.instances.items() if p.runnerSpecId == spec_id)
+
     async def _publish_statuses(self, decided: Plan) -> None:
-        statuses: dict[str, RunnerSpecStatus] = {}
-        for spec_id, (revision, reason) in self._refused.items():
-            statuses[spec_id] = RunnerSpecStatus(
-                runner_id=spec_id,
-                revision=revision,
-                accepted=False,
-                reason=reason,
-                runner_metrics=self._metrics(spec_id),
-                updated_at="",
-            )
-        for spec_id, spec in self._pending.items():
-            statuses[spec_id] = RunnerSpecStatus(
-                runner_id=spec_id,
-                revision=spec.revision,
-                accepted=True,
-                reason=self._unshaped.get(spec_id, "waiting for its model's shape"),
-                instances=sorted(
-                    i for i, p in self._state.instances.items() if p.runnerSpecId == spec_id
-                ),
-                runner_metrics=self._metrics(spec_id),
-                updated_at="",
-            )
-        for spec_id, spec in self._specs.items():
-            if spec_id in self._pending:
-                continue  # its new revision waits for a shape: said above
-            statuses[spec_id] = RunnerSpecStatus(
-                runner_id=spec_id,
-                revision=spec.revision,
-                accepted=True,
-                reason=decided.refusals.get(spec_id),
-                instances=sorted(
-                    i for i, p in self._state.instances.items() if p.runnerSpecId == spec_id
-                ),
-                runner_metrics=self._metrics(spec_id),
-                updated_at="",
-            )
+        statuses = self._catalog.statuses(decided.refusals, self._instances_of, self._metrics)
         for spec_id, status in statuses.items():
             if self._statuses.get(spec_id) != status and self._status_kv is not None:
                 stamped = msgspec.structs.replace(status, updated_at=now())
