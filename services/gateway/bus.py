@@ -269,6 +269,17 @@ class Bus:
             raise BusError(503, f"NATS read failed: {exc}") from None
         return entry.value
 
+    async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
+        """A value and its revision, or None when the key does not exist."""
+        store = await self.kv(bucket)
+        try:
+            entry = await store.get(token(key))
+        except KeyNotFoundError:
+            return None
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS read failed: {exc}") from None
+        return entry.value or b"", entry.revision or 0
+
     async def values(self, bucket: str) -> dict[str, bytes]:
         """Every value of a bucket by key."""
         found: dict[str, bytes] = {}
@@ -299,6 +310,16 @@ class Bus:
         when the key exists."""
         try:
             return await (await self.kv(bucket)).create(token(key), value)
+        except KeyWrongLastSequenceError:
+            return None
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS write failed: {exc}") from None
+
+    async def update(self, bucket: str, key: str, value: bytes, revision: int) -> int | None:
+        """Write a value only if the key is still at `revision` (atomically); its new
+        revision, or None when it changed meanwhile (or was deleted)."""
+        try:
+            return await (await self.kv(bucket)).update(token(key), value, last=revision)
         except KeyWrongLastSequenceError:
             return None
         except (NatsError, TimeoutError) as exc:

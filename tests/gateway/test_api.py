@@ -173,6 +173,23 @@ async def test_two_concurrent_creates_of_one_spec_do_not_both_succeed(stack_for:
     assert sorted(a.status_code for a in answers) == [200] + [409] * 7
 
 
+async def test_concurrent_merges_of_one_spec_all_hold(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    assert (await stack.http.post("/v1/runners", json={"runners": [SPEC]})).status_code == 200
+    answers = await asyncio.gather(
+        *(
+            stack.http.patch(
+                "/v1/runners/llm",
+                json={"runner": {"metadata": {f"owner-{n}": "ops"}}, "action": "merge"},
+            )
+            for n in range(6)
+        )
+    )
+    assert [a.status_code for a in answers] == [200] * 6
+    metadata = (await stack.http.get("/v1/runners/llm")).json()["runner"]["metadata"]
+    assert {f"owner-{n}" for n in range(6)} <= set(metadata), "a merge was lost to another"
+
+
 @pytest.mark.parametrize(
     ("body", "status", "detail"),
     [

@@ -35,6 +35,9 @@ Configured = Annotated[Settings, Depends(_settings)]
 OK = {"code": 10000, "description": "Ok"}
 JUDGED_WAIT_S = 3.0
 """How long a create waits for the rank-table service to say what it made of a spec."""
+PATCH_ATTEMPTS = 8
+"""Writes of one patch tried before a 409: each that fails met a change written between
+its read and its write, and applies the patch again to it."""
 
 
 class PostRunnersRequest(SnakeStruct, kw_only=True, frozen=True):
@@ -93,10 +96,15 @@ def _with_status(runner: Runner, status: RunnerSpecStatus | None) -> Runner:
 
 
 async def _load(nats: Bus, runner_id: str) -> Runner:
-    raw = await nats.get(nats.layout.runners_bucket.bucket, runner_id)
-    if raw is None:
+    return (await _revision(nats, runner_id))[0]
+
+
+async def _revision(nats: Bus, runner_id: str) -> tuple[Runner, int]:
+    """The runner `runner_id` and its revision in the bucket; a 404 when there is none."""
+    found = await nats.entry(nats.layout.runners_bucket.bucket, runner_id)
+    if found is None:
         raise fail(404, f"runner {runner_id!r} not found")
-    return decode(raw, Runner)
+    return decode(found[0], Runner), found[1]
 
 
 async def _status(nats: Bus, runner_id: str) -> RunnerSpecStatus | None:
@@ -236,15 +244,17 @@ def _remove(base: Any, change: Any) -> Any:
 
 async def _patched(
     nats: Bus, configured: Settings, runner_id: str, change: dict[str, Any], action: PatchAction
-) -> Runner:
-    """The runner `runner_id` with `change` applied as `action` says, checked, not stored.
+) -> tuple[Runner, int]:
+    """The runner `runner_id` with `change` applied as `action` says, checked, not stored,
+    and the revision it was applied to.
 
     Raises:
         HTTPException: 404 for an unknown runner, 422 for a change that breaks it.
     """
     if "id" in change and change["id"] != runner_id:
         raise fail(422, f"invalid body: the id of {runner_id!r} cannot change")
-    current = msgspec.to_builtins(await _load(nats, runner_id))
+    stored, revision = await _revision(nats, runner_id)
+    current = msgspec.to_builtins(stored)
     if action is PatchAction.MERGE:
         changed = _merge(current, change)
     elif action is PatchAction.OVERWRITE:
@@ -254,7 +264,29 @@ async def _patched(
     changed.update(id=runner_id, created_at=current.get("created_at"), modified_at=now())
     runner = strict(msgspec.json.encode(changed), Runner)
     _check(runner, configured)
-    return runner
+    return runner, revision
+
+
+async def _patch(
+    nats: Bus,
+    configured: Settings,
+    change: dict[str, Any],
+    action: PatchAction,
+    first: tuple[Runner, int],
+) -> Runner:
+    """Store `first` (a change applied to its revision); when the spec changed meanwhile,
+    apply the change again to what it is now, so that concurrent changes all hold.
+
+    Raises:
+        HTTPException: 409 when it kept changing, besides `_patched`'s.
+    """
+    runner, revision = first
+    for _ in range(PATCH_ATTEMPTS):
+        bucket = nats.layout.runners_bucket.bucket
+        if await nats.update(bucket, runner.id, encode(runner), revision) is not None:
+            return runner
+        runner, revision = await _patched(nats, configured, runner.id, change, action)
+    raise fail(409, f"runner {runner.id!r} kept changing while it was patched; try again")
 
 
 @router.patch(
@@ -267,10 +299,11 @@ async def patch_runner(
     runner_id: str, nats: Nats, configured: Configured, body: Annotated[bytes, Depends(_body)]
 ) -> Json:
     """Change a Runner spec: `merge` (dicts merged, lists extended), `overwrite` (given
-    fields replaced), or `remove` (given keys and list items taken out)."""
+    fields replaced), or `remove` (given keys and list items taken out). Concurrent
+    changes of one spec all hold: none is lost to another written in between."""
     request = strict(body, PatchRunnerRequest)
-    runner = await _patched(nats, configured, runner_id, request.runner, request.action)
-    await nats.put(nats.layout.runners_bucket.bucket, runner_id, encode(runner))
+    first = await _patched(nats, configured, runner_id, request.runner, request.action)
+    runner = await _patch(nats, configured, request.runner, request.action, first)
     return Json({"status": OK, "runner": runner})
 
 
@@ -288,14 +321,16 @@ async def patch_runners(
     request = strict(body, PatchRunnersRequest)
     if not request.runners:
         raise fail(422, "invalid body: `$.runners` is empty")
-    changed = []
+    checked = []
     for index, change in enumerate(request.runners):
         runner_id = change.get("id")
         if not isinstance(runner_id, str) or not runner_id:
             raise fail(422, f"invalid body: `$.runners[{index}].id` names no runner")
-        changed.append(await _patched(nats, configured, runner_id, change, request.action))
-    for runner in changed:
-        await nats.put(nats.layout.runners_bucket.bucket, runner.id, encode(runner))
+        checked.append(await _patched(nats, configured, runner_id, change, request.action))
+    changed = [
+        await _patch(nats, configured, change, request.action, first)
+        for change, first in zip(request.runners, checked, strict=True)
+    ]
     return Json({"status": OK, "runners": changed})
 
 
