@@ -6,7 +6,6 @@ only its own user's permissions and the server must refuse none of their work.""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -457,18 +456,29 @@ def test_a_runner_dies_with_its_agent_even_inside_a_collective(demo: Demo) -> No
 
 def test_ctrl_c_during_a_long_generation_leaves_no_process(demo: Demo) -> None:
     body = {"model": "demo", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000}
+    answered: list[str] = []
 
     def ask() -> None:
-        with contextlib.suppress(OSError):  # cut off by the shutdown
+        try:
             demo.post("/v1/chat/completions", body)
+        except urllib.error.HTTPError as exc:  # said when the ranks never start decoding
+            answered.append(f"{exc.code} {exc.read()[:500]!r}")
+        except OSError:  # cut off by the shutdown
+            pass
 
     threading.Thread(target=ask, daemon=True).start()
+    seen: list[object] = []
 
     def generating() -> bool:
         runners = demo.get("/v1/cluster/timeline?limit=1")["runners"]
+        seen[:] = [(r["deviceRank"], r["statusKind"], r["phase"]) for r in runners]
         return all(r["phase"] == "decode_stream" for r in runners)
 
-    demo.until(generating, 60)
+    try:
+        demo.until(generating, 60)
+    except AssertionError as exc:
+        findings = demo.get("/v1/cluster/diagnosis")["findings"]
+        raise AssertionError(f"{exc}: ranks {seen}, chat {answered}, findings {findings}") from None
     runners = demo.get("/v1/cluster/timeline?limit=1")["runners"]
     # rank 1 frozen: rank 0 blocks inside a collective, where no signal handler runs
     os.kill(next(r["pid"] for r in runners if r["deviceRank"] == 1), signal.SIGSTOP)
