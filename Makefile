@@ -9,7 +9,7 @@ RUNS := $(VENV)/.installed-run
 TESTS := $(VENV)/.installed-dev
 INSTALL_LOG := $(VENV)/install.log
 
-.PHONY: demo test lint format proto clean
+.PHONY: demo test test-fast lint format proto clean
 
 demo: $(RUNS)
 	@echo "starting rankscope with a demo cluster; Ctrl-C stops it"
@@ -17,7 +17,11 @@ demo: $(RUNS)
 	@$(BIN)/rankscope up --demo
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+# The inner loop: no MLX computation and no multi-process end-to-end test (CI runs them all)
+test-fast: $(TESTS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow and not mlx"
 
 lint: $(TESTS)
 	$(BIN)/ruff check .

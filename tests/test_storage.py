@@ -1,6 +1,6 @@
 """The canary check on a real server paused (SIGSTOP): a late answer is asked again before
 it counts, a server silent past both tries is an outage with its reason, and the end of
-one is seen at the next check."""
+one is seen by the first check the server answers."""
 
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ async def test_a_server_silent_past_both_tries_is_an_outage_until_it_answers(
     assert f"did not answer within {TIMEOUT:g}s" in storage.reason
     assert storage.why().startswith("JetStream not storing since ")
     await asyncio.sleep(TIMEOUT * 1.5)  # the server goes on
-    assert await storage.check(), storage.reason
-    assert storage.storing
+    for _ in range(10):  # as soon as it answers (a loaded machine resumes it a little late)
+        if await storage.check():
+            break
+    assert storage.storing, storage.reason
     assert storage.why() == ""

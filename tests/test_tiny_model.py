@@ -13,6 +13,8 @@ import pytest
 
 from shared.tiny_model import TinyModelSpec, write_tiny_model
 
+pytestmark = pytest.mark.mlx
+
 REPO = Path(__file__).parent.parent
 
 

@@ -31,7 +31,7 @@ from shared.wire import (
 from tests.aggregator.builders import placed
 from tests.ranktable.builders import node_info
 
-pytestmark = pytest.mark.nats
+pytestmark = [pytest.mark.nats, pytest.mark.mlx]
 
 
 async def test_a_restarted_agent_starts_runners_only_for_what_is_still_placed(

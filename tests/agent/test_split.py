@@ -22,6 +22,8 @@ from shared.tiny_model import ARCHITECTURES, TinyModelSpec, write_tiny_model
 from shared.wire import RunnerAssignment
 from tests.gateway.conftest import free_port
 
+pytestmark = pytest.mark.mlx
+
 LAYERS = 6
 SPLITS = {"2 ranks": (3, 3), "3 ranks, uneven": (1, 4, 1)}
 PROMPTS = [
