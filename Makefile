@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 RUNS := $(VENV)/.installed-run
 TESTS := $(VENV)/.installed-dev
 INSTALL_LOG := $(VENV)/install.log
+MYPY_ROOT := $(VENV)/mypy-root/rankscope
 
 .PHONY: demo test test-fast lint format proto clean
 
@@ -23,7 +24,7 @@ test: lint
 test-fast: $(TESTS)
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not slow and not mlx"
 
-lint: $(TESTS)
+lint: $(TESTS) $(MYPY_ROOT)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -36,6 +37,15 @@ format: $(TESTS)
 proto: $(TESTS)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
 		services/ranktable/grpcapi/config.proto
+	$(BIN)/python -c "import pathlib; p = pathlib.Path('services/ranktable/grpcapi/config_pb2_grpc.py'); \
+		p.write_text(p.read_text().replace('from services.', 'from rankscope.services.'))"
+
+# mypy reads `shared/` and `services/` as what they install as, rankscope.shared and
+# rankscope.services (it does not follow setuptools' editable import hook)
+$(MYPY_ROOT):
+	mkdir -p $@
+	ln -sfn ../../../shared $@/shared
+	ln -sfn ../../../services $@/services
 
 $(BIN)/python:
 	@echo "making a virtualenv in $(VENV)"

@@ -24,13 +24,13 @@ import nats
 from common import placements, publish_placements, runner_ref, token_entry
 from nats.js.api import DeliverPolicy
 
-from services.aggregator import answers
-from services.aggregator.service import AggregatorService
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.wire import (
+from rankscope.services.aggregator import answers
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.wire import (
     PhaseEntries,
     RunnerTelemetry,
     TimelineQuery,

@@ -29,14 +29,14 @@ import nats
 from common import publish_placements, runner_ref, token_entry
 from nats.aio.msg import Msg
 
-from services.aggregator.service import AggregatorService
-from services.aggregator.snapshot import SnapshotFile
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.replay import follow
-from shared.wire import PhaseEntries, encode
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.snapshot import SnapshotFile
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.replay import follow
+from rankscope.shared.wire import PhaseEntries, encode
 
 RUNNERS = 16
 LAYOUT = Layout(telemetry_max_bytes=8 << 30, telemetry_max_msgs_per_subject=10_000_000)

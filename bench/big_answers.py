@@ -23,13 +23,13 @@ from pathlib import Path
 import nats
 from common import placements, runner_ref, token_entry
 
-import services.aggregator.queries as aggregator_queries
-from services.aggregator.service import AggregatorService
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.wire import PhaseEntries, decode, encode
+import rankscope.services.aggregator.queries as aggregator_queries
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.wire import PhaseEntries, decode, encode
 
 RUNNERS, BIG_CLIENTS, BIG_LIMIT = 16, 12, 75_000
 LAYOUT = Layout()

@@ -8,8 +8,15 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from shared.jetstream import Layout
-from shared.wire import FlightEntry, InstanceCreated, Phase, RunnerAssignment, RunnerRef, encode
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.wire import (
+    FlightEntry,
+    InstanceCreated,
+    Phase,
+    RunnerAssignment,
+    RunnerRef,
+    encode,
+)
 
 __all__ = ["free_port", "placements", "publish_placements", "runner_ref", "token_entry"]
 

@@ -23,9 +23,9 @@ import httpx
 import nats
 from common import free_port, publish_placements, runner_ref
 
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.wire import FlightEntry, Phase, PhaseEntries, encode
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.wire import FlightEntry, Phase, PhaseEntries, encode
 
 BARE = """
 import sys, uvicorn
@@ -132,7 +132,7 @@ def main() -> None:
             "RANKSCOPE_GATEWAY_PORT": str(gateway_port),
         }
         services = [
-            subprocess.Popen([sys.executable, "-m", "services.cli", name], env=env)
+            subprocess.Popen([sys.executable, "-m", "rankscope.services.cli", name], env=env)
             for name in ("aggregator", "gateway")
         ]
         try:

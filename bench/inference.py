@@ -46,14 +46,14 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from services.agent.runner.shard import connect_group, load_shard, ring_hosts
-from shared.connection import connect
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings, to_environ
-from shared.timestamps import now
-from shared.tiny_model import TinyModelSpec, write_tiny_model
-from shared.wire import (
+from rankscope.services.agent.runner.shard import connect_group, load_shard, ring_hosts
+from rankscope.shared.connection import connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings, to_environ
+from rankscope.shared.timestamps import now
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
+from rankscope.shared.wire import (
     GenerationRequest,
     InstanceCreated,
     NodeDiagnostics,
@@ -158,7 +158,7 @@ def _agent(settings: Settings) -> subprocess.Popen[bytes]:
     settings.data_dir.mkdir(parents=True)
     with (settings.data_dir / "agent.log").open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "agent"],
+            [sys.executable, "-m", "rankscope.services.cli", "agent"],
             cwd=REPO,
             env={**os.environ, **to_environ(settings)},
             stdout=log,

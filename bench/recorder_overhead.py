@@ -20,15 +20,21 @@ from typing import Any
 
 import mlx.core as mx
 
-from services.agent.runner.config import RunnerConfig
-from services.agent.runner.generation import Generation
-from services.agent.runner.memory import snapshot
-from services.agent.runner.recorder import Recorder
-from services.agent.runner.shard import load_shard
-from services.agent.runner.watchdog import Watchdog
-from shared.timestamps import now
-from shared.tiny_model import TinyModelSpec, write_tiny_model
-from shared.wire import GenerationRequest, RunnerAssignment, RunnerRef, TaskCreated, TaskKind
+from rankscope.services.agent.runner.config import RunnerConfig
+from rankscope.services.agent.runner.generation import Generation
+from rankscope.services.agent.runner.memory import snapshot
+from rankscope.services.agent.runner.recorder import Recorder
+from rankscope.services.agent.runner.shard import load_shard
+from rankscope.services.agent.runner.watchdog import Watchdog
+from rankscope.shared.timestamps import now
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
+from rankscope.shared.wire import (
+    GenerationRequest,
+    RunnerAssignment,
+    RunnerRef,
+    TaskCreated,
+    TaskKind,
+)
 
 
 def _drain(telemetry: Any, control: Any) -> None:

@@ -51,15 +51,15 @@ from common import free_port
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.agent.publisher import TelemetryPublisher
-from shared.heartbeat import Heartbeat
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.partitions import partition_of
-from shared.subjects import token as subject_token
-from shared.subjects import untoken
-from shared.timestamps import now
-from shared.wire import (
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.shared.heartbeat import Heartbeat
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.partitions import partition_of
+from rankscope.shared.subjects import token as subject_token
+from rankscope.shared.subjects import untoken
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
     ClusterTimeline,
     Diagnosis,
     FlightEntry,
@@ -312,7 +312,9 @@ async def _simulate(
 def _worker(
     url: str, names: list[str], load: Load, seconds: float, out: Queue[tuple[int, int]]
 ) -> None:
-    logging.getLogger("services.agent.publisher").setLevel(logging.ERROR)  # drops are counted
+    logging.getLogger("rankscope.services.agent.publisher").setLevel(
+        logging.ERROR
+    )  # drops are counted
     os.nice(10)  # stands in for agents on other machines: the system under test comes first
     asyncio.run(_simulate(url, names, load, seconds, out))
 
@@ -485,14 +487,21 @@ def _run(args: argparse.Namespace, load: Load, names: list[str], partitions: int
         }
         aggregators = [
             subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "aggregator", "--node-id", f"bench-{i}"],
+                [
+                    sys.executable,
+                    "-m",
+                    "rankscope.services.cli",
+                    "aggregator",
+                    "--node-id",
+                    f"bench-{i}",
+                ],
                 cwd=REPO,
                 env={**env, "RANKSCOPE_AGGREGATOR_PARTITION": str(i)},
             )
             for i in range(partitions)
         ]
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "gateway"], cwd=REPO, env=env
+            [sys.executable, "-m", "rankscope.services.cli", "gateway"], cwd=REPO, env=env
         )
         url = f"http://127.0.0.1:{port}"
         asyncio.run(_until_ready(url))

@@ -22,10 +22,10 @@ from pathlib import Path
 import nats
 from common import free_port, publish_placements, runner_ref
 
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.timestamps import format_ts
-from shared.wire import (
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.timestamps import format_ts
+from rankscope.shared.wire import (
     FlightEntry,
     Memory,
     MlxMemorySnapshot,
@@ -103,7 +103,7 @@ def main() -> None:
             "RANKSCOPE_GATEWAY_PORT": str(port),
         }
         services = [
-            subprocess.Popen([sys.executable, "-m", "services.cli", name], env=env)
+            subprocess.Popen([sys.executable, "-m", "rankscope.services.cli", name], env=env)
             for name in ("aggregator", "gateway")
         ]
         try:

@@ -10,22 +10,22 @@ from typing import NoReturn
 
 from setproctitle import setproctitle
 
-from services.client.commands import (
+from rankscope.services.client.commands import (
     add_client_commands,
     client_options,
     identifier,
     ranktable_client,
 )
-from shared import logs
-from shared.processes import watch_parent_from_env
-from shared.settings import Settings, SettingsError, add_arguments, load
-from shared.tiny_model import ARCHITECTURES
+from rankscope.shared import logs
+from rankscope.shared.processes import watch_parent_from_env
+from rankscope.shared.settings import Settings, SettingsError, add_arguments, load
+from rankscope.shared.tiny_model import ARCHITECTURES
 
 __all__ = ["build_parser", "main"]
 
 
 def _tiny_model(args: argparse.Namespace, settings: Settings) -> int:
-    from shared.tiny_model import TinyModelSpec, write_tiny_model
+    from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
 
     try:
         spec = TinyModelSpec(args.layers, args.hidden, args.vocab, args.seed, args.arch)
@@ -38,33 +38,33 @@ def _tiny_model(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _up(args: argparse.Namespace, settings: Settings) -> int:
-    from services.stack.main import run
+    from rankscope.services.stack.main import run
 
     return run(settings, demo=args.demo, nats_auth=args.nats_auth)
 
 
 def _nats_config(args: argparse.Namespace, settings: Settings) -> int:
-    from shared.jetstream import Layout
-    from shared.nats_auth import render
+    from rankscope.shared.jetstream import Layout
+    from rankscope.shared.nats_auth import render
 
     print(render(Layout.from_settings(settings), args.node), end="")
     return 0
 
 
 def _agent(args: argparse.Namespace, settings: Settings) -> int:
-    from services.agent.main import run
+    from rankscope.services.agent.main import run
 
     return run(settings)
 
 
 def _aggregator(args: argparse.Namespace, settings: Settings) -> int:
-    from services.aggregator.main import run
+    from rankscope.services.aggregator.main import run
 
     return run(settings)
 
 
 def _gateway(args: argparse.Namespace, settings: Settings) -> int:
-    from services.gateway.main import run
+    from rankscope.services.gateway.main import run
 
     return run(settings)
 
@@ -72,7 +72,7 @@ def _gateway(args: argparse.Namespace, settings: Settings) -> int:
 def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
     if args.job is not None:
         return ranktable_client(args)
-    from services.ranktable.main import run
+    from rankscope.services.ranktable.main import run
 
     return run(settings)
 

@@ -16,9 +16,9 @@ import uvloop
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from shared.connection import ConnectionLostError, Lifeline, close, connect
-from shared.jetstream import Layout, LayoutError, ensure
-from shared.settings import Settings
+from rankscope.shared.connection import ConnectionLostError, Lifeline, close, connect
+from rankscope.shared.jetstream import Layout, LayoutError, ensure
+from rankscope.shared.settings import Settings
 
 __all__ = ["SHUTDOWN_GRACE_S", "Connected", "connected", "run_until_signalled"]
 

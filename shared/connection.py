@@ -14,9 +14,9 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
-from shared.nats_auth import inbox_prefix
-from shared.settings import Settings
-from shared.timestamps import now
+from rankscope.shared.nats_auth import inbox_prefix
+from rankscope.shared.settings import Settings
+from rankscope.shared.timestamps import now
 
 __all__ = [
     "REACH_CHECK_S",

@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from shared.wire import WireError, decode
+from rankscope.shared.wire import WireError, decode
 
 __all__ = ["DeadLetters"]
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 
-from shared.deadletter import DeadLetters
-from shared.subjects import kv_key, token, untoken
-from shared.wire import NodeInfo, WireError, decode, encode
+from rankscope.shared.deadletter import DeadLetters
+from rankscope.shared.subjects import kv_key, token, untoken
+from rankscope.shared.wire import NodeInfo, WireError, decode, encode
 
 __all__ = ["Heartbeat", "heard"]
 

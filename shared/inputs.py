@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from shared.subjects import IdTooLongError, Subjects, TelemetryKind, token
-from shared.wire import (
+from rankscope.shared.subjects import IdTooLongError, Subjects, TelemetryKind, token
+from rankscope.shared.wire import (
     InstanceCreated,
     MemorySampled,
     PhaseEntries,

@@ -22,9 +22,9 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 
-from shared.settings import Settings
-from shared.subjects import Subjects
-from shared.wire.events import TASK_HORIZON_S
+from rankscope.shared.settings import Settings
+from rankscope.shared.subjects import Subjects
+from rankscope.shared.wire.events import TASK_HORIZON_S
 
 __all__ = [
     "DUPLICATE_WINDOW_S",

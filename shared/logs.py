@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from shared.timestamps import format_ts
+from rankscope.shared.timestamps import format_ts
 
 __all__ = ["configure", "structured"]
 

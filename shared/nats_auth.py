@@ -27,8 +27,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shared.jetstream import Layout
-from shared.subjects import AGGREGATOR_SERVICE, kv_key, service_discovery, token
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.subjects import AGGREGATOR_SERVICE, kv_key, service_discovery, token
 
 __all__ = [
     "OPERATOR",

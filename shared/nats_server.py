@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from shared.processes import die_with_parent
+from rankscope.shared.processes import die_with_parent
 
 __all__ = ["CONFIG", "EmbeddedNats", "NatsServerError", "find_binary"]
 

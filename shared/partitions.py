@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.subjects import Subjects, token
+from rankscope.shared.subjects import Subjects, token
 
 __all__ = ["MAX_PARTITIONS", "Partition", "partition_of"]
 

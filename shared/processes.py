@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import psutil
 
-from shared.wire import ProcessState
+from rankscope.shared.wire import ProcessState
 
 __all__ = [
     "LIFELINE_ENV",

@@ -32,7 +32,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
-from shared.subjects import kv_key
+from rankscope.shared.subjects import kv_key
 
 __all__ = ["Follower", "follow", "follow_bucket", "stored_ns"]
 

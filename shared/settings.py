@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from shared.partitions import MAX_PARTITIONS, Partition
-from shared.quantity import parse_bytes
+from rankscope.shared.partitions import MAX_PARTITIONS, Partition
+from rankscope.shared.quantity import parse_bytes
 
 __all__ = [
     "ENV_PREFIX",

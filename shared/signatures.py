@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from shared.wire import Finding, SeenBefore
+from rankscope.shared.wire import Finding, SeenBefore
 
 __all__ = ["FRAMES", "FaultHistory", "seen_before", "signature"]
 

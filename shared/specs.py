@@ -8,10 +8,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from shared.model_shape import ModelShape
-from shared.quantity import parse_bytes, parse_quantity
-from shared.subjects import MAX_TOKEN, IdTooLongError, token
-from shared.wire import Runner
+from rankscope.shared.model_shape import ModelShape
+from rankscope.shared.quantity import parse_bytes, parse_quantity
+from rankscope.shared.subjects import MAX_TOKEN, IdTooLongError, token
+from rankscope.shared.wire import Runner
 
 __all__ = ["PlacementSpec", "SpecError", "validate"]
 

@@ -21,7 +21,7 @@ from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
-from shared.timestamps import now
+from rankscope.shared.timestamps import now
 
 __all__ = ["STORAGE_CHECK_S", "Storage"]
 

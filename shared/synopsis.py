@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.wire import FlightEntry, MlxMemorySnapshot, Phase
+from rankscope.shared.wire import FlightEntry, MlxMemorySnapshot, Phase
 
 __all__ = ["Synopsis", "advance"]
 

@@ -7,10 +7,15 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared.jetstream import Layout
-from shared.subjects import token
-from shared.timestamps import now
-from shared.wire import InstanceCreated, NodeDiagnostics, RunnerSupervisorDiagnostics, encode
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.subjects import token
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
+    InstanceCreated,
+    NodeDiagnostics,
+    RunnerSupervisorDiagnostics,
+    encode,
+)
 from tests.ranktable.builders import node_info
 
 __all__ = ["answer_probes"]

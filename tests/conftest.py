@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from shared.connection import connect, slow_consumer_drops
-from shared.jetstream import Layout
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings
-from shared.subjects import Subjects
+from rankscope.shared.connection import connect, slow_consumer_drops
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings
+from rankscope.shared.subjects import Subjects
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

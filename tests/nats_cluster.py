@@ -12,7 +12,7 @@ from pathlib import Path
 import nats
 from nats.errors import Error as NatsError
 
-from shared.nats_server import EmbeddedNats
+from rankscope.shared.nats_server import EmbeddedNats
 
 CLUSTER = "rankscope"
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import yaml
 
-from services.cli import build_parser
-from shared.jetstream import Layout
-from shared.nats_auth import password_variable, render
-from shared.partitions import Partition
-from shared.settings import Settings, env_name, load
+from rankscope.services.cli import build_parser
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.nats_auth import password_variable, render
+from rankscope.shared.partitions import Partition
+from rankscope.shared.settings import Settings, env_name, load
 
 REPO = Path(__file__).parent.parent
 

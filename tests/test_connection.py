@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import nats
 import pytest
 
-from shared.connection import ConnectionLostError, Lifeline, Reachability, close, connect
-from shared.settings import Settings
+from rankscope.shared.connection import ConnectionLostError, Lifeline, Reachability, close, connect
+from rankscope.shared.settings import Settings
 
 pytestmark = pytest.mark.nats
 

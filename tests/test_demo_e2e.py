@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from shared.processes import PORTABLE_ENV
+from rankscope.shared.processes import PORTABLE_ENV
 from tests import skulk_shapes
 
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(300)]
@@ -148,7 +148,7 @@ def _launch(data: Path, port: int, *flags: str, **extra: str) -> subprocess.Pope
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "rankscope.services.cli",
             "up",
             "--demo",
             "--nats-port",

@@ -10,10 +10,10 @@ from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from shared.heartbeat import Heartbeat
-from shared.jetstream import Layout, ensure
-from shared.subjects import token
-from shared.wire import NodeInfo, decode
+from rankscope.shared.heartbeat import Heartbeat
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.subjects import token
+from rankscope.shared.wire import NodeInfo, decode
 from tests.ranktable.builders import node_info
 
 pytestmark = pytest.mark.nats

@@ -12,10 +12,10 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
 from nats.js.errors import NotFoundError
 
-from shared.connection import close, connect
-from shared.jetstream import DUPLICATE_WINDOW_S, Layout, ensure
-from shared.settings import Settings
-from shared.subjects import Subjects
+from rankscope.shared.connection import close, connect
+from rankscope.shared.jetstream import DUPLICATE_WINDOW_S, Layout, ensure
+from rankscope.shared.settings import Settings
+from rankscope.shared.subjects import Subjects
 
 pytestmark = pytest.mark.nats
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.gateway.deps import NOT_YET
-from shared.nats_server import EmbeddedNats
+from rankscope.services.gateway.deps import NOT_YET
+from rankscope.shared.nats_server import EmbeddedNats
 from tests.gateway.conftest import free_port
 
 pytestmark = pytest.mark.nats
@@ -29,7 +29,7 @@ def test_sigterm_after_nats_is_gone_still_ends_the_process(tmp_path: Path, servi
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "rankscope.services.cli",
             service,
             "--grpc-port",
             "0",
@@ -63,7 +63,7 @@ def test_a_gateway_that_cannot_reach_nats_serves_not_ready_and_stops_when_asked(
 ) -> None:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "gateway", "--gateway-port", str(port)],
+        [sys.executable, "-m", "rankscope.services.cli", "gateway", "--gateway-port", str(port)],
         cwd=REPO,
         env={**os.environ, "RANKSCOPE_NATS_URL": f"nats://127.0.0.1:{free_port()}"},
         stdout=subprocess.DEVNULL,

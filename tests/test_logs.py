@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from shared import logs
+from rankscope.shared import logs
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from shared.nats_server import EmbeddedNats, NatsServerError, find_binary
+from rankscope.shared.nats_server import EmbeddedNats, NatsServerError, find_binary
 
 pytestmark = pytest.mark.nats
 
@@ -76,7 +76,7 @@ def test_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
         f"""
         import sys, time
         from pathlib import Path
-        from shared.nats_server import EmbeddedNats
+        from rankscope.shared.nats_server import EmbeddedNats
         server = EmbeddedNats(store_dir=Path({str(tmp_path)!r})).start()
         print(server.pid, flush=True)
         time.sleep(60)

@@ -9,10 +9,10 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from shared.nats_server import CONFIG, EmbeddedNats
-from shared.partitions import Partition, partition_of
-from shared.settings import SettingsError, load
-from shared.subjects import Subjects, token
+from rankscope.shared.nats_server import CONFIG, EmbeddedNats
+from rankscope.shared.partitions import Partition, partition_of
+from rankscope.shared.settings import SettingsError, load
+from rankscope.shared.subjects import Subjects, token
 
 IDS = [f"llm-{n}" for n in range(300)] + ["a.b c", "ümlaut*>", "x" * 400, "-", "=41"]
 

@@ -6,7 +6,7 @@ from decimal import Decimal
 
 import pytest
 
-from shared.quantity import parse_bytes, parse_quantity
+from rankscope.shared.quantity import parse_bytes, parse_quantity
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,12 @@ from nats.errors import SlowConsumerError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from shared.connection import connect
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.replay import follow, follow_bucket, stored_ns
-from shared.settings import Settings
-from shared.subjects import Subjects
+from rankscope.shared.connection import connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.replay import follow, follow_bucket, stored_ns
+from rankscope.shared.settings import Settings
+from rankscope.shared.subjects import Subjects
 from tests.gateway.conftest import free_port
 
 pytestmark = pytest.mark.nats

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from shared.settings import Settings, SettingsError, add_arguments, env_name, load, to_environ
+from rankscope.shared.settings import (
+    Settings,
+    SettingsError,
+    add_arguments,
+    env_name,
+    load,
+    to_environ,
+)
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -91,7 +98,7 @@ def test_secrets_are_masked_in_repr() -> None:
 
 def test_cli_stops_with_one_line_naming_the_variable(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up"],
+        [sys.executable, "-m", "rankscope.services.cli", "up"],
         env={"RANKSCOPE_HEARTBEAT_TTL": "never", "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,

@@ -3,8 +3,8 @@ happens; another fault is another."""
 
 from __future__ import annotations
 
-from shared.signatures import seen_before, signature
-from shared.wire import Finding, FindingKind, Phase, RankEvidence, RankRole
+from rankscope.shared.signatures import seen_before, signature
+from rankscope.shared.wire import Finding, FindingKind, Phase, RankEvidence, RankRole
 
 WAITING_STACK = """Current thread 0x00007f4869ff7b80 (most recent call first):
   File "{root}/services/agent/runner/process.py", line {line} in _agree

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from services.ranktable.placement import runner_id
-from shared.model_shape import ModelShape, UnreadableModelError, read_shape
-from shared.specs import RUNNER_BYTES, SpecError, validate
-from shared.subjects import token
-from shared.tiny_model import TinyModelSpec, write_tiny_model
-from shared.wire import ComputeInfo, Nodepool, Worker
+from rankscope.services.ranktable.placement import runner_id
+from rankscope.shared.model_shape import ModelShape, UnreadableModelError, read_shape
+from rankscope.shared.specs import RUNNER_BYTES, SpecError, validate
+from rankscope.shared.subjects import token
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
+from rankscope.shared.wire import ComputeInfo, Nodepool, Worker
 from tests.ranktable.builders import GiB, runner
 
 

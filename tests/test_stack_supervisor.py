@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.stack.supervisor import ChildSpec, Supervisor
+from rankscope.services.stack.supervisor import ChildSpec, Supervisor
 from tests.gateway.conftest import free_port
 
 

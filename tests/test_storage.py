@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from shared.connection import connect
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings
-from shared.storage import Storage
+from rankscope.shared.connection import connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings
+from rankscope.shared.storage import Storage
 
 TIMEOUT = 1.0
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from shared.subjects import MAX_TOKEN, IdTooLongError, Subjects, token, untoken
+from rankscope.shared.subjects import MAX_TOKEN, IdTooLongError, Subjects, token, untoken
 
 S = Subjects()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.synopsis import Synopsis, advance
-from shared.wire import FlightEntry, MlxMemorySnapshot, Phase
+from rankscope.shared.synopsis import Synopsis, advance
+from rankscope.shared.wire import FlightEntry, MlxMemorySnapshot, Phase
 
 MEMORY = MlxMemorySnapshot(generatedAt="2026-11-23T10:00:01.000000Z", source="mlx")
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from rich.console import Console
 
-from services.stack.terminal import Terminal
-from shared import logs
+from rankscope.services.stack.terminal import Terminal
+from rankscope.shared import logs
 
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 

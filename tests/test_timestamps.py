@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from shared.timestamps import check_ts, format_ts, now, parse_ts, to_epoch
-from shared.wire import FlightEntry, decode
+from rankscope.shared.timestamps import check_ts, format_ts, now, parse_ts, to_epoch
+from rankscope.shared.wire import FlightEntry, decode
 
 WIRE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
 

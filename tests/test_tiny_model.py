@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from shared.tiny_model import TinyModelSpec, write_tiny_model
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
 
 pytestmark = pytest.mark.mlx
 
@@ -83,7 +83,15 @@ def test_bad_shapes_are_refused(kwargs: dict[str, Any], complaint: str) -> None:
 
 def test_cli_writes_the_model(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "tiny-model", str(tmp_path / "m"), "--layers", "2"],
+        [
+            sys.executable,
+            "-m",
+            "rankscope.services.cli",
+            "tiny-model",
+            str(tmp_path / "m"),
+            "--layers",
+            "2",
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -97,7 +105,15 @@ def test_cli_writes_the_model(tmp_path: Path) -> None:
 
 def test_cli_refuses_a_bad_shape_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "tiny-model", str(tmp_path / "m"), "--hidden", "40"],
+        [
+            sys.executable,
+            "-m",
+            "rankscope.services.cli",
+            "tiny-model",
+            str(tmp_path / "m"),
+            "--hidden",
+            "40",
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,

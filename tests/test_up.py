@@ -22,11 +22,11 @@ import grpc
 import nats
 import pytest
 
-from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
-from shared.connection import close, connect
-from shared.jetstream import Layout
-from shared.processes import PORTABLE_ENV
-from shared.settings import Settings
+from rankscope.services.ranktable.grpcapi import config_pb2, config_pb2_grpc
+from rankscope.shared.connection import close, connect
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.processes import PORTABLE_ENV
+from rankscope.shared.settings import Settings
 
 pytestmark = pytest.mark.nats
 
@@ -69,7 +69,7 @@ def _up(
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "rankscope.services.cli",
             "up",
             "--nats-port",
             "0",
@@ -367,7 +367,7 @@ def test_a_taken_port_stops_up_at_once_with_one_line(tmp_path: Path, flag: str) 
         port = taken.getsockname()[1]
         ports = {"--nats-port": "0", "--gateway-port": "0", "--grpc-port": "0", flag: str(port)}
         done = subprocess.run(
-            [sys.executable, "-m", "services.cli", "up", "--data-dir", str(tmp_path),
+            [sys.executable, "-m", "rankscope.services.cli", "up", "--data-dir", str(tmp_path),
              *(word for pair in ports.items() for word in pair)],
             capture_output=True, text=True, cwd=REPO, timeout=60,
         )  # fmt: skip

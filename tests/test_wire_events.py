@@ -7,8 +7,8 @@ import json
 import msgspec
 import pytest
 
-from shared.timestamps import now, to_epoch
-from shared.wire import (
+from rankscope.shared.timestamps import now, to_epoch
+from rankscope.shared.wire import (
     TASK_HORIZON_S,
     ChatMessage,
     FlightEntry,

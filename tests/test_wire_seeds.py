@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from shared.wire import (
+from rankscope.shared.wire import (
     ClientInfo,
     ClusterTimeline,
     PlacementRunnerDiagnostics,

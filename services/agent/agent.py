@@ -20,20 +20,20 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from services.agent.publisher import TelemetryPublisher
-from services.agent.runner.config import RunnerConfig, Timeouts
-from services.agent.runner.entry import unsupported
-from services.agent.supervisor import RunnerSupervisor
-from shared.deadletter import DeadLetters
-from shared.host import hostname
-from shared.jetstream import Layout
-from shared.logs import structured
-from shared.model_shape import UnreadableModelError, read_shape
-from shared.nats_auth import agent_user
-from shared.replay import Follower, follow
-from shared.subjects import token
-from shared.timestamps import now
-from shared.wire import (
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.services.agent.runner.config import RunnerConfig, Timeouts
+from rankscope.services.agent.runner.entry import unsupported
+from rankscope.services.agent.supervisor import RunnerSupervisor
+from rankscope.shared.deadletter import DeadLetters
+from rankscope.shared.host import hostname
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.logs import structured
+from rankscope.shared.model_shape import UnreadableModelError, read_shape
+from rankscope.shared.nats_auth import agent_user
+from rankscope.shared.replay import Follower, follow
+from rankscope.shared.subjects import token
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
     EvidenceRequest,
     InstanceCreated,
     InstanceReleased,

@@ -11,16 +11,16 @@ from pathlib import Path
 
 from setproctitle import setproctitle
 
-from services.agent.agent import Agent
-from services.agent.publisher import TelemetryPublisher
-from services.agent.runner.config import Timeouts
-from services.lifecycle import connected, run_until_signalled
-from shared.heartbeat import Heartbeat
-from shared.host import hostname, memory_bytes
-from shared.replay import follow
-from shared.settings import Settings
-from shared.timestamps import now
-from shared.wire import NodeInfo
+from rankscope.services.agent.agent import Agent
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.services.agent.runner.config import Timeouts
+from rankscope.services.lifecycle import connected, run_until_signalled
+from rankscope.shared.heartbeat import Heartbeat
+from rankscope.shared.host import hostname, memory_bytes
+from rankscope.shared.replay import follow
+from rankscope.shared.settings import Settings
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import NodeInfo
 
 __all__ = ["node_id", "run", "serve_until"]
 

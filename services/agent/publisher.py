@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from shared.wire import FlightEntry, PhaseEntries, RunnerRef, encode
+from rankscope.shared.wire import FlightEntry, PhaseEntries, RunnerRef, encode
 
 __all__ = ["TelemetryPublisher"]
 

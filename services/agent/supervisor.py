@@ -24,8 +24,8 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
 
-from services.agent.publisher import TelemetryPublisher
-from services.agent.runner.channel import (
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.services.agent.runner.channel import (
     PERMANENT_EXIT,
     STACK_SIGNAL,
     Assigned,
@@ -39,14 +39,14 @@ from services.agent.runner.channel import (
     ToAgent,
     ToRunner,
 )
-from services.agent.runner.config import RunnerConfig
-from services.agent.runner.entry import runner_main
-from services.agent.runner.watchdog import WEDGED_EXIT
-from shared.processes import process_state, signal_name
-from shared.subjects import Subjects, TelemetryKind
-from shared.synopsis import Synopsis, advance
-from shared.timestamps import now
-from shared.wire import (
+from rankscope.services.agent.runner.config import RunnerConfig
+from rankscope.services.agent.runner.entry import runner_main
+from rankscope.services.agent.runner.watchdog import WEDGED_EXIT
+from rankscope.shared.processes import process_state, signal_name
+from rankscope.shared.subjects import Subjects, TelemetryKind
+from rankscope.shared.synopsis import Synopsis, advance
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
     Breadcrumb,
     FlightEntry,
     MemorySampled,

@@ -18,9 +18,9 @@ from urllib.parse import quote
 
 import httpx
 
-from shared.signatures import FaultHistory
-from shared.timestamps import format_ts, parse_ts
-from shared.wire import Finding, FindingKind, SeenBefore
+from rankscope.shared.signatures import FaultHistory
+from rankscope.shared.timestamps import format_ts, parse_ts
+from rankscope.shared.wire import Finding, FindingKind, SeenBefore
 
 __all__ = ["RESEND_S", "Alerter", "alert"]
 

@@ -10,11 +10,11 @@ from collections.abc import Iterable
 
 import msgspec
 
-from services.aggregator.runners import RunnerView, TaskView
-from services.aggregator.store import Selection
-from services.aggregator.views import ClusterState
-from shared.timestamps import from_micros, micros, to_epoch
-from shared.wire import (
+from rankscope.services.aggregator.runners import RunnerView, TaskView
+from rankscope.services.aggregator.store import Selection
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.timestamps import from_micros, micros, to_epoch
+from rankscope.shared.wire import (
     ClusterTimeline,
     InstanceCreated,
     InstanceState,

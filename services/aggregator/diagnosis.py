@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-from services.aggregator.runners import RunnerView
-from services.aggregator.views import ClusterState
-from shared.timestamps import format_ts, parse_ts
-from shared.wire import (
+from rankscope.services.aggregator.runners import RunnerView
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.timestamps import format_ts, parse_ts
+from rankscope.shared.wire import (
     Breadcrumb,
     Finding,
     FindingKind,

@@ -17,16 +17,16 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from services.aggregator.alerts import Alerter
-from services.aggregator.diagnosis import Incident, Thresholds, diagnose
-from services.aggregator.views import ClusterState
-from shared.connection import Reachability
-from shared.jetstream import Layout
-from shared.partitions import Partition
-from shared.replay import follow
-from shared.storage import Storage
-from shared.timestamps import now
-from shared.wire import (
+from rankscope.services.aggregator.alerts import Alerter
+from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.connection import Reachability
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.partitions import Partition
+from rankscope.shared.replay import follow
+from rankscope.shared.storage import Storage
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
     EvidenceRequest,
     Finding,
     FindingKind,

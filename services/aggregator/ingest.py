@@ -12,15 +12,15 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
-from services.aggregator.parking import PARK_S, Parked, Parking
-from services.aggregator.views import ClusterState
-from shared.deadletter import DeadLetters
-from shared.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
-from shared.jetstream import Layout
-from shared.partitions import Partition
-from shared.replay import Follower, follow, stored_ns
-from shared.subjects import token
-from shared.wire import InstanceCreated
+from rankscope.services.aggregator.parking import PARK_S, Parked, Parking
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.deadletter import DeadLetters
+from rankscope.shared.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.partitions import Partition
+from rankscope.shared.replay import Follower, follow, stored_ns
+from rankscope.shared.subjects import token
+from rankscope.shared.wire import InstanceCreated
 
 __all__ = ["FOLLOW_RELEASED_S", "UNPLACED", "Ingest"]
 

@@ -18,15 +18,15 @@ from nats.errors import Error as NatsError
 from nats.js.api import Header
 from nats.js.kv import KeyValue
 
-from services.aggregator.views import ClusterState
-from shared.connection import Reachability
-from shared.deadletter import DeadLetters
-from shared.heartbeat import heard
-from shared.jetstream import Layout
-from shared.partitions import Partition
-from shared.storage import Storage
-from shared.timestamps import to_epoch
-from shared.wire import NodeDiagnostics, UnreachableNode, WireError, decode
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.connection import Reachability
+from rankscope.shared.deadletter import DeadLetters
+from rankscope.shared.heartbeat import heard
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.partitions import Partition
+from rankscope.shared.storage import Storage
+from rankscope.shared.timestamps import to_epoch
+from rankscope.shared.wire import NodeDiagnostics, UnreachableNode, WireError, decode
 
 __all__ = ["NO_AGENT", "Liveness"]
 

@@ -6,14 +6,14 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from services.aggregator.alerts import Alerter
-from services.aggregator.diagnosis import Thresholds
-from services.aggregator.service import AggregatorService
-from services.aggregator.snapshot import SnapshotFile
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from services.lifecycle import connected, run_until_signalled
-from shared.settings import Settings
+from rankscope.services.aggregator.alerts import Alerter
+from rankscope.services.aggregator.diagnosis import Thresholds
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.snapshot import SnapshotFile
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.lifecycle import connected, run_until_signalled
+from rankscope.shared.settings import Settings
 
 __all__ = ["run", "serve_until"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.wire import RunnerTelemetry
+from rankscope.shared.wire import RunnerTelemetry
 
 __all__ = ["PARK_LIMIT", "PARK_S", "Parked", "Parking"]
 

@@ -15,12 +15,20 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
-from services.aggregator import answers
-from services.aggregator.views import ClusterState
-from shared.partitions import Partition
-from shared.subjects import AGGREGATOR_SERVICE, Subjects
-from shared.timestamps import now
-from shared.wire import Diagnosis, Finding, PlacementQuery, TimelineQuery, WireError, decode, encode
+from rankscope.services.aggregator import answers
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.partitions import Partition
+from rankscope.shared.subjects import AGGREGATOR_SERVICE, Subjects
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
+    Diagnosis,
+    Finding,
+    PlacementQuery,
+    TimelineQuery,
+    WireError,
+    decode,
+    encode,
+)
 
 __all__ = ["VIEWS", "Queries"]
 

@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping
 
 from nats.js import JetStreamContext
 
-from services.aggregator.snapshot import Position, SnapshotFile, restore
-from services.aggregator.views import ClusterState
-from shared.jetstream import Layout
-from shared.replay import Follower
+from rankscope.services.aggregator.snapshot import Position, SnapshotFile, restore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.replay import Follower
 
 __all__ = ["Snapshots"]
 

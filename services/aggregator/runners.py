@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from services.aggregator.store import SeqTracker
-from shared.synopsis import Synopsis
-from shared.wire import (
+from rankscope.services.aggregator.store import SeqTracker
+from rankscope.shared.synopsis import Synopsis
+from rankscope.shared.wire import (
     FlightEntry,
     RunnerRef,
     RunnerStatusChanged,

@@ -15,21 +15,21 @@ from typing import Any
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from services.aggregator.alerts import Alerter
-from services.aggregator.diagnosis import Thresholds
-from services.aggregator.findings import Findings
-from services.aggregator.ingest import Ingest
-from services.aggregator.liveness import Liveness
-from services.aggregator.queries import Queries
-from services.aggregator.resume import Snapshots
-from services.aggregator.snapshot import SnapshotFile
-from services.aggregator.views import ClusterState
-from shared.connection import Reachability, slow_consumer_drops
-from shared.deadletter import DeadLetters
-from shared.jetstream import Layout
-from shared.partitions import Partition
-from shared.replay import Follower, follow_bucket
-from shared.storage import Storage
+from rankscope.services.aggregator.alerts import Alerter
+from rankscope.services.aggregator.diagnosis import Thresholds
+from rankscope.services.aggregator.findings import Findings
+from rankscope.services.aggregator.ingest import Ingest
+from rankscope.services.aggregator.liveness import Liveness
+from rankscope.services.aggregator.queries import Queries
+from rankscope.services.aggregator.resume import Snapshots
+from rankscope.services.aggregator.snapshot import SnapshotFile
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.connection import Reachability, slow_consumer_drops
+from rankscope.shared.deadletter import DeadLetters
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.partitions import Partition
+from rankscope.shared.replay import Follower, follow_bucket
+from rankscope.shared.storage import Storage
 
 __all__ = ["AggregatorService"]
 

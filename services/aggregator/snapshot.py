@@ -29,11 +29,11 @@ from typing import NoReturn
 
 import msgspec
 
-from services.aggregator.runners import Runners, RunnerView, TaskView
-from services.aggregator.store import EntryStore, SeqTracker, StoreImage
-from services.aggregator.views import ClusterState
-from shared.synopsis import Synopsis
-from shared.wire import (
+from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
+from rankscope.services.aggregator.store import EntryStore, SeqTracker, StoreImage
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.synopsis import Synopsis
+from rankscope.shared.wire import (
     FlightEntry,
     InstanceCreated,
     MlxMemorySnapshot,

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shared.timestamps import micros
-from shared.wire import FlightEntry, PhaseEntries, decode
+from rankscope.shared.timestamps import micros
+from rankscope.shared.wire import FlightEntry, PhaseEntries, decode
 
 __all__ = [
     "EntryStore",

@@ -11,12 +11,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from services.aggregator.runners import Runners, RunnerView, TaskView
-from services.aggregator.store import EntryStore
-from shared.inputs import BadInputError
-from shared.synopsis import advance
-from shared.timestamps import from_micros, micros
-from shared.wire import (
+from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.shared.inputs import BadInputError
+from rankscope.shared.synopsis import advance
+from rankscope.shared.timestamps import from_micros, micros
+from rankscope.shared.wire import (
     Breadcrumb,
     FlightEntry,
     InstanceCreated,

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from services.client.http import ClientError, Gateway
-from services.client.verdicts import finding_lines, verdicts
-from shared.subjects import token
+from rankscope.services.client.http import ClientError, Gateway
+from rankscope.services.client.verdicts import finding_lines, verdicts
+from rankscope.shared.subjects import token
 
 __all__ = ["add_client_commands", "client_options", "identifier", "ranktable_client"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from httpx_sse import SSEError, connect_sse
 
-from shared.headers import MISSING_PARTITIONS_HEADER
+from rankscope.shared.headers import MISSING_PARTITIONS_HEADER
 
 __all__ = ["ClientError", "Gateway"]
 

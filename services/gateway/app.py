@@ -21,16 +21,25 @@ from starlette.exceptions import HTTPException
 from starlette.responses import FileResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.bus import Bus, BusError
-from services.gateway.metrics import RequestMetrics
-from services.gateway.responses import ERRORS, Json, openapi_components
-from services.gateway.routes import chat, cluster, incidents, jobs, models, ops, runners, skulk
-from services.gateway.scatter import MissingPartitions
-from shared.connection import close, connect
-from shared.host import hostname
-from shared.jetstream import Layout, LayoutError, ensure
-from shared.settings import Settings
-from shared.subjects import IdTooLongError
+from rankscope.services.gateway.bus import Bus, BusError
+from rankscope.services.gateway.metrics import RequestMetrics
+from rankscope.services.gateway.responses import ERRORS, Json, openapi_components
+from rankscope.services.gateway.routes import (
+    chat,
+    cluster,
+    incidents,
+    jobs,
+    models,
+    ops,
+    runners,
+    skulk,
+)
+from rankscope.services.gateway.scatter import MissingPartitions
+from rankscope.shared.connection import close, connect
+from rankscope.shared.host import hostname
+from rankscope.shared.jetstream import Layout, LayoutError, ensure
+from rankscope.shared.settings import Settings
+from rankscope.shared.subjects import IdTooLongError
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import inspect
 
-from services.gateway.responses import fail
+from rankscope.services.gateway.responses import fail
 
 __all__ = ["strict"]
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.wire import encode
+from rankscope.shared.wire import encode
 
 __all__ = ["Bundle"]
 

@@ -17,15 +17,15 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from services.gateway.scatter import merge, with_missing
-from shared.connection import REACH_CHECK_S, Reachability
-from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER, VERSION_HEADER
-from shared.jetstream import Layout, publish_acked
-from shared.partitions import partition_of
-from shared.replay import follow, follow_bucket
-from shared.subjects import token, untoken
-from shared.timestamps import later, now, parse_ts
-from shared.wire import (
+from rankscope.services.gateway.scatter import merge, with_missing
+from rankscope.shared.connection import REACH_CHECK_S, Reachability
+from rankscope.shared.headers import ERROR_CODE_HEADER, ERROR_HEADER, VERSION_HEADER
+from rankscope.shared.jetstream import Layout, publish_acked
+from rankscope.shared.partitions import partition_of
+from rankscope.shared.replay import follow, follow_bucket
+from rankscope.shared.subjects import token, untoken
+from rankscope.shared.timestamps import later, now, parse_ts
+from rankscope.shared.wire import (
     TASK_HORIZON_S,
     EvidenceRequest,
     Finding,

@@ -8,9 +8,9 @@ import hmac
 
 from fastapi import Request
 
-from services.gateway.bus import Bus
-from services.gateway.responses import fail
-from shared.settings import Settings
+from rankscope.services.gateway.bus import Bus
+from rankscope.services.gateway.responses import fail
+from rankscope.shared.settings import Settings
 
 __all__ = ["NOT_YET", "bus", "reader", "settings", "writer"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uvicorn
 
-from services.gateway.app import create_app
-from shared.settings import Settings
+from rankscope.services.gateway.app import create_app
+from rankscope.shared.settings import Settings
 
 __all__ = ["run"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from shared.timestamps import micros
-from shared.wire import MemoryPoint, MemorySampled, MemorySeries
+from rankscope.shared.timestamps import micros
+from rankscope.shared.wire import MemoryPoint, MemorySampled, MemorySeries
 
 __all__ = ["series"]
 

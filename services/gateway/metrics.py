@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shared.wire import ClusterTimeline, Diagnosis, RunnerHistory
+from rankscope.shared.wire import ClusterTimeline, Diagnosis, RunnerHistory
 
 __all__ = ["RequestMetrics", "cluster_families", "exposition", "gauge"]
 

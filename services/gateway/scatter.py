@@ -15,9 +15,9 @@ import msgspec
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.headers import MISSING_PARTITIONS_HEADER
-from shared.timestamps import now
-from shared.wire import TimelineQuery, decode, encode
+from rankscope.shared.headers import MISSING_PARTITIONS_HEADER
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import TimelineQuery, decode, encode
 
 __all__ = ["MissingPartitions", "merge", "missing", "with_missing"]
 

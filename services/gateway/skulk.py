@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shared.wire import InstanceState, NodeDiagnostics, Phase, PlacementRunnerDiagnostics
-from shared.wire.node_diagnostics import RunnerSupervisorDiagnostics
-from shared.wire.skulk import (
+from rankscope.shared.wire import InstanceState, NodeDiagnostics, Phase, PlacementRunnerDiagnostics
+from rankscope.shared.wire.node_diagnostics import RunnerSupervisorDiagnostics
+from rankscope.shared.wire.skulk import (
     InstancePlacementDiagnostics,
     NodeRuntimeDiagnostics,
     RunnerDiagnosticContext,

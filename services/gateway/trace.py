@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.timestamps import micros
-from shared.wire import ClusterTimeline
+from rankscope.shared.timestamps import micros
+from rankscope.shared.wire import ClusterTimeline
 
 __all__ = ["to_trace"]
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import msgspec
 from nats.js.kv import KeyValue
 
-from services.ranktable.models import ModelShapes
-from shared.model_shape import Unsupported
-from shared.specs import PlacementSpec, SpecError, validate
-from shared.subjects import untoken
-from shared.wire import Runner, RunnerMetrics, RunnerSpecStatus, WireError, decode
+from rankscope.services.ranktable.models import ModelShapes
+from rankscope.shared.model_shape import Unsupported
+from rankscope.shared.specs import PlacementSpec, SpecError, validate
+from rankscope.shared.subjects import untoken
+from rankscope.shared.wire import Runner, RunnerMetrics, RunnerSpecStatus, WireError, decode
 
 __all__ = ["SHAPE_RETRY_S", "Catalog", "SpecRecord"]
 

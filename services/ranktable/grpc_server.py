@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
-from services.ranktable.hub import TableHub
-from shared.subjects import token
+from rankscope.services.ranktable.grpcapi import config_pb2, config_pb2_grpc
+from rankscope.services.ranktable.hub import TableHub
+from rankscope.shared.subjects import token
 
 __all__ = ["serve"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from shared.wire import RankTableStream
+from rankscope.shared.wire import RankTableStream
 
 __all__ = ["TableHub"]
 

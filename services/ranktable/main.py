@@ -6,18 +6,18 @@ import asyncio
 import contextlib
 import logging
 
-from services.lifecycle import connected, run_until_signalled
-from services.ranktable.grpc_server import serve
-from services.ranktable.hub import TableHub
-from services.ranktable.models import ModelShapes
-from services.ranktable.service import RankTableService
-from shared.connection import (
+from rankscope.services.lifecycle import connected, run_until_signalled
+from rankscope.services.ranktable.grpc_server import serve
+from rankscope.services.ranktable.hub import TableHub
+from rankscope.services.ranktable.models import ModelShapes
+from rankscope.services.ranktable.service import RankTableService
+from rankscope.shared.connection import (
     REACH_CHECK_S,
     Reachability,
     keep_checking,
 )
-from shared.settings import Settings
-from shared.storage import STORAGE_CHECK_S, Storage
+from rankscope.shared.settings import Settings
+from rankscope.shared.storage import STORAGE_CHECK_S, Storage
 
 __all__ = ["run", "serve_until"]
 

@@ -11,9 +11,9 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from shared.model_shape import ModelShape, Unsupported
-from shared.subjects import Subjects
-from shared.wire import ModelShapeAnswer, ModelShapeRequest, WireError, decode, encode
+from rankscope.shared.model_shape import ModelShape, Unsupported
+from rankscope.shared.subjects import Subjects
+from rankscope.shared.wire import ModelShapeAnswer, ModelShapeRequest, WireError, decode, encode
 
 __all__ = ["ASK_TIMEOUT_S", "ModelShapes"]
 

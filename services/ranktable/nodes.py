@@ -13,10 +13,10 @@ from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from services.ranktable.placement import NodeView
-from shared.deadletter import DeadLetters
-from shared.heartbeat import heard
-from shared.subjects import token
+from rankscope.services.ranktable.placement import NodeView
+from rankscope.shared.deadletter import DeadLetters
+from rankscope.shared.heartbeat import heard
+from rankscope.shared.subjects import token
 
 __all__ = ["LiveNodes"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.specs import PlacementSpec
-from shared.wire import InstanceCreated, NodeInfo, ReleaseCause, RunnerAssignment
+from rankscope.shared.specs import PlacementSpec
+from rankscope.shared.wire import InstanceCreated, NodeInfo, ReleaseCause, RunnerAssignment
 
 __all__ = [
     "NewInstance",

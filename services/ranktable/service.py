@@ -20,29 +20,29 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.kv import KeyValue
 
-from services.ranktable.catalog import SHAPE_RETRY_S, Catalog
-from services.ranktable.hub import TableHub
-from services.ranktable.models import ModelShapes
-from services.ranktable.nodes import LiveNodes
-from services.ranktable.placement import MAX_RUNNERS_PER_NODE, Plan, plan
-from services.ranktable.state import (
+from rankscope.services.ranktable.catalog import SHAPE_RETRY_S, Catalog
+from rankscope.services.ranktable.hub import TableHub
+from rankscope.services.ranktable.models import ModelShapes
+from rankscope.services.ranktable.nodes import LiveNodes
+from rankscope.services.ranktable.placement import MAX_RUNNERS_PER_NODE, Plan, plan
+from rankscope.services.ranktable.state import (
     PlacementState,
     Readiness,
     apply_placement,
     apply_status,
     misplaced,
 )
-from services.ranktable.tables import rank_table
-from shared.deadletter import DeadLetters
-from shared.headers import VERSION_HEADER
-from shared.inputs import BadInputError, parse_telemetry
-from shared.jetstream import Layout, publish_acked
-from shared.model_shape import ModelShape
-from shared.replay import Follower, follow, follow_bucket
-from shared.specs import MAX_REPLICAS
-from shared.subjects import token
-from shared.timestamps import now, to_epoch
-from shared.wire import (
+from rankscope.services.ranktable.tables import rank_table
+from rankscope.shared.deadletter import DeadLetters
+from rankscope.shared.headers import VERSION_HEADER
+from rankscope.shared.inputs import BadInputError, parse_telemetry
+from rankscope.shared.jetstream import Layout, publish_acked
+from rankscope.shared.model_shape import ModelShape
+from rankscope.shared.replay import Follower, follow, follow_bucket
+from rankscope.shared.specs import MAX_REPLICAS
+from rankscope.shared.subjects import token
+from rankscope.shared.timestamps import now, to_epoch
+from rankscope.shared.wire import (
     InstanceCreated,
     InstanceReleased,
     PlacementEvent,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shared.wire import (
+from rankscope.shared.wire import (
     InstanceCreated,
     PlacementEvent,
     ReleaseCause,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shared.wire import (
+from rankscope.shared.wire import (
     Device,
     InstanceCreated,
     RankTable,

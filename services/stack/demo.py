@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from services.stack.terminal import Terminal
+from rankscope.services.stack.terminal import Terminal
 
 __all__ = ["DEMO_RUNNER", "drive"]
 

@@ -17,16 +17,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from services.stack.demo import drive
-from services.stack.supervisor import ChildSpec, Supervisor, keep_nats
-from services.stack.terminal import Terminal
-from shared.connection import close, connect
-from shared.jetstream import Layout, LayoutError, ensure
-from shared.nats_auth import OPERATOR, agent_user, render
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings, env_name, to_environ
-from shared.subjects import Subjects
-from shared.tiny_model import TinyModelSpec, write_tiny_model
+from rankscope.services.stack.demo import drive
+from rankscope.services.stack.supervisor import ChildSpec, Supervisor, keep_nats
+from rankscope.services.stack.terminal import Terminal
+from rankscope.shared.connection import close, connect
+from rankscope.shared.jetstream import Layout, LayoutError, ensure
+from rankscope.shared.nats_auth import OPERATOR, agent_user, render
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings, env_name, to_environ
+from rankscope.shared.subjects import Subjects
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
 
 __all__ = ["demo_model", "run"]
 

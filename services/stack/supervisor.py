@@ -14,10 +14,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.stack.store_watch import StoreWatch
-from services.stack.terminal import Terminal
-from shared.nats_server import EmbeddedNats, NatsServerError
-from shared.processes import LIFELINE_ENV, die_with_parent, signal_name
+from rankscope.services.stack.store_watch import StoreWatch
+from rankscope.services.stack.terminal import Terminal
+from rankscope.shared.nats_server import EmbeddedNats, NatsServerError
+from rankscope.shared.processes import LIFELINE_ENV, die_with_parent, signal_name
 
 __all__ = ["ChildSpec", "Supervisor", "keep_nats"]
 
@@ -86,7 +86,7 @@ class Supervisor:
         child.process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "services.cli",
+            "rankscope.services.cli",
             *child.spec.args,
             env={**self._env, **child.spec.env},
             stdin=asyncio.subprocess.DEVNULL,

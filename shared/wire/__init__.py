@@ -1,7 +1,7 @@
 """Wire models: the seeds' shapes and rankscope's own events, as msgspec Structs."""
 
-from shared.wire.codec import WireError, decode, decoder, encode
-from shared.wire.diagnosis import (
+from rankscope.shared.wire.codec import WireError, decode, decoder, encode
+from rankscope.shared.wire.diagnosis import (
     Diagnosis,
     FaultSignature,
     Finding,
@@ -16,8 +16,8 @@ from shared.wire.diagnosis import (
     SeenBefore,
     TimelineQuery,
 )
-from shared.wire.enums import Breadcrumb, Phase, RunnerStatusKind, TaskKind, TaskStatus
-from shared.wire.events import (
+from rankscope.shared.wire.enums import Breadcrumb, Phase, RunnerStatusKind, TaskKind, TaskStatus
+from rankscope.shared.wire.events import (
     TASK_HORIZON_S,
     ChatMessage,
     FlightEntry,
@@ -37,14 +37,14 @@ from shared.wire.events import (
     TaskStatusChanged,
     TokenChunk,
 )
-from shared.wire.memory import (
+from rankscope.shared.wire.memory import (
     ClusterMemory,
     Memory,
     MemoryPoint,
     MemorySeries,
     MlxMemorySnapshot,
 )
-from shared.wire.node_diagnostics import (
+from rankscope.shared.wire.node_diagnostics import (
     EvidenceRequest,
     ModelShapeAnswer,
     ModelShapeRequest,
@@ -54,9 +54,9 @@ from shared.wire.node_diagnostics import (
     RunnerEvidence,
     RunnerSupervisorDiagnostics,
 )
-from shared.wire.nodes import NodeInfo
-from shared.wire.placement import PlacementRunnerDiagnostics, PlacementTaskDiagnostics
-from shared.wire.ranktable import (
+from rankscope.shared.wire.nodes import NodeInfo
+from rankscope.shared.wire.placement import PlacementRunnerDiagnostics, PlacementTaskDiagnostics
+from rankscope.shared.wire.ranktable import (
     ClientInfo,
     Device,
     RankTable,
@@ -68,7 +68,7 @@ from shared.wire.ranktable import (
     SuperPod,
     SuperPodServer,
 )
-from shared.wire.runner_spec import (
+from rankscope.shared.wire.runner_spec import (
     ComputeInfo,
     ModelVersion,
     Nodepool,
@@ -78,8 +78,8 @@ from shared.wire.runner_spec import (
     Worker,
     WorkerModel,
 )
-from shared.wire.spec_status import RunnerSpecStatus
-from shared.wire.timeline import (
+from rankscope.shared.wire.spec_status import RunnerSpecStatus
+from rankscope.shared.wire.timeline import (
     Attrs,
     AttrValue,
     ClusterTimeline,

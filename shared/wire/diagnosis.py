@@ -7,11 +7,11 @@ from typing import Annotated
 
 import msgspec
 
-from shared.timestamps import parse_ts
-from shared.wire.base import CamelStruct
-from shared.wire.enums import Phase
-from shared.wire.memory import MlxMemorySnapshot
-from shared.wire.node_diagnostics import ProcessState
+from rankscope.shared.timestamps import parse_ts
+from rankscope.shared.wire.base import CamelStruct
+from rankscope.shared.wire.enums import Phase
+from rankscope.shared.wire.memory import MlxMemorySnapshot
+from rankscope.shared.wire.node_diagnostics import ProcessState
 
 __all__ = [
     "Diagnosis",

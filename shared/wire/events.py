@@ -11,11 +11,11 @@ from typing import Annotated
 
 import msgspec
 
-from shared.timestamps import check_ts, to_epoch
-from shared.wire.base import CamelStruct
-from shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
-from shared.wire.memory import MlxMemorySnapshot
-from shared.wire.timeline import Attrs, TimelineEntry
+from rankscope.shared.timestamps import check_ts, to_epoch
+from rankscope.shared.wire.base import CamelStruct
+from rankscope.shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
+from rankscope.shared.wire.memory import MlxMemorySnapshot
+from rankscope.shared.wire.timeline import Attrs, TimelineEntry
 
 __all__ = [
     "TASK_HORIZON_S",

@@ -3,7 +3,7 @@ over a span of time (`ClusterMemory`)."""
 
 from __future__ import annotations
 
-from shared.wire.base import CamelStruct
+from rankscope.shared.wire.base import CamelStruct
 
 __all__ = ["ClusterMemory", "Memory", "MemoryPoint", "MemorySeries", "MlxMemorySnapshot"]
 

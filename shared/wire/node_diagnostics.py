@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from shared.wire.base import CamelStruct
-from shared.wire.enums import Phase
-from shared.wire.memory import MlxMemorySnapshot
-from shared.wire.timeline import TimelineEntry
+from rankscope.shared.wire.base import CamelStruct
+from rankscope.shared.wire.enums import Phase
+from rankscope.shared.wire.memory import MlxMemorySnapshot
+from rankscope.shared.wire.timeline import TimelineEntry
 
 __all__ = [
     "EvidenceRequest",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.timestamps import check_ts
-from shared.wire.base import CamelStruct
+from rankscope.shared.timestamps import check_ts
+from rankscope.shared.wire.base import CamelStruct
 
 __all__ = ["NodeInfo"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.wire.base import CamelStruct
+from rankscope.shared.wire.base import CamelStruct
 
 __all__ = ["PlacementRunnerDiagnostics", "PlacementTaskDiagnostics"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from shared.wire.base import CamelStruct, SnakeStruct
+from rankscope.shared.wire.base import CamelStruct, SnakeStruct
 
 __all__ = [
     "ClientInfo",

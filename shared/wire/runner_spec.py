@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from shared.wire.base import SnakeStruct
+from rankscope.shared.wire.base import SnakeStruct
 
 __all__ = [
     "ComputeCluster",

@@ -10,11 +10,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from shared.wire.base import CamelStruct
-from shared.wire.enums import Phase
-from shared.wire.memory import MlxMemorySnapshot
-from shared.wire.placement import PlacementRunnerDiagnostics
-from shared.wire.timeline import Attrs
+from rankscope.shared.wire.base import CamelStruct
+from rankscope.shared.wire.enums import Phase
+from rankscope.shared.wire.memory import MlxMemorySnapshot
+from rankscope.shared.wire.placement import PlacementRunnerDiagnostics
+from rankscope.shared.wire.timeline import Attrs
 
 __all__ = [
     "ClusterDiagnostics",

@@ -6,8 +6,8 @@ the rank-table service, so neither writer ever overwrites the other.
 
 from __future__ import annotations
 
-from shared.wire.base import SnakeStruct
-from shared.wire.runner_spec import RunnerMetrics
+from rankscope.shared.wire.base import SnakeStruct
+from rankscope.shared.wire.runner_spec import RunnerMetrics
 
 __all__ = ["RunnerSpecStatus"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from shared.wire.base import CamelStruct
-from shared.wire.enums import Phase
-from shared.wire.memory import MlxMemorySnapshot
+from rankscope.shared.wire.base import CamelStruct
+from rankscope.shared.wire.enums import Phase
+from rankscope.shared.wire.memory import MlxMemorySnapshot
 
 __all__ = [
     "AttrValue",

@@ -21,14 +21,14 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.api import DeliverPolicy
 
-from services.agent.main import serve_until
-from shared.connection import connect
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings
-from shared.timestamps import format_ts, now
-from shared.tiny_model import TinyModelSpec, write_tiny_model
-from shared.wire import (
+from rankscope.services.agent.main import serve_until
+from rankscope.shared.connection import connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings
+from rankscope.shared.timestamps import format_ts, now
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
+from rankscope.shared.wire import (
     EvidenceRequest,
     FlightEntry,
     GenerationRequest,

@@ -12,12 +12,12 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.agent.agent import Agent
-from services.agent.publisher import TelemetryPublisher
-from shared.jetstream import Layout, ensure
-from shared.replay import follow
-from shared.timestamps import format_ts, later, now
-from shared.wire import (
+from rankscope.services.agent.agent import Agent
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.replay import follow
+from rankscope.shared.timestamps import format_ts, later, now
+from rankscope.shared.wire import (
     GenerationRequest,
     InstanceReleased,
     ReleaseCause,

@@ -13,13 +13,13 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import DeliverPolicy
 
-from services.agent.publisher import TelemetryPublisher
-from shared.connection import connect
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings
-from shared.timestamps import now
-from shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, decode
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.shared.connection import connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, decode
 
 pytestmark = pytest.mark.nats
 

@@ -11,17 +11,17 @@ import time
 from typing import Any
 from unittest.mock import MagicMock
 
-from services.agent.publisher import TelemetryPublisher
-from services.agent.runner import watchdog as watchdog_module
-from services.agent.runner.channel import Entries, Entry, Output
-from services.agent.runner.config import RunnerConfig
-from services.agent.runner.recorder import Recorder
-from services.agent.runner.shard import ring_hosts
-from services.agent.runner.watchdog import WEDGED_EXIT, Watchdog
-from services.agent.supervisor import RunnerSupervisor, exit_cause
-from shared.subjects import Subjects
-from shared.timestamps import now, parse_ts
-from shared.wire import Breadcrumb, MlxMemorySnapshot, Phase, RunnerAssignment, RunnerRef
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.services.agent.runner import watchdog as watchdog_module
+from rankscope.services.agent.runner.channel import Entries, Entry, Output
+from rankscope.services.agent.runner.config import RunnerConfig
+from rankscope.services.agent.runner.recorder import Recorder
+from rankscope.services.agent.runner.shard import ring_hosts
+from rankscope.services.agent.runner.watchdog import WEDGED_EXIT, Watchdog
+from rankscope.services.agent.supervisor import RunnerSupervisor, exit_cause
+from rankscope.shared.subjects import Subjects
+from rankscope.shared.timestamps import now, parse_ts
+from rankscope.shared.wire import Breadcrumb, MlxMemorySnapshot, Phase, RunnerAssignment, RunnerRef
 
 
 def _rank(rank: int, start: int, end: int) -> RunnerAssignment:

@@ -15,11 +15,11 @@ from typing import Any, cast
 import pytest
 from mlx.nn.layers.base import Module
 
-from services.agent.runner.generation import barrier
-from services.agent.runner.pipeline import split_layers
-from services.agent.runner.shard import connect_group, load_shard, ring_hosts
-from shared.tiny_model import ARCHITECTURES, TinyModelSpec, write_tiny_model
-from shared.wire import RunnerAssignment
+from rankscope.services.agent.runner.generation import barrier
+from rankscope.services.agent.runner.pipeline import split_layers
+from rankscope.services.agent.runner.shard import connect_group, load_shard, ring_hosts
+from rankscope.shared.tiny_model import ARCHITECTURES, TinyModelSpec, write_tiny_model
+from rankscope.shared.wire import RunnerAssignment
 from tests.gateway.conftest import free_port
 
 pytestmark = pytest.mark.mlx

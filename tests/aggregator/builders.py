@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from shared.partitions import partition_of
-from shared.subjects import token
-from shared.timestamps import format_ts
-from shared.wire import (
+from rankscope.shared.partitions import partition_of
+from rankscope.shared.subjects import token
+from rankscope.shared.timestamps import format_ts
+from rankscope.shared.wire import (
     FlightEntry,
     InstanceCreated,
     Phase,

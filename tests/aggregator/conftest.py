@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client
 
-from shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout, ensure
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.aggregator.service import AggregatorService
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from shared.jetstream import Layout
-from shared.wire import InstanceCreated, PhaseEntries, encode
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.wire import InstanceCreated, PhaseEntries, encode
 
 __all__ = ["WAIT", "Running", "aggregator", "publish", "query", "until"]
 

@@ -16,11 +16,11 @@ import httpx
 import pytest
 from nats.aio.client import Client
 
-from services.aggregator import alerts
-from services.aggregator.alerts import Alerter
-from services.aggregator.diagnosis import Thresholds
-from shared.jetstream import Layout
-from shared.wire import Phase
+from rankscope.services.aggregator import alerts
+from rankscope.services.aggregator.alerts import Alerter
+from rankscope.services.aggregator.diagnosis import Thresholds
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.wire import Phase
 from tests.agents_stand_in import answer_probes
 from tests.aggregator.builders import entries, placed, rank
 from tests.aggregator.running import aggregator, publish

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.aggregator.diagnosis import Incident, Thresholds, diagnose
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from shared.wire import (
+from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.wire import (
     AttrValue,
     Finding,
     FindingKind,

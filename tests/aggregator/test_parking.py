@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.aggregator.parking import Parked, Parking
-from shared.wire import Phase, PhaseEntries
+from rankscope.services.aggregator.parking import Parked, Parking
+from rankscope.shared.wire import Phase, PhaseEntries
 from tests.aggregator.builders import entries, rank
 
 

@@ -20,21 +20,21 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from services.aggregator import answers
-from services.aggregator import findings as findings_module
-from services.aggregator import liveness as liveness_module
-from services.aggregator.diagnosis import Thresholds
-from services.aggregator.ingest import FOLLOW_RELEASED_S
-from services.aggregator.liveness import NO_AGENT
-from services.aggregator.queries import VIEWS
-from services.aggregator.service import AggregatorService
-from services.aggregator.store import EntryStore
-from shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
-from shared.jetstream import Layout, ensure
-from shared.partitions import Partition
-from shared.subjects import token
-from shared.timestamps import format_ts, now
-from shared.wire import (
+from rankscope.services.aggregator import answers
+from rankscope.services.aggregator import findings as findings_module
+from rankscope.services.aggregator import liveness as liveness_module
+from rankscope.services.aggregator.diagnosis import Thresholds
+from rankscope.services.aggregator.ingest import FOLLOW_RELEASED_S
+from rankscope.services.aggregator.liveness import NO_AGENT
+from rankscope.services.aggregator.queries import VIEWS
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.partitions import Partition
+from rankscope.shared.subjects import token
+from rankscope.shared.timestamps import format_ts, now
+from rankscope.shared.wire import (
     ClusterTimeline,
     Diagnosis,
     Finding,

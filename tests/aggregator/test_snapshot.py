@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from services.aggregator import answers
-from services.aggregator.service import AggregatorService
-from services.aggregator.snapshot import SnapshotFile
-from services.aggregator.store import EntryStore
-from shared.jetstream import Layout, ensure
-from shared.wire import (
+from rankscope.services.aggregator import answers
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.snapshot import SnapshotFile
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.wire import (
     Phase,
     TaskCreated,
     TaskKind,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.aggregator.store import MAX_RUNS, EntryStore, SeqTracker
-from shared.timestamps import micros
-from shared.wire import Phase, encode
+from rankscope.services.aggregator.store import MAX_RUNS, EntryStore, SeqTracker
+from rankscope.shared.timestamps import micros
+from rankscope.shared.wire import Phase, encode
 from tests.aggregator.builders import at, entries, rank
 
 

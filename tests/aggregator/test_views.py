@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.aggregator import answers
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from shared.wire import (
+from rankscope.services.aggregator import answers
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.wire import (
     GenerationRequest,
     InstanceReleased,
     Phase,

@@ -15,13 +15,13 @@ import pytest
 import uvicorn
 from nats.aio.client import Client
 
-from services.aggregator.main import serve_until as aggregator
-from services.gateway.app import create_app
-from services.ranktable.main import serve_until as ranktable
-from shared.jetstream import Layout, ensure
-from shared.settings import Settings
-from shared.subjects import token
-from shared.wire import encode
+from rankscope.services.aggregator.main import serve_until as aggregator
+from rankscope.services.gateway.app import create_app
+from rankscope.services.ranktable.main import serve_until as ranktable
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.settings import Settings
+from rankscope.shared.subjects import token
+from rankscope.shared.wire import encode
 from tests.ranktable.builders import node_info
 
 

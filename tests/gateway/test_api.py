@@ -17,9 +17,9 @@ import msgspec
 import pytest
 from nats.aio.msg import Msg
 
-from shared.host import hostname
-from shared.timestamps import format_ts, now
-from shared.wire import (
+from rankscope.shared.host import hostname
+from rankscope.shared.timestamps import format_ts, now
+from rankscope.shared.wire import (
     Finding,
     FindingKind,
     FlightEntry,
@@ -603,7 +603,7 @@ async def test_a_task_every_rank_refused_as_asked_is_a_422_saying_why(stack_for:
 async def test_a_failure_one_node_reports_for_another_s_rank_ends_no_chat(
     stack_for: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("services.gateway.routes.chat.FAILURE_GRACE_S", 0.2)
+    monkeypatch.setattr("rankscope.services.gateway.routes.chat.FAILURE_GRACE_S", 0.2)
     stack: Stack = await stack_for()
     speaker = await _serving(stack)
     other = "node-a" if speaker == "node-b" else "node-b"
@@ -1005,7 +1005,7 @@ async def test_memory_over_time_keeps_each_slice_s_highest_sample(
     )  # fmt: skip
     bad = await stack.http.get("/v1/cluster/memory", params={"since": "yesterday"})
     assert bad.status_code == 422
-    monkeypatch.setattr("services.gateway.routes.cluster.MEMORY_SAMPLES", 50)
+    monkeypatch.setattr("rankscope.services.gateway.routes.cluster.MEMORY_SAMPLES", 50)
     too_many = await stack.http.get("/v1/cluster/memory", params=asked)
     assert too_many.status_code == 413
     assert "more than 50 memory samples" in too_many.json()["detail"]

@@ -35,7 +35,7 @@ async def cli(*args: str) -> tuple[int, str, str]:
     run = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "rankscope.services.cli",
         *args,
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,
@@ -118,7 +118,7 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
     read, write = os.pipe()
     os.close(read)  # as `| head` does once it has read enough: nobody reads what follows
     piped = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "timeline", "--url", url,
+        sys.executable, "-m", "rankscope.services.cli", "timeline", "--url", url,
         cwd=REPO, stdout=write, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     os.close(write)
@@ -202,7 +202,8 @@ async def test_following_a_job_with_no_table_yet_says_it_waits(stack_for: Any) -
     stack: Stack = await stack_for()
     url = str(stack.http.base_url).rstrip("/")
     follower = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "ranktable", "later-0", "--follow", "--url", url,
+        sys.executable, "-m", "rankscope.services.cli", "ranktable", "later-0", "--follow",
+        "--url", url,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

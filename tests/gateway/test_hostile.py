@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.app import MAX_BODY_BYTES
-from shared.subjects import MAX_TOKEN
+from rankscope.services.gateway.app import MAX_BODY_BYTES
+from rankscope.shared.subjects import MAX_TOKEN
 from tests.gateway.conftest import Stack
 from tests.gateway.test_api import SPEC
 

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
-from shared.subjects import AGGREGATOR_SERVICE
-from shared.wire import Phase
+from rankscope.shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
+from rankscope.shared.subjects import AGGREGATOR_SERVICE
+from rankscope.shared.wire import Phase
 from tests.aggregator.builders import entries, instances_by_partition, placed, rank
 from tests.aggregator.running import publish
 from tests.gateway.conftest import Stack
@@ -178,7 +178,7 @@ def replace_partition(stack: Stack, partition: int) -> tuple[asyncio.Event, asyn
 
 
 def test_health_of_partitions_sums_counters_and_joins_maps() -> None:
-    from services.gateway.scatter import merge
+    from rankscope.services.gateway.scatter import merge
 
     first = {"ready": True, "entries": 3, "badMessages": {"a": 1}, "partition": "0/2"}
     second = {"ready": False, "entries": 4, "badMessages": {"b": 2}, "partition": "1/2"}

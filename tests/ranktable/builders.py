@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.ranktable.placement import NodeView
-from shared.model_shape import ModelShape
-from shared.specs import PlacementSpec
-from shared.timestamps import now
-from shared.wire import (
+from rankscope.services.ranktable.placement import NodeView
+from rankscope.shared.model_shape import ModelShape
+from rankscope.shared.specs import PlacementSpec
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
     ComputeInfo,
     NodeInfo,
     Nodepool,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.ranktable.hub import TableHub
-from shared.wire import RankTableStream
+from rankscope.services.ranktable.hub import TableHub
+from rankscope.shared.wire import RankTableStream
 
 
 async def _first(hub: TableHub, job_id: str) -> tuple[int, RankTableStream]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.ranktable.placement import NewInstance, Plan, largest_remainder, plan
-from shared.model_shape import ModelShape
-from shared.specs import PlacementSpec
-from shared.timestamps import now
-from shared.wire import InstanceCreated, ReleaseCause
+from rankscope.services.ranktable.placement import NewInstance, Plan, largest_remainder, plan
+from rankscope.shared.model_shape import ModelShape
+from rankscope.shared.specs import PlacementSpec
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import InstanceCreated, ReleaseCause
 from tests.ranktable.builders import GiB, node, nodes, spec
 
 PORT_BASE = 52000

@@ -25,20 +25,20 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from services.agent.agent import Agent
-from services.agent.publisher import TelemetryPublisher
-from services.ranktable.grpc_server import serve
-from services.ranktable.grpcapi import config_pb2, config_pb2_grpc
-from services.ranktable.hub import TableHub
-from services.ranktable.models import ModelShapes
-from services.ranktable.service import RankTableService
-from shared.headers import VERSION_HEADER
-from shared.heartbeat import Heartbeat
-from shared.jetstream import Layout, ensure
-from shared.subjects import MAX_TOKEN, token
-from shared.timestamps import now
-from shared.tiny_model import TinyModelSpec, write_tiny_model
-from shared.wire import (
+from rankscope.services.agent.agent import Agent
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.services.ranktable.grpc_server import serve
+from rankscope.services.ranktable.grpcapi import config_pb2, config_pb2_grpc
+from rankscope.services.ranktable.hub import TableHub
+from rankscope.services.ranktable.models import ModelShapes
+from rankscope.services.ranktable.service import RankTableService
+from rankscope.shared.headers import VERSION_HEADER
+from rankscope.shared.heartbeat import Heartbeat
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.subjects import MAX_TOKEN, token
+from rankscope.shared.timestamps import now
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
+from rankscope.shared.wire import (
     InstanceCreated,
     NodeInfo,
     PlacementEvent,

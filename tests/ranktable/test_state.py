@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from services.ranktable.state import PlacementState, Readiness, apply_placement, apply_status
-from services.ranktable.tables import rank_table
-from shared.timestamps import now
-from shared.wire import (
+from rankscope.services.ranktable.state import (
+    PlacementState,
+    Readiness,
+    apply_placement,
+    apply_status,
+)
+from rankscope.services.ranktable.tables import rank_table
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
     InstanceCreated,
     InstanceReleased,
     RankTableStatus,

@@ -20,14 +20,14 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.stack.demo import spec
-from shared.connection import close, connect
-from shared.jetstream import Layout
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings, to_environ
-from shared.timestamps import now, to_epoch
-from shared.tiny_model import TinyModelSpec, write_tiny_model
-from shared.wire import (
+from rankscope.services.stack.demo import spec
+from rankscope.shared.connection import close, connect
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings, to_environ
+from rankscope.shared.timestamps import now, to_epoch
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
+from rankscope.shared.wire import (
     ClusterTimeline,
     Diagnosis,
     Finding,
@@ -83,7 +83,7 @@ class Deployment:
         """Run `rankscope <args>` (prefixed by `within`, e.g. `ip netns exec ns`)."""
         log = (self.root / f"{name}.log").open("wb")
         self.processes[name] = subprocess.Popen(
-            [*within, sys.executable, "-m", "services.cli", *args],
+            [*within, sys.executable, "-m", "rankscope.services.cli", *args],
             cwd=REPO,
             env={**self.env, **env},
             stdout=log,

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 from nats.errors import Error as NatsError
 
-from services.aggregator import answers
-from services.aggregator.service import AggregatorService
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from shared.connection import connect
-from shared.headers import ERROR_CODE_HEADER
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings
-from shared.wire import ClusterTimeline, Phase, TimelineQuery, decode, encode
+from rankscope.services.aggregator import answers
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.connection import connect
+from rankscope.shared.headers import ERROR_CODE_HEADER
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings
+from rankscope.shared.wire import ClusterTimeline, Phase, TimelineQuery, decode, encode
 from tests.aggregator.builders import entries, placed, rank
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -37,7 +37,7 @@ def _start(url: str, data: Path, node_id: str) -> subprocess.Popen[bytes]:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "rankscope.services.cli",
             "aggregator",
             "--data-dir",
             str(data),

@@ -18,12 +18,12 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from shared.connection import close, connect
-from shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings, to_environ
-from shared.wire import ClusterTimeline, Phase, decode, encode
+from rankscope.shared.connection import close, connect
+from rankscope.shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings, to_environ
+from rankscope.shared.wire import ClusterTimeline, Phase, decode, encode
 from tests.aggregator.builders import entries, placed, rank
 from tests.aggregator.builders import instances_by_partition as by_partition
 from tests.gateway.conftest import free_port
@@ -52,7 +52,7 @@ class Cluster:
     def _start(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
         base = {k: v for k, v in os.environ.items() if not k.startswith("RANKSCOPE_")}
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
+            [sys.executable, "-m", "rankscope.services.cli", *args],
             cwd=REPO,
             env={**base, **to_environ(self.settings), **env},
         )

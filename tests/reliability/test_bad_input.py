@@ -21,20 +21,20 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
-from services.agent.agent import Agent
-from services.agent.publisher import TelemetryPublisher
-from services.aggregator.service import AggregatorService
-from services.aggregator.store import EntryStore
-from services.aggregator.views import ClusterState
-from services.ranktable.hub import TableHub
-from services.ranktable.service import RankTableService
-from shared.connection import connect
-from shared.jetstream import Layout, ensure
-from shared.nats_server import EmbeddedNats
-from shared.replay import follow
-from shared.settings import Settings
-from shared.subjects import Subjects
-from shared.wire import Phase, RunnerSpecStatus, decode, encode
+from rankscope.services.agent.agent import Agent
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.services.aggregator.service import AggregatorService
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.ranktable.hub import TableHub
+from rankscope.services.ranktable.service import RankTableService
+from rankscope.shared.connection import connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.replay import follow
+from rankscope.shared.settings import Settings
+from rankscope.shared.subjects import Subjects
+from rankscope.shared.wire import Phase, RunnerSpecStatus, decode, encode
 from tests.aggregator.builders import entries, placed, rank
 from tests.ranktable.builders import node_info, runner
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from shared.connection import close, connect
-from shared.jetstream import Layout, ensure
-from shared.nats_auth import OPERATOR, ROLES, agent_user, render
-from shared.nats_server import EmbeddedNats
-from shared.settings import Settings, to_environ
+from rankscope.shared.connection import close, connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_auth import OPERATOR, ROLES, agent_user, render
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.settings import Settings, to_environ
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -86,7 +86,7 @@ async def test_a_service_whose_connection_is_closed_for_good_exits_non_zero(
     service = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "rankscope.services.cli",
         *command,
         env={**os.environ, **to_environ(settings)},
         stderr=asyncio.subprocess.PIPE,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from shared.wire import (
+from rankscope.shared.wire import (
     Finding,
     FindingKind,
     Phase,

@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import pytest_asyncio
 
-from shared.jetstream import Layout
-from shared.wire import (
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.wire import (
     Finding,
     FindingKind,
     Phase,

@@ -14,12 +14,12 @@ from nats.errors import Error as NatsError
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from nats.js.errors import NotFoundError
 
-from shared.connection import close, connect
-from shared.jetstream import Layout, ensure
-from shared.nats_auth import OPERATOR, ROLES, agent_user, render
-from shared.nats_server import EmbeddedNats
-from shared.replay import follow
-from shared.settings import Settings
+from rankscope.shared.connection import close, connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_auth import OPERATOR, ROLES, agent_user, render
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.replay import follow
+from rankscope.shared.settings import Settings
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
 

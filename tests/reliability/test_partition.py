@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from shared.nats_server import EmbeddedNats
-from shared.timestamps import format_ts, to_epoch
-from shared.wire import ClusterTimeline, Phase, decode
+from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.timestamps import format_ts, to_epoch
+from rankscope.shared.wire import ClusterTimeline, Phase, decode
 from tests.gateway.conftest import free_port
 from tests.reliability.deployment import (
     FAULT_TEST_MARKS,

@@ -14,11 +14,11 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import APIError
 
-from shared.connection import close, connect
-from shared.jetstream import Layout, ensure
-from shared.nats_server import CONFIG, EmbeddedNats
-from shared.settings import Settings
-from shared.wire import Diagnosis, FindingKind, decode
+from rankscope.shared.connection import close, connect
+from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.nats_server import CONFIG, EmbeddedNats
+from rankscope.shared.settings import Settings
+from rankscope.shared.wire import Diagnosis, FindingKind, decode
 from tests.aggregator.running import aggregator, query, until
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
@@ -80,7 +80,7 @@ async def test_a_full_store_is_one_finding_and_not_ready_until_there_is_room(
 def test_up_on_a_store_too_small_for_its_streams_says_so_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
         [
-            sys.executable, "-m", "services.cli", "up", "--nats-port", "0",
+            sys.executable, "-m", "rankscope.services.cli", "up", "--nats-port", "0",
             "--gateway-port", "0", "--grpc-port", "0", "--data-dir", str(tmp_path),
             "--telemetry-max-bytes", str(10**18),
         ],

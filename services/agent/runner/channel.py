@@ -14,7 +14,7 @@ import signal
 
 import msgspec
 
-from shared.wire import (
+from rankscope.shared.wire import (
     Attrs,
     MlxMemorySnapshot,
     Phase,

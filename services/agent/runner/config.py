@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.wire import RunnerAssignment, RunnerRef
+from rankscope.shared.wire import RunnerAssignment, RunnerRef
 
 __all__ = ["RunnerConfig", "Timeouts"]
 

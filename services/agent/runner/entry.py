@@ -7,8 +7,8 @@ from __future__ import annotations
 from multiprocessing.queues import Queue
 from pathlib import Path
 
-from services.agent.runner.channel import ToAgent, ToRunner
-from services.agent.runner.config import RunnerConfig
+from rankscope.services.agent.runner.channel import ToAgent, ToRunner
+from rankscope.services.agent.runner.config import RunnerConfig
 
 __all__ = ["runner_main", "unsupported"]
 
@@ -20,13 +20,13 @@ def runner_main(
     tasks: Queue[ToRunner],
 ) -> None:
     """Entry point of the spawned runner process."""
-    from services.agent.runner import process
+    from rankscope.services.agent.runner import process
 
     process.runner_main(config, telemetry, control, tasks)
 
 
 def unsupported(path: Path) -> str | None:
     """Why this node's mlx-lm cannot split the model at `path`, if it cannot."""
-    from services.agent.runner import shard
+    from rankscope.services.agent.runner import shard
 
     return shard.unsupported(path)

@@ -22,11 +22,11 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from services.agent.runner.config import RunnerConfig
-from services.agent.runner.recorder import Recorder
-from services.agent.runner.shard import LoadedShard
-from services.agent.runner.watchdog import Watchdog
-from shared.wire import Attrs, Phase, TaskCreated
+from rankscope.services.agent.runner.config import RunnerConfig
+from rankscope.services.agent.runner.recorder import Recorder
+from rankscope.services.agent.runner.shard import LoadedShard
+from rankscope.services.agent.runner.watchdog import Watchdog
+from rankscope.shared.wire import Attrs, Phase, TaskCreated
 
 __all__ = ["CANCEL_CHECK_EVERY", "PREFILL_CHUNK", "STREAM", "Generation", "RefusedError", "barrier"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from shared.timestamps import now
-from shared.wire import Memory, MlxMemorySnapshot
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import Memory, MlxMemorySnapshot
 
 __all__ = ["snapshot"]
 

@@ -17,16 +17,22 @@ from typing import Any, cast
 import mlx.core as mx
 from setproctitle import setproctitle
 
-from services.agent.runner.channel import PERMANENT_EXIT, STACK_SIGNAL, Stop, ToAgent, ToRunner
-from services.agent.runner.config import RunnerConfig
-from services.agent.runner.generation import STREAM, Generation, RefusedError, barrier
-from services.agent.runner.memory import snapshot
-from services.agent.runner.recorder import Recorder
-from services.agent.runner.shard import connect_group, load_shard, ring_hosts
-from services.agent.runner.watchdog import Watchdog
-from shared.processes import die_with_parent, watch_parent
-from shared.timestamps import now
-from shared.wire import (
+from rankscope.services.agent.runner.channel import (
+    PERMANENT_EXIT,
+    STACK_SIGNAL,
+    Stop,
+    ToAgent,
+    ToRunner,
+)
+from rankscope.services.agent.runner.config import RunnerConfig
+from rankscope.services.agent.runner.generation import STREAM, Generation, RefusedError, barrier
+from rankscope.services.agent.runner.memory import snapshot
+from rankscope.services.agent.runner.recorder import Recorder
+from rankscope.services.agent.runner.shard import connect_group, load_shard, ring_hosts
+from rankscope.services.agent.runner.watchdog import Watchdog
+from rankscope.shared.processes import die_with_parent, watch_parent
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
     Breadcrumb,
     GenerationRequest,
     Phase,

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.queues import Queue
 
-from services.agent.runner.channel import (
+from rankscope.services.agent.runner.channel import (
     Entries,
     Entry,
     Memory,
@@ -27,8 +27,8 @@ from services.agent.runner.channel import (
     TaskReport,
     ToAgent,
 )
-from shared.timestamps import now
-from shared.wire import Attrs, MlxMemorySnapshot, Phase, RunnerStatusKind, TaskStatus
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import Attrs, MlxMemorySnapshot, Phase, RunnerStatusKind, TaskStatus
 
 __all__ = ["BATCH_WINDOW_S", "Recorder"]
 

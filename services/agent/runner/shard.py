@@ -17,8 +17,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes as model_classes
 from mlx_lm.utils import load_config, load_model, load_tokenizer
 
-from services.agent.runner.pipeline import split_layers
-from shared.wire import RunnerAssignment
+from rankscope.services.agent.runner.pipeline import split_layers
+from rankscope.shared.wire import RunnerAssignment
 
 __all__ = ["LoadedShard", "connect_group", "load_shard", "ring_hosts", "unsupported"]
 

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-from services.agent.runner.recorder import Recorder
-from shared.timestamps import from_micros
-from shared.wire import Breadcrumb, Phase
+from rankscope.services.agent.runner.recorder import Recorder
+from rankscope.shared.timestamps import from_micros
+from rankscope.shared.wire import Breadcrumb, Phase
 
 __all__ = ["WAIT_NOTE_S", "WEDGED_EXIT", "Watchdog"]
 

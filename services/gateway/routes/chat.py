@@ -18,15 +18,15 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from nats.aio.msg import Msg
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from services.gateway.bodies import strict
-from services.gateway.bus import Bus, BusError
-from services.gateway.deps import bus, writer
-from services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
-from services.gateway.scatter import missing
-from shared.settings import Settings
-from shared.subjects import Subjects
-from shared.timestamps import later, now
-from shared.wire import (
+from rankscope.services.gateway.bodies import strict
+from rankscope.services.gateway.bus import Bus, BusError
+from rankscope.services.gateway.deps import bus, writer
+from rankscope.services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
+from rankscope.services.gateway.scatter import missing
+from rankscope.shared.settings import Settings
+from rankscope.shared.subjects import Subjects
+from rankscope.shared.timestamps import later, now
+from rankscope.shared.wire import (
     ChatMessage,
     GenerationRequest,
     InstanceState,
@@ -41,7 +41,7 @@ from shared.wire import (
     decode,
     encode,
 )
-from shared.wire.base import SnakeStruct
+from rankscope.shared.wire.base import SnakeStruct
 
 __all__ = ["ChatRequest", "router"]
 

@@ -7,13 +7,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 
-from services.gateway.bus import Bus, BusError
-from services.gateway.deps import bus, reader
-from services.gateway.memory import series
-from services.gateway.responses import Json, fail, schema_ref
-from services.gateway.trace import to_trace
-from shared.timestamps import format_ts, micros, now, parse_ts
-from shared.wire import (
+from rankscope.services.gateway.bus import Bus, BusError
+from rankscope.services.gateway.deps import bus, reader
+from rankscope.services.gateway.memory import series
+from rankscope.services.gateway.responses import Json, fail, schema_ref
+from rankscope.services.gateway.trace import to_trace
+from rankscope.shared.timestamps import format_ts, micros, now, parse_ts
+from rankscope.shared.wire import (
     ClusterMemory,
     ClusterTimeline,
     Diagnosis,

@@ -9,16 +9,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response
 
-from services.gateway.bundle import Bundle
-from services.gateway.bus import Bus
-from services.gateway.deps import bus, reader
-from services.gateway.responses import Json, fail, schema_ref
-from services.gateway.routes.cluster import moment
-from services.gateway.trace import to_trace
-from shared.signatures import seen_before
-from shared.subjects import token
-from shared.timestamps import format_ts, now, parse_ts
-from shared.wire import (
+from rankscope.services.gateway.bundle import Bundle
+from rankscope.services.gateway.bus import Bus
+from rankscope.services.gateway.deps import bus, reader
+from rankscope.services.gateway.responses import Json, fail, schema_ref
+from rankscope.services.gateway.routes.cluster import moment
+from rankscope.services.gateway.trace import to_trace
+from rankscope.shared.signatures import seen_before
+from rankscope.shared.subjects import token
+from rankscope.shared.timestamps import format_ts, now, parse_ts
+from rankscope.shared.wire import (
     ClusterTimeline,
     Diagnosis,
     FaultSignature,

@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends
 from nats.aio.msg import Msg
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from services.gateway.bus import Bus
-from services.gateway.deps import bus, reader
-from services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
-from shared.headers import VERSION_HEADER
-from shared.wire import RankTable, RankTableStream, decode, encode
+from rankscope.services.gateway.bus import Bus
+from rankscope.services.gateway.deps import bus, reader
+from rankscope.services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
+from rankscope.shared.headers import VERSION_HEADER
+from rankscope.shared.wire import RankTable, RankTableStream, decode, encode
 
 __all__ = ["router"]
 

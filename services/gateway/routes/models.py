@@ -8,11 +8,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 
-from services.gateway.bus import Bus
-from services.gateway.deps import bus, reader
-from services.gateway.responses import Json, fail
-from shared.timestamps import to_epoch
-from shared.wire import Runner, decode
+from rankscope.services.gateway.bus import Bus
+from rankscope.services.gateway.deps import bus, reader
+from rankscope.services.gateway.responses import Json, fail
+from rankscope.shared.timestamps import to_epoch
+from rankscope.shared.wire import Runner, decode
 
 __all__ = ["router"]
 

@@ -10,12 +10,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.responses import PlainTextResponse, Response
 
-from services.gateway.bus import Bus, BusError
-from services.gateway.deps import NOT_YET, bus, reader
-from services.gateway.metrics import cluster_families, exposition, gauge
-from services.gateway.responses import Json
-from shared.connection import slow_consumer_drops
-from shared.wire import ClusterTimeline, Diagnosis, RunnerHistory, decode
+from rankscope.services.gateway.bus import Bus, BusError
+from rankscope.services.gateway.deps import NOT_YET, bus, reader
+from rankscope.services.gateway.metrics import cluster_families, exposition, gauge
+from rankscope.services.gateway.responses import Json
+from rankscope.shared.connection import slow_consumer_drops
+from rankscope.shared.wire import ClusterTimeline, Diagnosis, RunnerHistory, decode
 
 __all__ = ["router"]
 

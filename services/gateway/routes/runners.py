@@ -11,15 +11,15 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import APIRouter, Depends, Query, Request
 
-from services.gateway.bodies import strict
-from services.gateway.bus import Bus
-from services.gateway.deps import bus, reader, settings, writer
-from services.gateway.responses import Json, fail, schema_ref
-from shared.settings import Settings
-from shared.specs import SpecError, validate
-from shared.timestamps import now
-from shared.wire import Runner, RunnerSpecStatus, decode, encode
-from shared.wire.base import SnakeStruct
+from rankscope.services.gateway.bodies import strict
+from rankscope.services.gateway.bus import Bus
+from rankscope.services.gateway.deps import bus, reader, settings, writer
+from rankscope.services.gateway.responses import Json, fail, schema_ref
+from rankscope.shared.settings import Settings
+from rankscope.shared.specs import SpecError, validate
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import Runner, RunnerSpecStatus, decode, encode
+from rankscope.shared.wire.base import SnakeStruct
 
 __all__ = ["router"]
 

@@ -11,21 +11,21 @@ from typing import Annotated, Literal
 import msgspec
 from fastapi import APIRouter, Depends, Request
 
-from services.gateway.bodies import strict
-from services.gateway.bus import Bus, BusError
-from services.gateway.deps import reader, writer
-from services.gateway.responses import Json, fail, schema_ref
-from services.gateway.routes.cluster import Filters, Nats, timeline
-from services.gateway.skulk import node_bundle
-from shared.timestamps import now
-from shared.wire import (
+from rankscope.services.gateway.bodies import strict
+from rankscope.services.gateway.bus import Bus, BusError
+from rankscope.services.gateway.deps import reader, writer
+from rankscope.services.gateway.responses import Json, fail, schema_ref
+from rankscope.services.gateway.routes.cluster import Filters, Nats, timeline
+from rankscope.services.gateway.skulk import node_bundle
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
     ClusterTimeline,
     InstanceState,
     PlacementRunnerDiagnostics,
     TaskStatus,
     decode,
 )
-from shared.wire.skulk import (
+from rankscope.shared.wire.skulk import (
     ClusterDiagnostics,
     ClusterNodeDiagnostics,
     DiagnosticCaptureRequest,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.ranktable.grpcapi import config_pb2 as services_dot_ranktable_dot_grpcapi_dot_config__pb2
+from rankscope.services.ranktable.grpcapi import config_pb2 as services_dot_ranktable_dot_grpcapi_dot_config__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
