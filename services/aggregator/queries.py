@@ -8,7 +8,6 @@ import asyncio
 import functools
 from collections.abc import Callable
 from importlib.metadata import version
-from typing import Any
 
 from nats.aio.client import Client
 from nats.micro import add_service
@@ -21,6 +20,7 @@ from rankscope.shared.partitions import Partition
 from rankscope.shared.subjects import AGGREGATOR_SERVICE, Subjects
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
+    AggregatorHealth,
     Diagnosis,
     Finding,
     PlacementQuery,
@@ -72,7 +72,7 @@ class Queries:
         partition: Partition,
         node_id: str,
         findings: Callable[[], list[Finding]],
-        health: Callable[[], dict[str, Any]],
+        health: Callable[[], AggregatorHealth],
         clock: Callable[[], float],
     ) -> None:
         self._nc = nc

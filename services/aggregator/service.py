@@ -10,7 +10,6 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -30,6 +29,7 @@ from rankscope.shared.jetstream import Layout
 from rankscope.shared.partitions import Partition
 from rankscope.shared.replay import Follower, follow_bucket
 from rankscope.shared.storage import Storage
+from rankscope.shared.wire import AggregatorHealth
 
 __all__ = ["AggregatorService"]
 
@@ -189,28 +189,28 @@ class AggregatorService:
         if self.ready.is_set():
             await self._snapshots.keep(self.ingest.folding)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> AggregatorHealth:
         """Readiness and counters, for /readyz and /metrics."""
-        return {
-            "ready": self.ready.is_set() and self.reach.reachable and self.storage.storing,
-            "partition": str(self.partition),
-            "storageProblem": self.storage.why(),
-            "natsReachable": self.reach.reachable,
-            "natsOutages": self.reach.outages,
-            "entries": self.state.store.size,
-            "evictedEntries": self.state.store.evicted,
-            "runners": len(self.state.runners),
-            "duplicates": self.state.duplicates,
-            "badMessages": dict(self.dead_letters.counts),
-            "missingSeqs": {
+        return AggregatorHealth(
+            ready=self.ready.is_set() and self.reach.reachable and self.storage.storing,
+            partition=str(self.partition),
+            storageProblem=self.storage.why(),
+            natsReachable=self.reach.reachable,
+            natsOutages=self.reach.outages,
+            entries=self.state.store.size,
+            evictedEntries=self.state.store.evicted,
+            runners=len(self.state.runners),
+            duplicates=self.state.duplicates,
+            badMessages=dict(self.dead_letters.counts),
+            missingSeqs={
                 r: v.seqs.missing for r, v in self.state.runners.items() if v.seqs.missing
             },
-            "openFindings": len(self.findings.incidents),
-            "queuedTasks": self.state.queued(),
-            "slowConsumerDrops": slow_consumer_drops(),
-            "followerRestarts": sum(f.restarts for f in self._followers),
-            "clockOffsets": {n: round(o, 3) for n, o in self.liveness.clock_offsets.items()},
-        }
+            openFindings=len(self.findings.incidents),
+            queuedTasks=self.state.queued(),
+            slowConsumerDrops=slow_consumer_drops(),
+            followerRestarts=sum(f.restarts for f in self._followers),
+            clockOffsets={n: round(o, 3) for n, o in self.liveness.clock_offsets.items()},
+        )
 
 
 async def _freeze_heap_forever(stop: asyncio.Event) -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rankscope.shared.wire import ClusterTimeline, Diagnosis, RunnerHistory
+from rankscope.shared.wire import AggregatorHealth, ClusterTimeline, Diagnosis, RunnerHistory
 
 __all__ = ["RequestMetrics", "cluster_families", "exposition", "gauge"]
 
@@ -71,7 +70,7 @@ def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
 
 
 def cluster_families(
-    health: dict[str, Any],
+    health: AggregatorHealth,
     timeline: ClusterTimeline,
     diagnosis: Diagnosis,
     history: list[RunnerHistory],
@@ -112,21 +111,21 @@ def cluster_families(
         "negative: behind).",
         labels=["node"],
     )
-    for node, offset in sorted(health.get("clockOffsets", {}).items()):
+    for node, offset in sorted(health.clockOffsets.items()):
         clocks.add_metric([node], offset)
     queued = GaugeMetricFamily(
         "rankscope_instance_queued_tasks",
         "Generations of an instance not yet over on every rank (waiting or running).",
         labels=["instance"],
     )
-    for instance, depth in sorted(health.get("queuedTasks", {}).items()):
+    for instance, depth in sorted(health.queuedTasks.items()):
         queued.add_metric([instance], depth)
     bad = CounterMetricFamily(
         "rankscope_aggregator_bad_messages",
         "Messages the aggregator could not apply, dead-lettered, by kind.",
         labels=["kind"],
     )
-    for kind, count in sorted(health.get("badMessages", {}).items()):
+    for kind, count in sorted(health.badMessages.items()):
         bad.add_metric([kind], count)
     return [
         runners,
@@ -134,16 +133,16 @@ def cluster_families(
         memory,
         clocks,
         gauge("rankscope_aggregator_entries", "Entries the aggregator holds.",
-              health.get("entries", 0)),
+              health.entries),
         _counter("rankscope_aggregator_duplicates", "Telemetry received twice and ignored.",
-                 health.get("duplicates", 0)),
+                 health.duplicates),
         _counter("rankscope_aggregator_slow_consumer_drops",
                  "Messages the aggregator's NATS client dropped (always 0 unless something "
-                 "is wrong).", health.get("slowConsumerDrops", 0)),
+                 "is wrong).", health.slowConsumerDrops),
         _counter("rankscope_aggregator_follower_restarts",
                  "Stream consumers replaced after a gap, a stall or a lost consumer (nothing "
                  "is lost: each resumes after its last handled message).",
-                 health.get("followerRestarts", 0)),
+                 health.followerRestarts),
         queued,
         bad,
         *_telemetry(history),

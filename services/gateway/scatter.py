@@ -8,7 +8,6 @@ separated) and, when it is a JSON object, a field `missingPartitions` naming eac
 from __future__ import annotations
 
 import contextvars
-import json
 from typing import Any
 
 import msgspec
@@ -17,20 +16,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rankscope.shared.headers import MISSING_PARTITIONS_HEADER
 from rankscope.shared.timestamps import now
-from rankscope.shared.wire import TimelineQuery, decode, encode
+from rankscope.shared.wire import (
+    AggregatorHealth,
+    MissingPartition,
+    TimelineQuery,
+    decode,
+    encode,
+)
 
 __all__ = ["MissingPartitions", "merge", "missing", "with_missing"]
 
 _missing: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "missing_partitions", default=None
 )
-
-
-class MissingPartition(msgspec.Struct, rename="camel", frozen=True):
-    """A partition left out of an answer, and why."""
-
-    partition: int
-    reason: str
 
 
 class _Key(msgspec.Struct, rename="camel", frozen=True):
@@ -110,22 +108,25 @@ def _diagnosis(answers: list[bytes]) -> bytes:
 
 
 def _health(answers: list[bytes]) -> bytes:
-    """Counters summed, maps joined, ready only when every partition is."""
+    """Counters summed, maps joined, ready only when every partition is, the first
+    storage problem said."""
     merged: dict[str, Any] = {}
-    for health in map(json.loads, answers):
-        for key, value in health.items():
+    for health in (decode(answer, AggregatorHealth) for answer in answers):
+        for key, value in msgspec.structs.asdict(health).items():
             held = merged.get(key)
             if held is None:
                 merged[key] = value
-            elif isinstance(value, bool):
-                merged[key] = held and value
-            elif isinstance(value, int | float):
-                merged[key] = held + value
-            elif isinstance(value, dict):
-                merged[key] = held | value
             elif key == "partition":
                 merged[key] = f"{held},{value}"
-    return encode(merged)
+            elif isinstance(value, bool):
+                merged[key] = held and value
+            elif isinstance(value, dict):
+                merged[key] = held | value
+            elif isinstance(value, int | float | list):
+                merged[key] = held + value
+            elif not held:
+                merged[key] = value
+    return encode(msgspec.convert(merged, AggregatorHealth))
 
 
 def _concatenated(answers: list[bytes]) -> bytes:

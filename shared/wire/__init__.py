@@ -2,11 +2,13 @@
 
 from rankscope.shared.wire.codec import WireError, decode, decoder, encode
 from rankscope.shared.wire.diagnosis import (
+    AggregatorHealth,
     Diagnosis,
     FaultSignature,
     Finding,
     FindingKind,
     InstanceState,
+    MissingPartition,
     PlacementQuery,
     QueryError,
     RankEvidence,
@@ -90,6 +92,7 @@ from rankscope.shared.wire.timeline import (
 
 __all__ = [
     "TASK_HORIZON_S",
+    "AggregatorHealth",
     "AttrValue",
     "Attrs",
     "Breadcrumb",
@@ -113,6 +116,7 @@ __all__ = [
     "MemoryPoint",
     "MemorySampled",
     "MemorySeries",
+    "MissingPartition",
     "MlxMemorySnapshot",
     "ModelShapeAnswer",
     "ModelShapeRequest",

@@ -232,3 +232,34 @@ class QueryError(CamelStruct, kw_only=True, frozen=True):
 
     status: int
     error: str
+
+
+class MissingPartition(CamelStruct, kw_only=True, frozen=True):
+    """An aggregator partition left out of an answer, and why."""
+
+    partition: int
+    reason: str
+
+
+class AggregatorHealth(CamelStruct, kw_only=True, frozen=True):
+    """An aggregator's readiness and counters (`rankscope.query.health`); the gateway's
+    answer from every partition sums the counters, joins the maps and names the partitions
+    that did not answer."""
+
+    ready: bool
+    partition: str
+    storageProblem: str = ""
+    natsReachable: bool = True
+    natsOutages: int = 0
+    entries: int = 0
+    evictedEntries: int = 0
+    runners: int = 0
+    duplicates: int = 0
+    badMessages: dict[str, int] = {}
+    missingSeqs: dict[str, int] = {}
+    openFindings: int = 0
+    queuedTasks: dict[str, int] = {}
+    slowConsumerDrops: int = 0
+    followerRestarts: int = 0
+    clockOffsets: dict[str, float] = {}
+    missingPartitions: list[MissingPartition] = []

@@ -14,7 +14,7 @@ import pytest
 
 from rankscope.shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
 from rankscope.shared.subjects import AGGREGATOR_SERVICE
-from rankscope.shared.wire import Phase
+from rankscope.shared.wire import AggregatorHealth, Phase, decode
 from tests.aggregator.builders import entries, instances_by_partition, placed, rank
 from tests.aggregator.running import publish
 from tests.gateway.conftest import Stack
@@ -181,13 +181,17 @@ def test_health_of_partitions_sums_counters_and_joins_maps() -> None:
     from rankscope.services.gateway.scatter import merge
 
     first = {"ready": True, "entries": 3, "badMessages": {"a": 1}, "partition": "0/2"}
-    second = {"ready": False, "entries": 4, "badMessages": {"b": 2}, "partition": "1/2"}
-    merged = json.loads(
-        merge("health", {}, [json.dumps(first).encode(), json.dumps(second).encode()])
-    )
-    assert merged == {
+    second = {
         "ready": False,
-        "entries": 7,
-        "badMessages": {"a": 1, "b": 2},
-        "partition": "0/2,1/2",
+        "entries": 4,
+        "badMessages": {"b": 2},
+        "partition": "1/2",
+        "storageProblem": "JetStream not storing since 12:00:00Z",
     }
+    merged = decode(
+        merge("health", {}, [json.dumps(first).encode(), json.dumps(second).encode()]),
+        AggregatorHealth,
+    )
+    assert (merged.ready, merged.entries, merged.partition) == (False, 7, "0/2,1/2")
+    assert merged.badMessages == {"a": 1, "b": 2}
+    assert merged.storageProblem == "JetStream not storing since 12:00:00Z"

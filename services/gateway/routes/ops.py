@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -15,7 +14,14 @@ from rankscope.services.gateway.deps import NOT_YET, bus, reader
 from rankscope.services.gateway.metrics import cluster_families, exposition, gauge
 from rankscope.services.gateway.responses import Json
 from rankscope.shared.connection import slow_consumer_drops
-from rankscope.shared.wire import ClusterTimeline, Diagnosis, RunnerHistory, decode
+from rankscope.shared.wire import (
+    AggregatorHealth,
+    ClusterTimeline,
+    Diagnosis,
+    RunnerHistory,
+    WireError,
+    decode,
+)
 
 __all__ = ["router"]
 
@@ -41,20 +47,21 @@ async def readyz(request: Request) -> Json:
     if not await nats.reach.check():
         return Json({"status": "unavailable", "reason": nats.reach.why()}, status_code=503)
     try:
-        health = json.loads(await nats.query("health"))
-    except BusError as exc:
-        return Json({"status": "unavailable", "reason": exc.detail}, status_code=503)
-    if missing := health.get("missingPartitions"):
-        reason = "; ".join(f"partition {m['partition']}: {m['reason']}" for m in missing)
+        health = decode(await nats.query("health"), AggregatorHealth)
+    except (BusError, WireError) as exc:
+        reason = exc.detail if isinstance(exc, BusError) else f"a bad health answer: {exc}"
         return Json({"status": "unavailable", "reason": reason}, status_code=503)
-    if not health.get("natsReachable", True):
+    if missing := health.missingPartitions:
+        reason = "; ".join(f"partition {m.partition}: {m.reason}" for m in missing)
+        return Json({"status": "unavailable", "reason": reason}, status_code=503)
+    if not health.natsReachable:
         return Json(
             {"status": "unavailable", "reason": "the aggregator cannot reach NATS"},
             status_code=503,
         )
-    if health.get("storageProblem"):
-        return Json({"status": "unavailable", "reason": health["storageProblem"]}, status_code=503)
-    if not health.get("ready"):
+    if health.storageProblem:
+        return Json({"status": "unavailable", "reason": health.storageProblem}, status_code=503)
+    if not health.ready:
         return Json(
             {"status": "unavailable", "reason": "the aggregator is rebuilding its views"},
             status_code=503,
@@ -80,11 +87,11 @@ async def metrics(request: Request, nats: Nats) -> Response:
         ),
     ]
     try:
-        health = json.loads(await nats.query("health"))
+        health = decode(await nats.query("health"), AggregatorHealth)
         timeline = decode(await nats.query("timeline", {"limit": 1}), ClusterTimeline)
         diagnosis = decode(await nats.query("diagnosis"), Diagnosis)
         history = decode(await nats.query("history"), list[RunnerHistory])
-    except BusError:
+    except (BusError, WireError):
         families.append(gauge("rankscope_aggregator_up", "Whether the aggregator answered.", 0))
     else:
         families.append(gauge("rankscope_aggregator_up", "Whether the aggregator answered.", 1))
@@ -92,7 +99,7 @@ async def metrics(request: Request, nats: Nats) -> Response:
             gauge(
                 "rankscope_aggregator_partitions_missing",
                 "Aggregator partitions that did not answer (their instances are not shown).",
-                len(health.get("missingPartitions", [])),
+                len(health.missingPartitions),
             )
         )
         families += cluster_families(health, timeline, diagnosis, history)
