@@ -27,6 +27,8 @@ from rankscope.shared.timestamps import now
 from rankscope.shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, decode
 from tests.nats_cluster import nats_cluster, until_jetstream_answers
 
+pytestmark = pytest.mark.slow  # three nats-servers a test
+
 ENTRIES = 3000
 """Per runner, of 4, in the leader-loss test."""
 
@@ -109,7 +111,6 @@ async def test_every_stream_and_bucket_is_kept_three_times_and_can_scale(nc: Cli
     assert kept.data == b"{}"  # what they held is kept through both
 
 
-@pytest.mark.slow
 async def test_killing_the_telemetry_stream_leader_loses_and_doubles_no_entry(
     nc: Client, cluster: list[EmbeddedNats]
 ) -> None:
