@@ -260,14 +260,8 @@ class Bus:
 
     async def get(self, bucket: str, key: str) -> bytes | None:
         """A value, or None when the key does not exist."""
-        store = await self.kv(bucket)
-        try:
-            entry = await store.get(token(key))
-        except KeyNotFoundError:
-            return None
-        except (NatsError, TimeoutError) as exc:
-            raise BusError(503, f"NATS read failed: {exc}") from None
-        return entry.value
+        found = await self.entry(bucket, key)
+        return None if found is None else found[0]
 
     async def entry(self, bucket: str, key: str) -> tuple[bytes, int] | None:
         """A value and its revision, or None when the key does not exist."""
