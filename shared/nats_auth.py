@@ -140,6 +140,8 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.task_status_of_node(node_id),
                 subjects.output_of_node(node_id),
                 subjects.deadletter(agent_user(node_id)),
+                # `rankscope record` on this node runs with its agent's credentials
+                subjects.record_register(node_id),
                 *api.everyone(),
                 *api.read(api.stream("PLACEMENT"), api.stream("TASKS")),
                 # a restarted runner resumes its seq from its last stored message
@@ -198,7 +200,8 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                     status_kv,
                 ),
             ),
-            subscribe=tuple(inbox),
+            subscribe=(*inbox, subjects.record_register_all()),
+            responds=True,
         )
     if user == "gateway":
         return Permissions(

@@ -170,6 +170,15 @@ class Subjects:
         """Whole tasks for every node."""
         return f"{self.prefix}.input.>"
 
+    def record_register(self, node_id: str) -> str:
+        """Where a recorded rank on `node_id` asks to be announced (request/reply): a
+        node's credentials register ranks on that node alone."""
+        return f"{self.prefix}.record.register.{token(node_id)}"
+
+    def record_register_all(self) -> str:
+        """Registrations of recorded ranks on every node."""
+        return f"{self.prefix}.record.register.*"
+
     def ranktable(self, job_id: str) -> str:
         """The rank table of one job (= instance)."""
         return f"{self.prefix}.ranktable.{token(job_id)}"

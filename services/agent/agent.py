@@ -145,6 +145,8 @@ class Agent:
             await self._release_instance(event.instanceId, keep=set())
             return
         local = [a for a in event.assignments if a.nodeId == self._node_id]
+        if event.recorded is not None:
+            local = []  # a recorded job's ranks run themselves
         await self._release_instance(event.instanceId, keep={a.runnerId for a in local})
         if not local:
             return

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+from rankscope.services.aggregator.collectives import judge_recorded
 from rankscope.services.aggregator.runners import RunnerView
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.timestamps import format_ts, parse_ts
@@ -37,6 +38,8 @@ __all__ = ["PHASE_ORDER", "Incident", "Thresholds", "diagnose", "incident_id"]
 PHASE_ORDER = {phase: index for index, phase in enumerate(Phase)}
 """Phases in the order a request goes through them (the seed's order)."""
 
+WAIT_NOTED_S = 1.0
+"""How long a recorded rank waits in a collective before it says so."""
 _RESTING = frozenset({Phase.IDLE, Phase.CREATED, Phase.SHUTDOWN_CLEANUP, Phase.ERROR})
 _LONG = frozenset({Phase.CONNECT_GROUP, Phase.LOAD_MODEL, Phase.WARMUP})
 _GONE = frozenset({RunnerStatusKind.SHUTDOWN, RunnerStatusKind.SHUTTING_DOWN})
@@ -71,6 +74,8 @@ class _Verdict:
     kind: FindingKind
     culprits: list[RunnerView]
     waiting: list[RunnerView]
+    words: str | None = None
+    """The summary, when the rules that found it wrote one."""
 
 
 class _Judge:
@@ -119,6 +124,11 @@ class _Judge:
             return (self.newest_stored - view.stored_ns) / 1e9
         return self.now - (view.heard if view.heard is not None else self.now)
 
+    def last_heard(self, view: RunnerView) -> str:
+        """When the rank was last heard, as a time of day: `12:01:00Z`."""
+        quiet = self.silent_for(view)
+        return _hms(format_ts(parse_ts(self.wall) - timedelta(seconds=quiet)))
+
     def stale(self, view: RunnerView) -> bool:
         last = view.progressed if view.progressed is not None else self.placed
         return self.now - last > self.limits.of(view.synopsis.phase)
@@ -162,6 +172,21 @@ class _Judge:
         stuck = [v for v in working if v.synopsis.task_id is not None]
         return _Verdict(FindingKind.STALLED_RANK, stuck, []) if stuck else None
 
+    def recorded(self) -> _Verdict | None:
+        """What the ranks of a recorded job say now (`collectives`)."""
+        silent = [v for v in self.views if v.progressed is None]
+        if silent and self.now - self.placed > self.limits.no_data:
+            return _Verdict(FindingKind.MISSING_DATA, silent, [])
+        found = judge_recorded(
+            self.views,
+            waited=lambda v: self.now - (v.progressed or self.now) + WAIT_NOTED_S,
+            silent=lambda v: self.last_heard(v) if self.frozen(v) else None,
+            patience=self.limits.working,
+        )
+        if found is None:
+            return None
+        return _Verdict(found.kind, found.culprits, found.waiting, found.summary)
+
     def at_fault(self, incident: Incident) -> bool:
         """Whether every culprit of `incident` is still at fault: a dead one still down, a
         frozen one still silent, a stuck one still where it was when the incident opened."""
@@ -198,18 +223,17 @@ class _Judge:
 
     def summary(self, verdict: _Verdict, task_id: str | None) -> str:
         culprits, kind = verdict.culprits, verdict.kind
+        if verdict.words is not None:
+            return verdict.words
         if kind is FindingKind.MISSING_DATA:
             return f"cannot decide: no data from {_ranks(culprits)}"
         if kind is FindingKind.DEAD_RANK:
             text = "; ".join(f"{_ranks([v])}: {self.why_down(v)}" for v in culprits)
         elif kind is FindingKind.RANK_DISAGREEMENT:
             text = f"{_ranks(culprits)} held in {_where(culprits[0])}"
-        elif any(self.frozen(v) for v in culprits):
-            quiet = min(self.silent_for(v) for v in culprits)
-            heard = format_ts(parse_ts(self.wall) - timedelta(seconds=quiet))
-            text = (
-                f"{_ranks(culprits)} went silent in {_where(culprits[0])}, last heard {_hms(heard)}"
-            )
+        elif frozen := [v for v in culprits if self.frozen(v)]:
+            heard = self.last_heard(min(frozen, key=self.silent_for))
+            text = f"{_ranks(culprits)} went silent in {_where(culprits[0])}, last heard {heard}"
         else:
             text = f"{_ranks(culprits)} made no progress in {_where(culprits[0])}" + (
                 f" with task {task_id} active" if task_id else ""
@@ -343,14 +367,17 @@ def diagnose(
         views = [state.runners[a.runnerId] for a in instance.assignments]
         judge = _Judge(state, views, now, wall, placed_at(instance.instanceId), thresholds)
         previous = incidents.get(instance.instanceId)
-        verdict = judge.verdict()
-        if (
-            previous is not None
-            and judge.at_fault(previous)
-            and not _widens(previous, verdict)
-            and not _sharpens(previous, verdict)
-        ):
-            verdict = judge.kept(previous)
+        if instance.recorded is not None:
+            verdict = judge.recorded()
+        else:
+            verdict = judge.verdict()
+            if (
+                previous is not None
+                and judge.at_fault(previous)
+                and not _widens(previous, verdict)
+                and not _sharpens(previous, verdict)
+            ):
+                verdict = judge.kept(previous)
         if verdict is None:
             continue
         found[instance.instanceId] = _incident(judge, instance, verdict, previous, wall)

@@ -243,6 +243,8 @@ class ClusterState:
     def note_listed(self, listed: set[str], runners: Iterable[RunnerView]) -> None:
         """Record which of `runners` (those on one node) its agent just listed as its own."""
         for view in runners:
+            if self.recorded(view):
+                continue  # no agent lists a recorded rank
             alive = view.alive
             view.unlisted = 0 if view.ref.runnerId in listed else view.unlisted + 1
             if view.alive != alive:
@@ -271,6 +273,8 @@ class ClusterState:
     def cut_off(self, view: RunnerView) -> bool:
         """Whether the runner's node is unreachable and the runner has not spoken since it
         was found so (an agent restarting was asked before it listened)."""
+        if self.recorded(view):
+            return False  # no agent speaks for it: it speaks for itself
         asked = self.unreachable_asked.get(view.ref.nodeId)
         return view.ref.nodeId in self.unreachable and not (
             asked and view.stored_ns and view.stored_ns > asked
@@ -320,5 +324,12 @@ class ClusterState:
         return depth
 
     def placed_nodes(self) -> set[str]:
-        """Nodes that hold a rank of a live instance."""
-        return {a.nodeId for i in self.instances.values() for a in i.assignments}
+        """Nodes that hold a rank of a live instance an agent runs."""
+        return {
+            a.nodeId for i in self.instances.values() if i.recorded is None for a in i.assignments
+        }
+
+    def recorded(self, view: RunnerView) -> bool:
+        """Whether the runner is a rank of a recorded job (`rankscope record`)."""
+        instance = self.instances.get(view.ref.instanceId)
+        return instance is not None and instance.recorded is not None

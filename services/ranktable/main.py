@@ -49,6 +49,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             shapes=ModelShapes(nc, layout.subjects),
             # heartbeats that JetStream did not store are no sign of lost nodes
             connected=lambda: reach.reachable and storage.storing,
+            nc=nc,
         )
         log.info("rank-table service up; gRPC config.Config on port %d", port)
         async with asyncio.TaskGroup() as tasks:

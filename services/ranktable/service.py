@@ -9,11 +9,13 @@ the world dirty, so bursts of changes coalesce into one pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
@@ -25,6 +27,7 @@ from rankscope.services.ranktable.hub import TableHub
 from rankscope.services.ranktable.models import ModelShapes
 from rankscope.services.ranktable.nodes import LiveNodes
 from rankscope.services.ranktable.placement import MAX_RUNNERS_PER_NODE, Plan, plan
+from rankscope.services.ranktable.recorded import RecordedJobs, release_due
 from rankscope.services.ranktable.state import (
     PlacementState,
     Readiness,
@@ -40,7 +43,7 @@ from rankscope.shared.jetstream import Layout, publish_acked
 from rankscope.shared.model_shape import ModelShape
 from rankscope.shared.replay import Follower, follow, follow_bucket
 from rankscope.shared.specs import MAX_REPLICAS
-from rankscope.shared.subjects import token
+from rankscope.shared.subjects import token, untoken
 from rankscope.shared.timestamps import now, to_epoch
 from rankscope.shared.wire import (
     InstanceCreated,
@@ -48,6 +51,9 @@ from rankscope.shared.wire import (
     PlacementEvent,
     RankTable,
     RankTableStream,
+    RecordedRank,
+    Registered,
+    ReleaseCause,
     RunnerMetrics,
     RunnerSpecStatus,
     RunnerStatusChanged,
@@ -77,6 +83,8 @@ class RankTableService:
         connected: whether NATS is reachable. While it is not, or while every node (of two
             or more) is silent at once, silence proves nothing: no node expires, and every
             node gets a whole TTL once heartbeats are back.
+        nc: the connection recorded ranks register over (`rankscope record`); without
+            it, none can.
     """
 
     def __init__(
@@ -91,8 +99,14 @@ class RankTableService:
         clock: Callable[[], float] = time.monotonic,
         shapes: ModelShapes | None = None,
         connected: Callable[[], bool] = lambda: True,
+        nc: Client | None = None,
     ) -> None:
         self._js = js
+        self._nc = nc
+        self._recorded = RecordedJobs()
+        self._placing = asyncio.Lock()
+        """Held while placement events are decided and published (reconcile, a rank's
+        registration): each decides on the state the last one left."""
         self._shapes = shapes
         self._layout = layout
         self._hub = hub
@@ -151,11 +165,48 @@ class RankTableService:
             for follower in followers:
                 await follower.caught_up.wait()
             reconciler = tasks.create_task(self._reconcile_forever(stop))
+            registrations = None
+            if self._nc is not None:
+                registrations = await self._nc.subscribe(
+                    subjects.record_register_all(), cb=self._on_register
+                )
             await stop.wait()
+            if registrations is not None:
+                await registrations.unsubscribe()
             reconciler.cancel()
             expiry.cancel()
         for follower in followers:
             await follower.stop()
+
+    async def _on_register(self, msg: Msg) -> None:
+        """A recorded rank asks who it is; its job is announced once its world is whole."""
+        node = untoken(msg.subject.rsplit(".", 1)[-1])
+        rank: RecordedRank | None = self.dead_letters.decoded(
+            msg, RecordedRank, "registration_undecodable"
+        )
+        if rank is None:
+            answer = Registered(refused="not a RecordedRank (see the dead letters)")
+        elif rank.nodeId != node:
+            why = f"a rank on node {rank.nodeId!r} registered on node {node!r}'s subject"
+            self.dead_letters.reject(msg.subject, msg.data, "registration_identity", why)
+            answer = Registered(refused=why)
+        else:
+            try:
+                async with self._placing:
+                    decision = self._recorded.register(
+                        rank, self._state.instances, self._state.attempts
+                    )
+                    for event in decision.publish:
+                        await self._publish_placement(event, msg_id=self._msg_id(event))
+            except (TimeoutError, NatsError, OSError) as exc:
+                answer = Registered(refused=f"could not announce the job now: {exc}")
+            else:
+                answer = Registered(runner=decision.runner, refused=decision.refused)
+                if decision.publish:
+                    self._dirty.set()  # its rank table
+        if msg.reply:
+            with contextlib.suppress(NatsError):
+                await msg.respond(encode(answer))
 
     async def _replay_placements(self) -> None:
         async def handle(msg: Msg) -> None:
@@ -231,7 +282,8 @@ class RankTableService:
             await self._dirty.wait()
             self._dirty.clear()
             try:
-                await self.reconcile()
+                async with self._placing:
+                    await self.reconcile()
             except (TimeoutError, NatsError, OSError) as exc:
                 log.warning("reconcile failed, retrying: %s", exc)
                 await asyncio.sleep(0.5)
@@ -242,10 +294,11 @@ class RankTableService:
         """Place, release, then publish every changed rank table and spec status."""
         if await self._catalog.shape_waiting(sorted(self._nodes.views)):
             asyncio.get_running_loop().call_later(SHAPE_RETRY_S, self._dirty.set)
+        placed = {i: p for i, p in self._state.instances.items() if p.recorded is None}
         decided = plan(
             self._catalog.placeable(),
             self._nodes.views,
-            self._state.instances,
+            placed,
             self._state.attempts,
             port_base=self._port_base,
             max_runners_per_node=self._max_runners_per_node,
@@ -262,6 +315,7 @@ class RankTableService:
                 msg_id=f"{release.instance_id}:released:{instance.attempt}",
             )
             log.info("released %s: %s", release.instance_id, release.reason)
+        await self._release_ended()
         for new in decided.placements:
             await self._publish_placement(
                 InstanceCreated(
@@ -282,6 +336,33 @@ class RankTableService:
         await self._publish_tables()
         await self._publish_statuses(decided)
         return decided
+
+    def _msg_id(self, event: InstanceCreated | InstanceReleased) -> str:
+        """The dedupe id of a placement event: the instance's attempt is in it, so a retry
+        is one event and the next placement another."""
+        if isinstance(event, InstanceCreated):
+            return f"{event.instanceId}:created:{event.attempt}"
+        return f"{event.instanceId}:released:{self._state.instances[event.instanceId].attempt}"
+
+    async def _release_ended(self) -> None:
+        """Release the recorded jobs whose every rank has ended; wake up again when the
+        next one may go."""
+        moment = time.time()
+        for instance in list(self._state.instances.values()):
+            due = release_due(instance, self._readiness.status)
+            if due is None:
+                continue
+            if due > moment:
+                asyncio.get_running_loop().call_later(due - moment, self._dirty.set)
+                continue
+            event = InstanceReleased(
+                at=now(),
+                instanceId=instance.instanceId,
+                cause=ReleaseCause.JOB_ENDED,
+                reason=f"every rank of job {instance.instanceId} ended",
+            )
+            await self._publish_placement(event, msg_id=self._msg_id(event))
+            log.info("released %s: %s", instance.instanceId, event.reason)
 
     async def _publish_placement(
         self, event: InstanceCreated | InstanceReleased, msg_id: str

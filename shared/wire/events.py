@@ -27,6 +27,9 @@ __all__ = [
     "MemorySampled",
     "PhaseEntries",
     "PlacementEvent",
+    "RecordedProgram",
+    "RecordedRank",
+    "Registered",
     "ReleaseCause",
     "RunnerAssignment",
     "RunnerRef",
@@ -155,7 +158,8 @@ class RunnerAssignment(CamelStruct, kw_only=True, frozen=True):
     endLayer: Positive
     nLayers: Positive
     host: str
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+    """The rank's ring port; 0 when not known (a recorded rank under another backend)."""
 
 
 class _Placement(_Stamped, kw_only=True, frozen=True, tag_field="type", tag=True):
@@ -177,6 +181,8 @@ class InstanceCreated(_Placement, kw_only=True, frozen=True):
     attempt: NonNegative = 0
     specDigest: str = ""
     assignments: list[RunnerAssignment]
+    recorded: RecordedProgram | None = None
+    """Set for a recorded job: its ranks registered themselves (`RecordedRank`)."""
 
 
 class ReleaseCause(StrEnum):
@@ -187,6 +193,8 @@ class ReleaseCause(StrEnum):
     SCALED_DOWN = "scaled_down"
     PREEMPTED = "preempted"
     NODE_LOST = "node_lost"
+    JOB_ENDED = "job_ended"
+    """A recorded job's every rank ended."""
 
 
 class InstanceReleased(_Placement, kw_only=True, frozen=True):
@@ -197,6 +205,41 @@ class InstanceReleased(_Placement, kw_only=True, frozen=True):
 
 
 PlacementEvent = InstanceCreated | InstanceReleased
+
+
+class RecordedRank(CamelStruct, kw_only=True, frozen=True):
+    """One rank of a recorded job asking to be announced (`rankscope record`): the job is
+    announced once every rank of its world has asked."""
+
+    jobId: str
+    nodeId: str
+    deviceRank: NonNegative
+    worldSize: Positive
+    pid: Positive
+    host: str
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    command: str
+    startedAt: str
+    """When the rank's process started: a rank asking again for the same start is the
+    same rank (a retry); another start of a rank already announced is a new run."""
+
+    def __post_init__(self) -> None:
+        _utc(self, "startedAt")
+
+
+class RecordedProgram(CamelStruct, kw_only=True, frozen=True):
+    """A program rankscope did not start, recorded by `rankscope record`: no agent runs
+    its ranks and no spec placed them; each rank registered itself, in rank order here."""
+
+    ranks: list[RecordedRank]
+
+
+class Registered(CamelStruct, kw_only=True, frozen=True):
+    """The rank-table service's answer to a `RecordedRank`: who the rank is on the wire,
+    or why it cannot be recorded."""
+
+    runner: RunnerRef | None = None
+    refused: str | None = None
 
 
 class ChatMessage(CamelStruct, kw_only=True, frozen=True):

@@ -1,0 +1,160 @@
+"""The rules over a recorded job's ranks (`rankscope record`): they move in collectives,
+not in phases. Pure: the ranks as the aggregator sees them in, a verdict out.
+
+A recorded rank says when it has waited in a collective for a while (`collective_wait`,
+its site `all_sum #417 (group world)`, `step` the collective's number in its group), and
+its process's end with how it ended. Whoever waits is a victim unless the ranks disagree
+on what they wait in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rankscope.services.aggregator.runners import RunnerView
+from rankscope.shared.timestamps import to_epoch
+from rankscope.shared.wire import FindingKind, RunnerStatusKind
+
+__all__ = ["RecordedVerdict", "judge_recorded"]
+
+DEATH_SPREAD_S = 0.1
+"""Ranks ending this close to the first death died with it (an OOM killer, a lost
+machine); those ending later were stopped after it (a launcher stops every rank the
+moment one dies)."""
+
+
+_STOPS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
+"""How launchers and operators ask a process to stop."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedVerdict:
+    """Who is at fault, who waits on them, in words."""
+
+    kind: FindingKind
+    culprits: list[RunnerView]
+    waiting: list[RunnerView]
+    summary: str
+
+
+def _rank(view: RunnerView) -> str:
+    return f"rank {view.ref.deviceRank} ({view.ref.nodeId})"
+
+
+def _ended(view: RunnerView) -> bool:
+    return view.status is not None and not view.status.processAlive
+
+
+def _clean(view: RunnerView) -> bool:
+    """Ended as programs end: exit status 0."""
+    status = view.status
+    return (
+        status is not None
+        and not status.processAlive
+        and status.statusKind is RunnerStatusKind.SHUTDOWN
+        and status.exitCode == 0
+    )
+
+
+def _with(view: RunnerView, first: RunnerView) -> bool:
+    """Whether `view` died with `first`, not after it: killed too (not stopped politely,
+    not failing on its lost peer) within `DEATH_SPREAD_S`."""
+    status, cause = view.status, first.status
+    return (
+        status is not None
+        and cause is not None
+        and status.signal is not None
+        and status.signal not in _STOPS
+        and to_epoch(status.at) - to_epoch(cause.at) <= DEATH_SPREAD_S
+    )
+
+
+def _how(view: RunnerView) -> str:
+    status = view.status
+    if status is None:
+        return "ended"
+    if status.signal:
+        return f"killed by {status.signal}"
+    if status.exitCode is not None:
+        return f"exited with status {status.exitCode}"
+    return status.detail or "ended"
+
+
+def _doing(view: RunnerView) -> str:
+    """What a rank not at fault is doing."""
+    if _ended(view):
+        return f"{_how(view)} after it"
+    return f"waits in {view.waiting_in}" if view.waiting_in else "runs outside any collective"
+
+
+def _list(views: Sequence[RunnerView]) -> str:
+    return "".join(f"; {_rank(v)} {_doing(v)}" for v in views)
+
+
+def judge_recorded(
+    views: Sequence[RunnerView],
+    *,
+    waited: Callable[[RunnerView], float],
+    silent: Callable[[RunnerView], str | None],
+    patience: float,
+) -> RecordedVerdict | None:
+    """What the ranks of one recorded job say now.
+
+    Args:
+        views: the job's ranks.
+        waited: seconds a rank has been waiting in its collective.
+        silent: when a running rank was last heard, when it has been silent longer than
+            a live one can be (its process is stopped or wedged), else None.
+        patience: seconds of waiting past which the ranks not waiting are held to account.
+    """
+    dead = sorted(
+        (v for v in views if _ended(v) and not _clean(v)),
+        key=lambda v: to_epoch(v.status.at) if v.status is not None else 0.0,
+    )
+    if dead:
+        first = dead[0]
+        culprits = [first] + [v for v in dead[1:] if _with(v, first)]
+        others = [v for v in views if v not in culprits]
+        words = "; ".join(f"{_rank(v)}: process {_how(v)}" for v in culprits)
+        return RecordedVerdict(FindingKind.DEAD_RANK, culprits, others, words + _list(others))
+    frozen = [(v, heard) for v in views if (heard := silent(v)) is not None]
+    if frozen and len(frozen) < len(views):
+        culprits = [v for v, _ in frozen]
+        others = [v for v in views if v not in culprits]
+        words = "; ".join(
+            f"{_rank(v)} went silent outside any collective, last heard {heard} (stopped or wedged)"
+            if v.waiting_in is None
+            else f"{_rank(v)} went silent in {v.waiting_in}, last heard {heard}"
+            for v, heard in frozen
+        )
+        return RecordedVerdict(FindingKind.STALLED_RANK, culprits, others, words + _list(others))
+    waiting = [v for v in views if v.waiting_in is not None and waited(v) > patience]
+    if not waiting:
+        return None
+    held = [v for v in views if v not in waiting]
+    finished = [v for v in held if _clean(v)]
+    if finished:
+        words = "; ".join(
+            f"{_rank(v)} ended after {v.synopsis.step or 0} collectives" for v in finished
+        )
+        return RecordedVerdict(
+            FindingKind.RANK_DISAGREEMENT, finished, waiting, words + _list(waiting)
+        )
+    outside = [v for v in held if v.waiting_in is None]
+    if outside:
+        words = f"{', '.join(_rank(v) for v in outside)} outside any collective"
+        return RecordedVerdict(FindingKind.STALLED_RANK, outside, waiting, words + _list(waiting))
+    if held or len({v.waiting_in for v in waiting}) == 1:
+        return None  # all in one collective, or some not waiting long yet
+    sites: dict[str | None, list[RunnerView]] = {}
+    for view in waiting:
+        sites.setdefault(view.waiting_in, []).append(view)
+    odd = min(
+        sites.values(), key=lambda group: (len(group), min(v.synopsis.step or 0 for v in group))
+    )
+    others = [v for v in waiting if v not in odd]
+    words = "ranks wait in different collectives: " + "; ".join(
+        f"{_rank(v)} in {v.waiting_in}" for v in waiting
+    )
+    return RecordedVerdict(FindingKind.RANK_DISAGREEMENT, odd, others, words)
