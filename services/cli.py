@@ -16,6 +16,7 @@ from rankscope.services.client.commands import (
     identifier,
     ranktable_client,
 )
+from rankscope.services.record.command import add_record_command
 from rankscope.shared import logs
 from rankscope.shared.processes import watch_parent_from_env
 from rankscope.shared.settings import Settings, SettingsError, add_arguments, load
@@ -67,6 +68,12 @@ def _gateway(args: argparse.Namespace, settings: Settings) -> int:
     from rankscope.services.gateway.main import run
 
     return run(settings)
+
+
+def _record(args: argparse.Namespace, settings: Settings) -> int:
+    from rankscope.services.record.command import record
+
+    return record(args, settings)
 
 
 def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
@@ -142,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(ranktable)
 
     add_client_commands(commands)
+
+    recorder = add_record_command(commands)
+    recorder.set_defaults(handler=_record)
+    add_arguments(recorder)
 
     tiny = commands.add_parser("tiny-model", help="write a tiny mlx-lm model directory")
     tiny.add_argument("directory", help="where to write the model")

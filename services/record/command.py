@@ -1,0 +1,128 @@
+"""`rankscope record [--job ID] [--node ID] -- COMMAND [ARGS...]`: run COMMAND with every
+Python process it starts recording once it joins an `mlx.core.distributed` group.
+
+COMMAND's output, input and exit status pass through unchanged: recording happens in the
+ranks (`hook`) and in a watcher process beside each (`watcher`), never in the way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rankscope.shared.host import hostname
+from rankscope.shared.settings import Settings, to_environ
+
+__all__ = ["LAUNCHED_RANK", "add_record_command", "record"]
+
+SITE = Path(__file__).parent / "site"
+"""The directory put first on `PYTHONPATH`: its `sitecustomize` switches recording on."""
+LAUNCHED_RANK = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+"""Variables a launcher sets for each rank it starts: `rankscope record` runs as one rank,
+and its ranks must agree on a job id among themselves."""
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_FROM_TERMINAL = (signal.SIGINT, signal.SIGQUIT)
+"""A terminal sends these to COMMAND itself (one process group): not forwarded twice."""
+_EXIT_READ_S = 1.5
+
+
+def _node(given: str | None, settings: Settings) -> str:
+    """`--node`, else the node id this machine's agent uses, else the host name."""
+    if given:
+        return given
+    if settings.node_id:
+        return settings.node_id
+    with contextlib.suppress(OSError):
+        return (Path(settings.data_dir) / "node-id").read_text().strip() or hostname()
+    return hostname()
+
+
+def _environment(args: argparse.Namespace, settings: Settings, exits: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(to_environ(settings))
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = f"{SITE}{os.pathsep}{path}" if path else str(SITE)
+    env["RANKSCOPE_RECORD"] = "1"
+    env["RANKSCOPE_RECORD_PYTHON"] = sys.executable
+    env["RANKSCOPE_RECORD_NODE"] = _node(args.node, settings)
+    env["RANKSCOPE_RECORD_HOST"] = settings.node_address
+    env["RANKSCOPE_RECORD_EXITS"] = exits
+    if args.job:
+        env["RANKSCOPE_RECORD_JOB"] = args.job
+    elif not any(name in os.environ for name in LAUNCHED_RANK):
+        # around a launcher: every rank it starts inherits this one id
+        env["RANKSCOPE_RECORD_JOB"] = f"job-{secrets.token_hex(4)}"
+    return env
+
+
+def record(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the command recorded; returns its exit status (or ends by its signal)."""
+    command = list(args.program)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print(
+            "rankscope record: no command given (rankscope record -- COMMAND ...)", file=sys.stderr
+        )
+        return 2
+    exits = tempfile.mkdtemp(prefix="rankscope-record-")
+    try:
+        try:
+            child = subprocess.Popen(command, env=_environment(args, settings, exits))
+        except OSError as exc:
+            print(f"rankscope record: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+            return 127
+        for sig in _FORWARDED:
+            signal.signal(sig, lambda number, _frame: child.send_signal(number))
+        for sig in _FROM_TERMINAL:
+            signal.signal(sig, signal.SIG_IGN)
+        returncode = child.wait()
+        _tell_watcher(Path(exits), child.pid, returncode)
+    finally:
+        shutil.rmtree(exits, ignore_errors=True)
+    if returncode < 0:  # end as it ended: by the same signal
+        signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    return returncode
+
+
+def _tell_watcher(exits: Path, pid: int, returncode: int) -> None:
+    """Say how a rank this command started ended, for its watcher (it cannot learn it:
+    it is not the rank's parent), then wait briefly until every watcher under it has
+    read how its rank ended (a launcher under it wrote theirs)."""
+    marker = exits / f"{pid}.rank"
+    if marker.exists():
+        (exits / f"{pid}.tmp").write_text(json.dumps({"returncode": returncode}))
+        (exits / f"{pid}.tmp").rename(exits / str(pid))
+        marker.unlink()
+    deadline = time.monotonic() + _EXIT_READ_S
+    while any(exits.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def add_record_command(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """The `record` subcommand."""
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "record",
+        help="run an MLX distributed program with its ranks recorded",
+        description=(
+            "Run COMMAND with every Python process it starts recorded once it joins an "
+            "mlx.core.distributed group: a launcher (rankscope record -- mlx.launch ... "
+            "train.py) or one rank under any launcher (mlx.launch ... -- rankscope record "
+            "-- python train.py). Output and exit status pass through unchanged."
+        ),
+    )
+    parser.add_argument("--job", help="the job's id (default: one drawn for this launch)")
+    parser.add_argument("--node", help="this machine's node id (default: its agent's, else host)")
+    parser.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
+    return parser

@@ -1,0 +1,386 @@
+"""The flight recorder inside a recorded program: wraps `mlx.core.distributed` and MLX's
+evaluation so every rank says where it waits, without changing what the program computes.
+
+Standard library only (it runs in the program's interpreter, whatever else that has):
+what it records goes as JSON lines down a pipe to a watcher process
+(`rankscope.services.record.watcher`) that speaks NATS; a full pipe drops and counts,
+never blocks. The watcher is started with `RANKSCOPE_RECORD_PYTHON` (the interpreter of
+`rankscope record`), so the program's interpreter needs nothing of rankscope's.
+
+What is recorded per rank: the group's start, each collective's number in its group,
+an evaluation that has waited on pending collectives for `WAIT_NOTE_S` (`collective_wait`
+with the first pending one) and its end (`collective_resumed`), MLX memory every second,
+named steps, and how the process exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import functools
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["COLLECTIVES", "WAIT_NOTE_S", "Recorder", "install", "note_child_exits", "step"]
+
+COLLECTIVES = (
+    "all_sum",
+    "all_gather",
+    "all_max",
+    "all_min",
+    "sum_scatter",
+    "send",
+    "recv",
+    "recv_like",
+)
+WAIT_NOTE_S = 1.0
+"""How long an evaluation waits on its collectives before the rank says so."""
+_EVALUATIONS = ("eval",)
+_ARRAY_EVALUATIONS = ("item", "tolist")
+_TICK_S = 0.25
+_COMMAND_CHARS = 256
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _started_at() -> str:
+    """When this process started, to the second (the same however often asked)."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as stat:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as boot:
+            booted = next(int(line.split()[1]) for line in boot if line.startswith("btime"))
+        seconds = booted + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        seconds = _FIRST_SEEN
+    return datetime.fromtimestamp(int(seconds), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+_FIRST_SEEN = time.time()
+"""When this module was first imported: the start time where the system keeps none."""
+
+
+def _ring_port(rank: int) -> int:
+    """This rank's ring port from `mlx.launch`'s hostfile, 0 when there is none."""
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as hostfile:
+            address = json.load(hostfile)[rank][0]
+        return int(str(address).rsplit(":", 1)[1])
+    except (KeyError, OSError, ValueError, IndexError, TypeError):
+        return 0
+
+
+class Recorder:
+    """One rank's recording: counters, the evaluation in progress, the pipe."""
+
+    def __init__(self, mx: Any, rank: int, size: int) -> None:
+        self.mx, self.rank, self.size = mx, rank, size
+        self.counts: dict[str, int] = {}
+        self.pending: list[tuple[str, str, int, dict[str, Any]]] = []
+        """Collectives issued since the last evaluation returned: (op, group, number,
+        attrs)."""
+        self.waiting_since: float | None = None
+        self.noted = False
+        self.dropped = 0
+        self.exit_code: int | None = None
+        self.error: str | None = None
+        self._pipe: int | None = None
+        self._lock = threading.Lock()
+
+    # The pipe
+
+    def attach(self, job: str, node: str) -> None:
+        """Start the watcher and say who this rank is."""
+        python = os.environ.get("RANKSCOPE_RECORD_PYTHON", sys.executable)
+        log = os.environ.get("RANKSCOPE_RECORD_LOG")
+        with contextlib.ExitStack() as files:
+            err = files.enter_context(open(log, "ab")) if log else subprocess.DEVNULL
+            watcher = subprocess.Popen(
+                [python, "-m", "rankscope.services.record.watcher"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,  # a Ctrl-C for the program is not for it
+                close_fds=True,
+            )
+        assert watcher.stdin is not None
+        exits = os.environ.get("RANKSCOPE_RECORD_EXITS")
+        if exits:  # `rankscope record` started this process: it will say how it ended
+            with contextlib.suppress(OSError):
+                open(os.path.join(exits, f"{os.getpid()}.rank"), "w").close()
+        self._pipe = os.dup(watcher.stdin.fileno())
+        watcher.stdin.close()
+        os.set_blocking(self._pipe, False)
+        self.send(
+            "hello",
+            jobId=job,
+            nodeId=node,
+            deviceRank=self.rank,
+            worldSize=self.size,
+            pid=os.getpid(),
+            host=os.environ.get("RANKSCOPE_RECORD_HOST", "127.0.0.1"),
+            port=_ring_port(self.rank),
+            command=" ".join(sys.argv)[:_COMMAND_CHARS] or sys.executable,
+            startedAt=_started_at(),
+            exitFile=os.environ.get("RANKSCOPE_RECORD_EXITS", ""),
+        )
+        threading.Thread(target=self._tick, name="rankscope-recorder", daemon=True).start()
+        atexit.register(self._bye)
+
+    def send(self, kind: str, **fields: Any) -> None:
+        """One line to the watcher; dropped (and counted) when the pipe is full."""
+        if self._pipe is None:
+            return
+        line = json.dumps({kind: fields}, separators=(",", ":"), default=str).encode() + b"\n"
+        with self._lock:
+            try:
+                written = os.write(self._pipe, line)
+            except BlockingIOError:
+                self.dropped += 1
+                return
+            except OSError as exc:  # the watcher is gone: recording ends, the program not
+                if exc.errno in (errno.EPIPE, errno.EBADF):
+                    self._pipe = None
+                return
+            if written < len(line):  # rare: finish the line rather than tear it
+                os.set_blocking(self._pipe, True)
+                with contextlib.suppress(OSError):
+                    os.write(self._pipe, line[written:])
+                os.set_blocking(self._pipe, False)
+
+    def entry(self, phase: str, event: str, detail: str | None = None, **attrs: Any) -> None:
+        """A flight-recorder entry of this rank."""
+        dropped, self.dropped = self.dropped, 0
+        self.send(
+            "entry",
+            at=_now(),
+            phase=phase,
+            event=event,
+            detail=detail,
+            attrs=attrs,
+            dropped=dropped,
+        )
+
+    def _tick(self) -> None:
+        """Memory every second; a wait noted once it is long enough."""
+        sampled = 0.0
+        while self._pipe is not None:
+            time.sleep(_TICK_S)
+            moment = time.monotonic()
+            if moment - sampled >= 1.0:
+                sampled = moment
+                self.send(
+                    "memory",
+                    at=_now(),
+                    active=self.mx.get_active_memory(),
+                    peak=self.mx.get_peak_memory(),
+                    cache=self.mx.get_cache_memory(),
+                )
+            since, pending = self.waiting_since, self.pending
+            if since is not None and not self.noted and pending and moment - since >= WAIT_NOTE_S:
+                self.noted = True
+                op, group, number, attrs = pending[0]
+                site = f"{op} #{number} (group {group})"
+                self.entry(
+                    "decode_barrier",
+                    "collective_wait",
+                    f"waiting in {site}",
+                    site=site,
+                    op=op,
+                    group=group,
+                    step=number,
+                    pending=len(pending),
+                    **attrs,
+                )
+
+    def _bye(self) -> None:
+        made = self.counts.get("world", 0)
+        self.entry("shutdown_cleanup", "program_exit", f"after {made} collectives", step=made)
+        self.send("bye", code=self.exit_code, error=self.error)
+        with self._lock:
+            if self._pipe is not None:
+                os.close(self._pipe)
+                self._pipe = None
+
+    # What the program calls
+
+    def collective(self, op: str, group: Any, shape: Any, nbytes: int, peer: Any) -> None:
+        """A collective was issued (MLX runs it when its result is evaluated)."""
+        name = "world" if group is None or group.size() == self.size else f"of {group.size()}"
+        number = self.counts[name] = self.counts.get(name, 0) + 1
+        attrs: dict[str, Any] = {"shape": "x".join(map(str, shape)) or "scalar", "bytes": nbytes}
+        if peer is not None:
+            attrs["peer"] = peer
+        self.pending.append((op, name, number, attrs))
+
+    def evaluating(self) -> float | None:
+        """An evaluation starts: the time, when it waits on collectives."""
+        if not self.pending:
+            return None
+        started = time.monotonic()
+        self.waiting_since, self.noted = started, False
+        return started
+
+    def evaluated(self, started: float) -> None:
+        """The evaluation that started at `started` returned: its collectives are done."""
+        if self.noted:
+            waited = time.monotonic() - started
+            self.entry("idle", "collective_resumed", waitedMs=round(waited * 1000, 1))
+        self.pending, self.waiting_since, self.noted = [], None, False
+
+
+_recorder: Recorder | None = None
+
+
+def _job_id(mx: Any, original_all_sum: Callable[..., Any], group: Any) -> str:
+    """The job id every rank agrees on: given, else rank 0's drawn and summed to all."""
+    given = os.environ.get("RANKSCOPE_RECORD_JOB")
+    if given:
+        return given
+    mine = secrets.token_bytes(6) if group.rank() == 0 else bytes(6)
+    summed = original_all_sum(mx.array(list(mine), dtype=mx.int32), group=group)
+    return "job-" + bytes(int(b) for b in summed.tolist()).hex()
+
+
+def _node_id() -> str:
+    return os.environ.get("RANKSCOPE_RECORD_NODE") or os.uname().nodename
+
+
+def _wrap_init(
+    mx: Any, init: Callable[..., Any], all_sum: Callable[..., Any]
+) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        global _recorder
+        group = init(*args, **kwargs)
+        if _recorder is None and group.size() > 1:
+            recorder = Recorder(mx, group.rank(), group.size())
+            recorder.attach(_job_id(mx, all_sum, group), _node_id())
+            recorder.entry("connect_group", "group_ready", rank=group.rank(), size=group.size())
+            _recorder = recorder
+        return group
+
+    return wrapped
+
+
+def _wrap_collective(op: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    peer_arg = 1 if op in ("send", "recv_like") else None
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        recorder = _recorder
+        if recorder is not None:
+            peer = kwargs.get("src", kwargs.get("dst"))
+            if peer is None and peer_arg is not None and len(args) > peer_arg:
+                peer = args[peer_arg]
+            recorder.collective(op, kwargs.get("group"), result.shape, result.nbytes, peer)
+        return result
+
+    return wrapped
+
+
+def _wrap_evaluation(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        recorder = _recorder
+        started = recorder.evaluating() if recorder is not None else None
+        if started is None:
+            return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            recorder.evaluated(started)  # type: ignore[union-attr]
+
+    return wrapped
+
+
+def _wrap_exit(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapped(code: Any = 0) -> Any:
+        if _recorder is not None:
+            _recorder.exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+        return original(code)
+
+    return wrapped
+
+
+def _note_exception(previous: Callable[..., Any]) -> Callable[..., Any]:
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if _recorder is not None:
+            _recorder.exit_code, _recorder.error = 1, f"{kind.__name__}: {value}"[:500]
+        previous(kind, value, traceback)
+
+    return hook
+
+
+def note_child_exits() -> None:
+    """In a launcher under `rankscope record` (`mlx.launch` is Python too): write how
+    each child that is a recorded rank ended, where its watcher reads it (a watcher is
+    the rank's child, so cannot learn its exit status or signal itself)."""
+    exits = os.environ.get("RANKSCOPE_RECORD_EXITS")
+    handle = getattr(subprocess.Popen, "_handle_exitstatus", None)
+    if not exits or handle is None:
+        return
+
+    @functools.wraps(handle)
+    def wrapped(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+        handle(self, *args, **kwargs)
+        marker = os.path.join(exits, f"{self.pid}.rank")
+        if self.returncode is not None and os.path.exists(marker):
+            with contextlib.suppress(OSError):
+                staged = os.path.join(exits, f"{self.pid}.tmp")
+                with open(staged, "w") as out:
+                    json.dump({"returncode": self.returncode}, out)
+                os.replace(staged, os.path.join(exits, str(self.pid)))
+                os.remove(marker)
+
+    subprocess.Popen._handle_exitstatus = wrapped  # type: ignore[attr-defined]
+
+
+_installed = False
+
+
+def install(mx: Any) -> None:
+    """Wrap `mx` (the imported `mlx.core`): recording starts when the program's
+    distributed group does. Installing twice changes nothing."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    distributed = mx.distributed
+    originals = {op: getattr(distributed, op) for op in COLLECTIVES if hasattr(distributed, op)}
+    distributed.init = _wrap_init(mx, distributed.init, originals["all_sum"])
+    for op, original in originals.items():
+        setattr(distributed, op, _wrap_collective(op, original))
+    for name in _EVALUATIONS:
+        setattr(mx, name, _wrap_evaluation(getattr(mx, name)))
+    for name in _ARRAY_EVALUATIONS:
+        setattr(mx.array, name, _wrap_evaluation(getattr(mx.array, name)))
+    sys.exit = _wrap_exit(sys.exit)
+    sys.excepthook = _note_exception(sys.excepthook)
+
+
+@contextlib.contextmanager
+def step(name: str) -> Iterator[None]:
+    """Name a step of the program on its rank's timeline (`with step("forward"):`)."""
+    recorder = _recorder
+    if recorder is None:
+        yield
+        return
+    recorder.entry("prefill_pipeline", "step_started", name[:64], name=name[:64])
+    try:
+        yield
+    finally:
+        recorder.entry("idle", "step_ended", name[:64], name=name[:64])

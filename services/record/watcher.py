@@ -1,0 +1,343 @@
+"""The watcher of one recorded rank (`python -m rankscope.services.record.watcher`, started
+by the rank's recorder with its pipe as standard input).
+
+It registers the rank with the rank-table service, numbers what the rank records and
+publishes it as the rank's telemetry, and says how the process ended once the pipe closes
+or the process is gone. The rank never waits on it: the pipe is read at once into a
+bounded buffer whatever NATS does; what overflows is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import msgspec
+import psutil
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.shared import logs
+from rankscope.shared.connection import close, connect
+from rankscope.shared.processes import signal_name
+from rankscope.shared.settings import Settings, SettingsError, load
+from rankscope.shared.subjects import Subjects, TelemetryKind
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
+    Attrs,
+    FlightEntry,
+    Memory,
+    MemorySampled,
+    MlxMemorySnapshot,
+    Phase,
+    RecordedRank,
+    Registered,
+    RunnerRef,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+    WireError,
+    decode,
+    encode,
+)
+
+__all__ = ["BUFFERED_LINES", "main"]
+
+log = logging.getLogger("rankscope.record")
+
+BUFFERED_LINES = 10_000
+"""Lines of the rank held while NATS or the rank-table service is away."""
+EXIT_FILE_WAIT_S = 1.0
+"""How long to wait for `rankscope record` to say how a rank it started ended."""
+_REGISTER_TIMEOUT_S = 2.0
+_POLL_S = 0.5
+
+
+class Hello(msgspec.Struct, kw_only=True, frozen=True):
+    """Who the rank is (its first line)."""
+
+    jobId: str
+    nodeId: str
+    deviceRank: int
+    worldSize: int
+    pid: int
+    host: str
+    port: int
+    command: str
+    startedAt: str
+    exitFile: str = ""
+    """Where `rankscope record` writes how the processes it started ended."""
+
+
+class RawEntry(msgspec.Struct, kw_only=True, frozen=True):
+    at: str
+    phase: Phase
+    event: str
+    detail: str | None = None
+    attrs: Attrs = {}
+    dropped: int = 0
+
+
+class RawMemory(msgspec.Struct, kw_only=True, frozen=True):
+    at: str
+    active: int
+    peak: int
+    cache: int
+
+
+class Bye(msgspec.Struct, kw_only=True, frozen=True):
+    code: int | None = None
+    error: str | None = None
+
+
+class Line(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """One line of the pipe: one of these is set."""
+
+    hello: Hello | None = None
+    entry: RawEntry | None = None
+    memory: RawMemory | None = None
+    bye: Bye | None = None
+
+
+class _Pipe:
+    """The rank's lines, read by a thread as they come, the newest `BUFFERED_LINES` kept."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.lines: deque[Line] = deque(maxlen=BUFFERED_LINES)
+        self.dropped = 0
+        self.closed = asyncio.Event()
+        self.closed_at: str | None = None
+        """When the rank's end of the pipe closed: when its process ended, to the ms."""
+        self._ready = asyncio.Event()
+        self._loop = loop
+        threading.Thread(target=self._read, name="pipe", daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in sys.stdin.buffer:
+            try:
+                line = msgspec.json.decode(raw, type=Line)
+            except msgspec.ValidationError as exc:
+                log.warning("a line of the rank is not understood: %s", exc)
+                continue
+            if len(self.lines) == self.lines.maxlen:
+                self.dropped += 1
+            self.lines.append(line)
+            self._loop.call_soon_threadsafe(self._ready.set)
+        self.closed_at = now()
+        self._loop.call_soon_threadsafe(self.closed.set)
+
+    async def wait(self, seconds: float) -> None:
+        """Until a line or the end comes, or `seconds` pass."""
+        self._ready.clear()
+        if self.lines or self.closed.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), seconds)
+
+
+class _Rank:
+    """The recorded rank as the bus knows it: its identity and its next seq."""
+
+    def __init__(self, hello: Hello, runner: RunnerRef, subjects: Subjects) -> None:
+        self.hello, self.runner, self.subjects = hello, runner, subjects
+        self.seq = 0
+        self.bye: Bye | None = None
+
+    def next_seq(self, skip: int = 0) -> int:
+        self.seq += skip
+        seq, self.seq = self.seq, self.seq + 1
+        return seq
+
+    def subject(self, kind: TelemetryKind) -> str:
+        r = self.runner
+        return self.subjects.runner(r.nodeId, r.instanceId, r.deviceRank, kind)
+
+    def publish(self, line: Line, publisher: TelemetryPublisher) -> None:
+        if line.entry is not None:
+            raw = line.entry
+            attrs = {**raw.attrs, "droppedBefore": raw.dropped} if raw.dropped else raw.attrs
+            entry = FlightEntry(
+                seq=self.next_seq(raw.dropped),
+                at=raw.at,
+                phase=raw.phase,
+                event=raw.event,
+                detail=raw.detail,
+                attrs=attrs,
+            )
+            publisher.entry(self.runner, self.subject("phase"), entry)
+        elif line.memory is not None:
+            sample = line.memory
+            snapshot = MlxMemorySnapshot(
+                generatedAt=sample.at,
+                active=Memory(inBytes=sample.active),
+                cache=Memory(inBytes=sample.cache),
+                peak=Memory(inBytes=sample.peak),
+                source="mlx.core",
+            )
+            seq = self.next_seq()
+            message = MemorySampled(runner=self.runner, seq=seq, snapshot=snapshot)
+            publisher.telemetry(self.subject("memory"), encode(message), self.runner.runnerId, seq)
+        elif line.bye is not None:
+            self.bye = line.bye
+
+    def status(self, publisher: TelemetryPublisher, status: RunnerStatusChanged) -> None:
+        publisher.telemetry(
+            self.subject("status"), encode(status), self.runner.runnerId, status.seq
+        )
+
+    def ended(self, at: str) -> RunnerStatusChanged:
+        """How the process ended: as `rankscope record` saw it (its parent), else as the
+        rank said on its way out, else killed (by a signal it did not handle, or
+        `os._exit`)."""
+        code, sig, detail = _exit_file(self.hello), None, None
+        if code is None and self.bye is not None:
+            code, detail = (self.bye.code or 0), self.bye.error
+        if code is not None and code < 0:
+            sig, detail = signal_name(code), detail or f"killed by {signal_name(code)}"
+        if code is None:
+            detail = "ended without exiting through Python: a signal it did not handle, or os._exit"
+        clean = code == 0
+        return RunnerStatusChanged(
+            runner=self.runner,
+            seq=self.next_seq(),
+            at=at,
+            statusKind=RunnerStatusKind.SHUTDOWN if clean else RunnerStatusKind.FAILED,
+            pid=self.hello.pid,
+            processAlive=False,
+            detail=detail or ("exited" if clean else f"exited with status {code}"),
+            exitCode=code if sig is None else None,
+            signal=sig,
+        )
+
+
+def _exit_file(hello: Hello) -> int | None:
+    """The return code `rankscope record` wrote for the rank's pid, if it started it."""
+    if not hello.exitFile:
+        return None
+    path = Path(hello.exitFile) / str(hello.pid)
+    deadline = time.monotonic() + EXIT_FILE_WAIT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            code = int(json.loads(path.read_text())["returncode"])
+            path.unlink()  # read: `rankscope record` may go
+            return code
+        time.sleep(0.05)
+    return None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def _register(nc: Client, subjects: Subjects, hello: Hello, pipe: _Pipe) -> RunnerRef | None:
+    """Ask until the rank-table service answers (None: it refused, said why in the log)."""
+    request = RecordedRank(
+        jobId=hello.jobId,
+        nodeId=hello.nodeId,
+        deviceRank=hello.deviceRank,
+        worldSize=hello.worldSize,
+        pid=hello.pid,
+        host=hello.host,
+        port=hello.port,
+        command=hello.command,
+        startedAt=hello.startedAt,
+    )
+    while not pipe.closed.is_set():
+        try:
+            reply = await nc.request(
+                subjects.record_register(hello.nodeId), encode(request), timeout=_REGISTER_TIMEOUT_S
+            )
+            answer = decode(reply.data, Registered)
+        except (NatsError, TimeoutError, WireError) as exc:
+            log.info(
+                "registering rank %d of %s: %s; asking again", hello.deviceRank, hello.jobId, exc
+            )
+            await asyncio.sleep(1.0)
+            continue
+        if answer.runner is None:
+            log.error(
+                "rank %d of %s not recorded: %s", hello.deviceRank, hello.jobId, answer.refused
+            )
+        return answer.runner
+    return None
+
+
+async def watch(settings: Settings) -> None:
+    """Watch the rank on the other end of standard input until it ends."""
+    pipe = _Pipe(asyncio.get_running_loop())
+    while not pipe.lines and not pipe.closed.is_set():
+        await pipe.wait(1.0)
+    if not pipe.lines or (hello := pipe.lines.popleft().hello) is None:
+        return
+    subjects = Subjects(settings.subject_prefix)
+    nc = None
+    while nc is None and not pipe.closed.is_set():
+        try:
+            nc = await connect(settings, f"rankscope-record-{hello.jobId}-{hello.deviceRank}")
+        except (NatsError, OSError) as exc:
+            log.info("NATS not reachable (%s); asking again", exc)
+            await asyncio.sleep(2.0)
+    if nc is None:
+        return
+    try:
+        runner = await _register(nc, subjects, hello, pipe)
+        if runner is None:
+            return
+        rank = _Rank(hello, runner, subjects)
+        publisher = TelemetryPublisher(js=nc.jetstream())
+        stop = asyncio.Event()
+        publishing = asyncio.create_task(publisher.run(stop))
+        rank.status(
+            publisher,
+            RunnerStatusChanged(
+                runner=runner,
+                seq=rank.next_seq(),
+                at=now(),
+                statusKind=RunnerStatusKind.RUNNING,
+                pid=hello.pid,
+                processAlive=True,
+            ),
+        )
+        while True:
+            while pipe.lines:
+                rank.publish(pipe.lines.popleft(), publisher)
+            if pipe.closed.is_set() or _gone(hello.pid):
+                break
+            await pipe.wait(_POLL_S)
+        ended_at = pipe.closed_at or now()
+        while pipe.lines:
+            rank.publish(pipe.lines.popleft(), publisher)
+        rank.status(publisher, await asyncio.to_thread(rank.ended, ended_at))
+        stop.set()
+        await publishing
+    finally:
+        await close(nc)
+
+
+def main() -> int:
+    """The watcher's entry point; settings come from `RANKSCOPE_*` variables."""
+    try:
+        settings = load()
+    except SettingsError as exc:
+        print(f"rankscope record: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format, settings.log_level)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(watch(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    os.nice(5)  # the ranks' work comes first
+    sys.exit(main())
