@@ -27,6 +27,7 @@ from rankscope.shared.connection import close, connect
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.processes import PORTABLE_ENV
 from rankscope.shared.settings import Settings
+from tests.stack_up import running_up
 
 pytestmark = pytest.mark.nats
 
@@ -54,61 +55,9 @@ def _ended(pidfds: list[int], seconds: float) -> set[int]:
     return ended
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _up(
-    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
-) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
-    """`rankscope up` running until the block ends, and the lines it printed at start."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rankscope.services.cli",
-            "up",
-            "--nats-port",
-            "0",
-            "--gateway-port",
-            str(_free_port()),
-            "--grpc-port",
-            str(_free_port()),
-            "--data-dir",
-            str(tmp_path / "data"),
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-    )
-    assert process.stdout is not None
-    shown: dict[str, str] = {}
-    for line in process.stdout:
-        if line.startswith("Ctrl-C"):
-            break
-        parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
-        if len(parts) == 2:
-            shown[parts[0]] = parts[1]
-    try:
-        yield process, shown
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        process.stdout.close()
-        assert process.stderr is not None
-        process.stderr.close()
-
-
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
-    with _up(tmp_path) as started:
+    with running_up(tmp_path / "data") as started:
         yield started
 
 
@@ -177,7 +126,7 @@ def _get(url: str) -> str:
 
 async def test_with_nats_auth_every_service_works_and_no_secret_shows(tmp_path: Path) -> None:
     token = "api-token-that-must-not-show"
-    with _up(tmp_path, "--nats-auth", "--api-token", token) as (process, shown):
+    with running_up(tmp_path / "data", "--nats-auth", "--api-token", token) as (process, shown):
         assert "one user per role" in shown["NATS"]
         config = (tmp_path / "data" / "nats" / "nats.conf").read_text()
         passwords = re.findall(r'password: "([^"]+)"', config)
@@ -261,7 +210,7 @@ async def test_a_store_broken_on_a_full_disk_is_restarted_once_there_is_room(
 ) -> None:
     with _small_disk(tmp_path / "disk", "1300m") as disk:
         small = {"RANKSCOPE_TELEMETRY_MAX_BYTES": "64Mi"}  # the streams' reservations fit
-        with _up(disk, env=small) as (process, shown):
+        with running_up(disk / "data", env=small) as (process, shown):
             nc = await connect(Settings(nats_url=shown["NATS"].split()[0]), "test")
             js = nc.jetstream(timeout=2)
             filler = disk / "filler"
@@ -320,7 +269,10 @@ def test_each_service_is_named_in_ps(stack: tuple[subprocess.Popen[str], dict[st
 
 
 def test_up_killed_takes_its_services_along_on_the_portable_path(tmp_path: Path) -> None:
-    with _up(tmp_path, env={PORTABLE_ENV: "1"}) as (process, _):  # as on macOS: no kernel tie
+    with running_up(tmp_path / "data", env={PORTABLE_ENV: "1"}) as (
+        process,
+        _,
+    ):  # as on macOS: no kernel tie
         services = [
             c for c in _children(process.pid) if c not in _children_running("nats", process.pid)
         ]

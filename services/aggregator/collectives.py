@@ -24,6 +24,9 @@ machine); those ending later were stopped after it (a launcher stops every rank 
 moment one dies)."""
 
 
+NOTE_SLACK_S = 1.5
+"""A rank heard this long after its peer said it waits would have said so too, were it
+waiting (it says so after a second, and its word comes in order with what follows)."""
 _STOPS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 """How launchers and operators ask a process to stop."""
 
@@ -141,7 +144,12 @@ def judge_recorded(
         return RecordedVerdict(
             FindingKind.RANK_DISAGREEMENT, finished, waiting, words + _list(waiting)
         )
-    outside = [v for v in held if v.waiting_in is None]
+    noted = max(v.progressed or 0.0 for v in waiting)
+    outside = [
+        v
+        for v in held
+        if v.waiting_in is None and v.heard is not None and v.heard - noted > NOTE_SLACK_S
+    ]
     if outside:
         words = f"{', '.join(_rank(v) for v in outside)} outside any collective"
         return RecordedVerdict(FindingKind.STALLED_RANK, outside, waiting, words + _list(waiting))

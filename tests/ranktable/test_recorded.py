@@ -1,0 +1,122 @@
+"""Recorded jobs: announced once every rank registered, one identity per rank whatever
+it retries, a new run a new instance, released once every rank ended."""
+
+from __future__ import annotations
+
+import msgspec
+
+from rankscope.services.ranktable.recorded import LINGER_S, RecordedJobs, release_due
+from rankscope.services.ranktable.state import PlacementState, apply_placement
+from rankscope.shared.timestamps import to_epoch
+from rankscope.shared.wire import (
+    InstanceCreated,
+    RecordedRank,
+    RunnerStatusChanged,
+    RunnerStatusKind,
+)
+from tests.aggregator.builders import at, placed, rank
+
+
+def _rank(r: int, world: int = 2, pid: int = 100, job: str = "train-7") -> RecordedRank:
+    return RecordedRank(
+        jobId=job,
+        nodeId=f"node-{r}",
+        deviceRank=r,
+        worldSize=world,
+        pid=pid + r,
+        host="10.0.0.1",
+        port=5000 + r,
+        command="python train.py",
+        startedAt=at(pid),
+    )
+
+
+class Service:
+    """The pure parts as the service drives them: registrations, then the events applied."""
+
+    def __init__(self) -> None:
+        self.jobs = RecordedJobs()
+        self.state = PlacementState()
+        self.seq = 0
+
+    def register(self, rank: RecordedRank) -> tuple[str | None, list[str]]:
+        decision = self.jobs.register(rank, self.state.instances, self.state.attempts)
+        for event in decision.publish:
+            self.seq += 1
+            self.state = apply_placement(self.state, event, self.seq)
+        kinds = [type(e).__name__ for e in decision.publish]
+        return (decision.runner.runnerId if decision.runner else decision.refused), kinds
+
+
+def test_a_job_is_announced_once_its_whole_world_registered() -> None:
+    service = Service()
+    assert service.register(_rank(1)) == ("train-7-0-1", [])
+    assert service.register(_rank(1)) == ("train-7-0-1", [])  # a retry
+    assert service.register(_rank(0)) == ("train-7-0-0", ["InstanceCreated"])
+    job = service.state.instances["train-7"]
+    assert job.recorded is not None
+    assert [a.runnerId for a in job.assignments] == ["train-7-0-0", "train-7-0-1"]
+    assert [(a.nodeId, a.port) for a in job.assignments] == [("node-0", 5000), ("node-1", 5001)]
+    assert service.register(_rank(0)) == ("train-7-0-0", [])  # asked again once announced
+
+
+def test_a_new_run_of_a_job_ends_the_old_one_and_gets_new_identities() -> None:
+    service = Service()
+    service.register(_rank(0))
+    service.register(_rank(1))
+    runner, kinds = service.register(_rank(0, pid=200))
+    assert (runner, kinds) == ("train-7-1-0", ["InstanceReleased"])
+    assert "train-7" not in service.state.instances
+    assert service.register(_rank(1, pid=200)) == ("train-7-1-1", ["InstanceCreated"])
+    assert service.state.instances["train-7"].attempt == 1
+
+
+def test_ranks_of_an_earlier_start_are_not_mixed_into_a_new_one() -> None:
+    service = Service()
+    service.register(_rank(0, world=3))
+    service.register(_rank(0, world=2, pid=300))  # restarted smaller before it was whole
+    assert service.register(_rank(1, world=2, pid=300))[1] == ["InstanceCreated"]
+    assert len(service.state.instances["train-7"].assignments) == 2
+
+
+def test_nonsense_and_a_spec_s_instance_are_refused() -> None:
+    service = Service()
+    assert service.register(_rank(0, world=100_000)) == (
+        "a world of 100000 ranks is over 4096",
+        [],
+    )
+    outside = msgspec.structs.replace(_rank(0), deviceRank=2)
+    assert service.register(outside) == ("rank 2 is outside a world of 2", [])
+    service.state = apply_placement(service.state, placed(instance="i-0"), 1)
+    taken = service.register(_rank(0, job="i-0"))
+    assert taken == ("'i-0' is an instance of Runner spec spec", [])
+
+
+def _ended(instance: InstanceCreated, seconds: float, code: int) -> dict[str, RunnerStatusChanged]:
+    return {
+        a.runnerId: RunnerStatusChanged(
+            runner=rank(a.deviceRank, instance=instance.instanceId),
+            seq=1,
+            at=at(seconds + a.deviceRank),
+            statusKind=RunnerStatusKind.SHUTDOWN if code == 0 else RunnerStatusKind.FAILED,
+            processAlive=False,
+            exitCode=code,
+        )
+        for a in instance.assignments
+    }
+
+
+def test_a_job_goes_once_every_rank_ended_later_when_one_died() -> None:
+    service = Service()
+    service.register(_rank(0))
+    service.register(_rank(1))
+    job = service.state.instances["train-7"]
+    assert release_due(job, {}) is None
+    clean = _ended(job, 10, 0)
+    assert release_due(job, clean) == to_epoch(at(11))
+    failed = _ended(job, 10, 1)
+    assert release_due(job, failed) == to_epoch(at(11)) + LINGER_S
+    first = job.assignments[0].runnerId
+    running = {**clean, first: msgspec.structs.replace(clean[first], processAlive=True)}
+    assert release_due(job, running) is None
+    assert release_due(placed(), clean) is None  # a spec's instance is not a recorded job

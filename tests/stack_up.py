@@ -1,0 +1,76 @@
+"""`rankscope up` as a user runs it, for tests that need the whole stack in its own
+processes, and free ports to give it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["free_port", "running_up"]
+
+REPO = Path(__file__).parent.parent
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_up(
+    data: Path, *extra: str, env: dict[str, str] | None = None, nats_port: int = 0
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+    """`rankscope up` (its data in `data`) running until the block ends, stopped as
+    Ctrl-C stops it, and the lines it printed at start by their label (`NATS`, `web`)."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rankscope.services.cli",
+            "up",
+            "--nats-port",
+            str(nats_port),
+            "--gateway-port",
+            str(free_port()),
+            "--grpc-port",
+            str(free_port()),
+            "--data-dir",
+            str(data),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+    assert process.stdout is not None
+    shown: dict[str, str] = {}
+    for line in process.stdout:
+        if line.startswith("Ctrl-C"):
+            break
+        parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+        if len(parts) == 2:
+            shown[parts[0]] = parts[1]
+    try:
+        yield process, shown
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        process.wait()
+        process.stdout.close()
+        assert process.stderr is not None
+        process.stderr.close()

@@ -1,0 +1,262 @@
+"""End to end: `rankscope record` around real `mlx.launch` ring jobs on loopback, into a
+real `rankscope up` (NATS, rank-table service, aggregator, gateway): a recorded run prints
+and ends as it does unrecorded, a stopped rank is named and its waiting peers never are, a
+killed rank is a dead rank with its signal, a desync is named with both collectives, and
+with NATS gone the program runs on unharmed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.stack_up import free_port, running_up
+
+pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(240)]
+
+LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+
+TRAIN = """
+import sys, time
+import mlx.core as mx
+group = mx.distributed.init()
+rank = group.rank()
+steps = int(sys.argv[1])
+weights = mx.ones((256,))
+for step in range(steps):
+    gradient = mx.sin(weights * (rank + 1) + step)
+    weights = weights - 0.01 * mx.distributed.all_sum(gradient) / group.size()
+    mx.eval(weights)
+    time.sleep(0.01)
+print(f"rank {rank} checksum {float(weights.sum()):.6f}", flush=True)
+"""
+
+DESYNC = """
+import mlx.core as mx
+group = mx.distributed.init()
+for step in range(20):
+    mx.eval(mx.distributed.all_sum(mx.ones((64,))))
+if group.rank() == 0:
+    late = mx.distributed.all_sum(mx.ones((4096,)))
+else:  # waits for far more than rank 0 ever sends it
+    late = mx.distributed.recv(shape=(65536,), dtype=mx.float32, src=0)
+mx.eval(late)
+"""
+
+
+class Stack:
+    """`rankscope up` without a demo, and what is asked of its gateway."""
+
+    def __init__(self, base: str, nats: str, scripts: Path) -> None:
+        self.base, self.nats, self.scripts = base, nats, scripts
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.base + path, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def findings(self, job: str) -> list[dict[str, Any]]:
+        found = self.get("/v1/cluster/diagnosis")["findings"]
+        return [f for f in found if f["instanceId"] == job]
+
+    def until(self, check: Callable[[], Any], seconds: float) -> Any:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            found = check()
+            if found:
+                return found
+            time.sleep(0.25)
+        raise AssertionError(f"not reached within {seconds:g}s")
+
+    def script(self, name: str, text: str) -> str:
+        path = self.scripts / name
+        path.write_text(text)
+        return str(path)
+
+    def launch(self, ranks: int, *program: str) -> list[str]:
+        """`mlx.launch` of `program` on `ranks` ring ranks on loopback."""
+        port = str(free_port())
+        hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks), "-p", port]
+        return [LAUNCH, *hosts, "--", sys.executable, *program]
+
+    def record(
+        self, job: str | None, command: list[str], nats: str | None = None
+    ) -> subprocess.Popen[str]:
+        """`rankscope record` of `command`, its output captured."""
+        env = {**os.environ, "RANKSCOPE_NATS_URL": nats or self.nats}
+        flags = ["--job", job] if job else []
+        return subprocess.Popen(
+            [sys.executable, "-m", "rankscope.services.cli", "record", *flags, "--", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    data = tmp_path_factory.mktemp("record") / ".rankscope"
+    env = {"RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
+    with running_up(data, env=env) as (_, shown):
+        found = Stack(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0], data.parent)
+
+        def ready() -> bool:
+            try:
+                found.get("/readyz")
+            except OSError:
+                return False
+            return True
+
+        found.until(ready, 60)
+        yield found
+
+
+def _rank_pid(script: str, rank: int) -> int:
+    """The process of `rank` running `script` (mlx.launch gives each its MLX_RANK)."""
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if script in (process.info["cmdline"] or []) and process.environ().get(
+                "MLX_RANK"
+            ) == str(rank):
+                return int(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise AssertionError(f"no rank {rank} of {script}")
+
+
+def _ended(process: subprocess.Popen[str]) -> tuple[int, list[str], str]:
+    out, err = process.communicate(timeout=120)
+    return process.returncode, sorted(out.splitlines()), err
+
+
+def test_a_recorded_run_prints_and_ends_as_it_does_unrecorded(stack: Stack) -> None:
+    train = stack.script("train.py", TRAIN)
+    plain = subprocess.run(stack.launch(2, train, "40"), capture_output=True, text=True)
+    code, out, err = _ended(stack.record("run-1", stack.launch(2, train, "40")))
+    assert (code, out) == (plain.returncode, sorted(plain.stdout.splitlines()))
+    assert [line.split()[:2] for line in out] == [["rank", "0"], ["rank", "1"]]
+    assert "sitecustomize" not in err
+
+    def both_exits() -> list[dict[str, Any]]:
+        timeline = stack.get("/v1/cluster/timeline?instanceId=run-1")["timeline"]
+        return [e for e in timeline if e["event"] == "program_exit"]
+
+    ranks = stack.until(  # announced while it ran
+        lambda: [r for r in stack.get("/v1/cluster/timeline?instanceId=run-1")["runners"]], 15
+    )
+    assert sorted((r["deviceRank"], r["statusKind"]) for r in ranks) == [
+        (0, "RunnerShutdown"),
+        (1, "RunnerShutdown"),
+    ]
+    exits = stack.until(lambda: len(both_exits()) == 2 and both_exits(), 15)
+    assert {e["detail"] for e in exits} == {"after 40 collectives"}
+    stack.until(  # released once both ended cleanly
+        lambda: not any(r["instanceId"] == "run-1" for r in stack.get("/v1/placement/runners")),
+        15,
+    )
+    assert stack.get("/v1/cluster/diagnosis/history?instanceId=run-1")["findings"] == []
+
+
+def test_a_stopped_rank_is_named_within_10s_and_in_every_sample_until_continued(
+    stack: Stack,
+) -> None:
+    train = stack.script("forever.py", TRAIN)
+    job = stack.record("stop-1", stack.launch(4, train, "100000"))
+    try:
+        stack.until(
+            lambda: len(stack.get("/v1/cluster/timeline?instanceId=stop-1")["runners"]) == 4, 30
+        )
+        time.sleep(2)
+        stopped = _rank_pid(train, 2)
+        os.kill(stopped, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        (finding,) = stack.until(lambda: stack.findings("stop-1"), 10)
+        named_after = time.monotonic() - frozen_at
+        assert finding["kind"] == "stalled_rank", finding
+        samples = [finding]
+        while time.monotonic() - frozen_at < named_after + 6:
+            samples += stack.findings("stop-1") or [{"culpritRanks": "none"}]
+            time.sleep(0.5)
+        assert {(tuple(s["culpritRanks"]), s["kind"]) for s in samples} == {
+            ((2,), "stalled_rank")
+        }, samples
+        assert 2 not in samples[-1]["waitingRanks"]
+        os.kill(stopped, signal.SIGCONT)
+        stack.until(lambda: not stack.findings("stop-1"), 10)
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=60)
+
+
+def test_a_killed_rank_is_a_dead_rank_with_its_signal(stack: Stack) -> None:
+    train = stack.script("killed.py", TRAIN)
+    job = stack.record("kill-1", stack.launch(2, train, "100000"))
+    stack.until(
+        lambda: len(stack.get("/v1/cluster/timeline?instanceId=kill-1")["runners"]) == 2, 30
+    )
+    time.sleep(2)
+    os.kill(_rank_pid(train, 1), signal.SIGKILL)
+    killed_at = time.monotonic()
+    (finding,) = stack.until(lambda: stack.findings("kill-1"), 10)
+    assert time.monotonic() - killed_at < 10
+    assert finding["kind"] == "dead_rank"
+    assert finding["culpritRanks"] == [1]
+    assert "killed by SIGKILL" in finding["summary"]
+    assert finding["waitingRanks"] == [0]
+    assert "rank 0" in finding["summary"]
+    job.communicate(timeout=60)  # mlx.launch stops the other rank and ends
+
+
+def test_ranks_waiting_in_different_collectives_are_named_with_both(stack: Stack) -> None:
+    desync = stack.script("desync.py", DESYNC)
+    job = stack.record("desync-1", stack.launch(2, desync))
+    try:
+        (finding,) = stack.until(lambda: stack.findings("desync-1"), 30)
+        assert finding["kind"] == "rank_disagreement", finding["summary"]
+        assert "all_sum #21 (group world)" in finding["summary"]
+        assert "recv #21 (group world)" in finding["summary"]
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=60)
+
+
+def test_with_nats_gone_the_program_runs_on_and_ends_the_same(stack: Stack) -> None:
+    train = stack.script("offline.py", TRAIN)
+    nowhere = f"nats://127.0.0.1:{free_port()}"
+    plain = subprocess.run(stack.launch(2, train, "40"), capture_output=True, text=True)
+    code, out, err = _ended(stack.record(None, stack.launch(2, train, "40"), nats=nowhere))
+    assert (code, out, err) == (0, sorted(plain.stdout.splitlines()), plain.stderr)
+
+
+def test_ranks_recorded_one_by_one_agree_on_one_job(stack: Stack) -> None:
+    train = stack.script("each.py", TRAIN)
+    record = [sys.executable, "-m", "rankscope.services.cli", "record", "--", sys.executable]
+    command = stack.launch(2, train, "300")
+    command[command.index("--") + 1 :] = [*record, train, "300"]
+    job = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RANKSCOPE_NATS_URL": stack.nats},
+    )
+
+    def drawn() -> list[dict[str, Any]]:
+        runners = stack.get("/v1/cluster/timeline")["runners"]
+        return [r for r in runners if r["instanceId"].startswith("job-")]
+
+    ranks = stack.until(lambda: len(drawn()) == 2 and drawn(), 30)
+    assert {r["instanceId"] for r in ranks} == {ranks[0]["instanceId"]}
+    assert sorted(r["deviceRank"] for r in ranks) == [0, 1]
+    code, out, _ = _ended(job)
+    assert (code, len(out)) == (0, 2)
