@@ -218,6 +218,11 @@ class Settings:
     stall_threshold: float = _setting(
         10.0, _duration, "Seconds without progress before a working rank counts as stuck."
     )
+    record_give_up: float = _setting(
+        60.0,
+        _duration,
+        "How long a recorded rank's watcher keeps delivering after the rank ended.",
+    )
     load_threshold: float = _setting(
         300.0, _duration, "The same for connecting, loading and warming up."
     )

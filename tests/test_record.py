@@ -6,11 +6,13 @@ with NATS gone the program runs on unharmed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
 from tests.stack_up import free_port, running_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(240)]
@@ -89,10 +92,14 @@ class Stack:
         return [LAUNCH, *hosts, "--", sys.executable, *program]
 
     def record(
-        self, job: str | None, command: list[str], nats: str | None = None
+        self, job: str | None, command: list[str], nats: str | None = None, give_up: str = "60s"
     ) -> subprocess.Popen[str]:
         """`rankscope record` of `command`, its output captured."""
-        env = {**os.environ, "RANKSCOPE_NATS_URL": nats or self.nats}
+        env = {
+            **os.environ,
+            "RANKSCOPE_NATS_URL": nats or self.nats,
+            "RANKSCOPE_RECORD_GIVE_UP": give_up,
+        }
         flags = ["--job", job] if job else []
         return subprocess.Popen(
             [sys.executable, "-m", "rankscope.services.cli", "record", *flags, "--", *command],
@@ -134,6 +141,16 @@ def _rank_pid(script: str, rank: int) -> int:
     raise AssertionError(f"no rank {rank} of {script}")
 
 
+def _end(job: subprocess.Popen[str], script: str) -> None:
+    """Kill the ranks running `script` (a launcher killed leaves them running), then wait
+    for the job to end."""
+    for process in psutil.process_iter(["cmdline"]):
+        if script in (process.info["cmdline"] or []):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+    job.communicate(timeout=60)
+
+
 def _ended(process: subprocess.Popen[str]) -> tuple[int, list[str], str]:
     out, err = process.communicate(timeout=120)
     return process.returncode, sorted(out.splitlines()), err
@@ -151,14 +168,14 @@ def test_a_recorded_run_prints_and_ends_as_it_does_unrecorded(stack: Stack) -> N
         timeline = stack.get("/v1/cluster/timeline?instanceId=run-1")["timeline"]
         return [e for e in timeline if e["event"] == "program_exit"]
 
-    ranks = stack.until(  # announced while it ran
-        lambda: [r for r in stack.get("/v1/cluster/timeline?instanceId=run-1")["runners"]], 15
-    )
-    assert sorted((r["deviceRank"], r["statusKind"]) for r in ranks) == [
-        (0, "RunnerShutdown"),
-        (1, "RunnerShutdown"),
-    ]
+    def ranks() -> list[tuple[int, str]]:
+        runners = stack.get("/v1/cluster/timeline?instanceId=run-1")["runners"]
+        return sorted((r["deviceRank"], r["statusKind"]) for r in runners)
+
+    stack.until(lambda: ranks() == [(0, "RunnerShutdown"), (1, "RunnerShutdown")], 15)
     exits = stack.until(lambda: len(both_exits()) == 2 and both_exits(), 15)
+    timeline = stack.get("/v1/cluster/timeline?instanceId=run-1")["timeline"]
+    assert sorted(e["deviceRank"] for e in timeline if e["event"] == "group_ready") == [0, 1]
     assert {e["detail"] for e in exits} == {"after 40 collectives"}
     stack.until(  # released once both ended cleanly
         lambda: not any(r["instanceId"] == "run-1" for r in stack.get("/v1/placement/runners")),
@@ -194,8 +211,7 @@ def test_a_stopped_rank_is_named_within_10s_and_in_every_sample_until_continued(
         os.kill(stopped, signal.SIGCONT)
         stack.until(lambda: not stack.findings("stop-1"), 10)
     finally:
-        job.send_signal(signal.SIGTERM)
-        job.communicate(timeout=60)
+        _end(job, train)
 
 
 def test_a_killed_rank_is_a_dead_rank_with_its_signal(stack: Stack) -> None:
@@ -210,11 +226,11 @@ def test_a_killed_rank_is_a_dead_rank_with_its_signal(stack: Stack) -> None:
     (finding,) = stack.until(lambda: stack.findings("kill-1"), 10)
     assert time.monotonic() - killed_at < 10
     assert finding["kind"] == "dead_rank"
-    assert finding["culpritRanks"] == [1]
+    assert finding["culpritRanks"] == [1], finding["summary"]
     assert "killed by SIGKILL" in finding["summary"]
     assert finding["waitingRanks"] == [0]
     assert "rank 0" in finding["summary"]
-    job.communicate(timeout=60)  # mlx.launch stops the other rank and ends
+    _end(job, train)  # mlx.launch stopped the other rank already
 
 
 def test_ranks_waiting_in_different_collectives_are_named_with_both(stack: Stack) -> None:
@@ -226,16 +242,71 @@ def test_ranks_waiting_in_different_collectives_are_named_with_both(stack: Stack
         assert "all_sum #21 (group world)" in finding["summary"]
         assert "recv #21 (group world)" in finding["summary"]
     finally:
-        job.send_signal(signal.SIGTERM)
-        job.communicate(timeout=60)
+        _end(job, desync)
+
+
+def test_mlx_lm_s_own_distributed_server_recorded_serves_and_a_frozen_rank_is_named(
+    stack: Stack,
+) -> None:
+    model = write_tiny_model(stack.scripts / "tiny", TinyModelSpec(layers=4))
+    port = free_port()
+    server = ["-m", "mlx_lm", "server", "--model", str(model), "--port", str(port)]
+    job = stack.record("server-1", stack.launch(2, *server))
+    chat = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    def ask(tokens: int) -> Any:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens}
+        request = urllib.request.Request(chat, data=json.dumps(body).encode())
+        request.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return json.loads(reply.read())
+
+    def answered() -> Any:
+        try:
+            return ask(4)
+        except OSError:
+            return None
+
+    try:
+        assert stack.until(answered, 90)["usage"]["completion_tokens"] == 4
+        threading.Thread(target=answered_long, args=(ask,), daemon=True).start()
+        time.sleep(2)  # decoding
+        frozen = _rank_pid("mlx_lm", 1)
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            (finding,) = stack.until(lambda: stack.findings("server-1"), 10)
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        assert (finding["kind"], finding["culpritRanks"]) == ("stalled_rank", [1])
+        assert "rank 0 (" in finding["summary"].split("; ")[1]  # waiting, not named
+    finally:
+        _end(job, "mlx_lm")
+
+
+def answered_long(ask: Callable[[int], Any]) -> None:
+    """A long generation, whatever becomes of it."""
+    with contextlib.suppress(OSError):
+        ask(100_000)
 
 
 def test_with_nats_gone_the_program_runs_on_and_ends_the_same(stack: Stack) -> None:
     train = stack.script("offline.py", TRAIN)
     nowhere = f"nats://127.0.0.1:{free_port()}"
     plain = subprocess.run(stack.launch(2, train, "40"), capture_output=True, text=True)
-    code, out, err = _ended(stack.record(None, stack.launch(2, train, "40"), nats=nowhere))
+    job = stack.record(None, stack.launch(2, train, "40"), nats=nowhere, give_up="2s")
+    code, out, err = _ended(job)
     assert (code, out, err) == (0, sorted(plain.stdout.splitlines()), plain.stderr)
+
+    def watchers() -> list[int]:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                watcher = "rankscope.services.record.watcher" in (process.info["cmdline"] or [])
+                if watcher and process.environ().get("RANKSCOPE_NATS_URL") == nowhere:
+                    found.append(process.pid)
+        return found
+
+    stack.until(lambda: not watchers(), 15)  # they gave up on NATS, and went
 
 
 def test_ranks_recorded_one_by_one_agree_on_one_job(stack: Stack) -> None:

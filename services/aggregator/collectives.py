@@ -19,9 +19,11 @@ from rankscope.shared.wire import FindingKind, RunnerStatusKind
 __all__ = ["RecordedVerdict", "judge_recorded"]
 
 DEATH_SPREAD_S = 0.1
-"""Ranks ending this close to the first death died with it (an OOM killer, a lost
-machine); those ending later were stopped after it (a launcher stops every rank the
-moment one dies)."""
+"""Ranks killed this close to the first death died with it (an OOM killer, a lost
+machine)."""
+CAUSE_WINDOW_S = 2.0
+"""Deaths this close to the first are weighed together: a launcher stops every rank the
+moment one dies, and who noticed first is a matter of scheduling."""
 
 
 NOTE_SLACK_S = 1.5
@@ -45,6 +47,12 @@ def _rank(view: RunnerView) -> str:
     return f"rank {view.ref.deviceRank} ({view.ref.nodeId})"
 
 
+def _in_collective(view: RunnerView) -> bool:
+    """Waiting in a collective it named (`all_sum #417 (group world)`), not merely in an
+    evaluation (`eval()`: whose collectives, if any, compiled code hides)."""
+    return view.waiting_in is not None and " #" in view.waiting_in
+
+
 def _ended(view: RunnerView) -> bool:
     return view.status is not None and not view.status.processAlive
 
@@ -60,17 +68,19 @@ def _clean(view: RunnerView) -> bool:
     )
 
 
-def _with(view: RunnerView, first: RunnerView) -> bool:
-    """Whether `view` died with `first`, not after it: killed too (not stopped politely,
-    not failing on its lost peer) within `DEATH_SPREAD_S`."""
-    status, cause = view.status, first.status
-    return (
-        status is not None
-        and cause is not None
-        and status.signal is not None
-        and status.signal not in _STOPS
-        and to_epoch(status.at) - to_epoch(cause.at) <= DEATH_SPREAD_S
-    )
+def _end(view: RunnerView) -> float:
+    """When its process ended (seconds since the epoch)."""
+    return to_epoch(view.status.at) if view.status is not None else 0.0
+
+
+def _sureness(view: RunnerView) -> int:
+    """How surely its death is a cause rather than a consequence: killed outright, or
+    gone without a word (2); failed with an exit status, perhaps on its lost peer (1);
+    stopped politely, as launchers stop the rest once one died (0)."""
+    status = view.status
+    if status is None or status.signal in _STOPS:
+        return 0
+    return 1 if status.signal is None and status.exitCode is not None else 2
 
 
 def _how(view: RunnerView) -> str:
@@ -101,6 +111,7 @@ def judge_recorded(
     waited: Callable[[RunnerView], float],
     silent: Callable[[RunnerView], str | None],
     patience: float,
+    now: float,
 ) -> RecordedVerdict | None:
     """What the ranks of one recorded job say now.
 
@@ -110,14 +121,22 @@ def judge_recorded(
         silent: when a running rank was last heard, when it has been silent longer than
             a live one can be (its process is stopped or wedged), else None.
         patience: seconds of waiting past which the ranks not waiting are held to account.
+        now: the wall clock (seconds since the epoch).
     """
-    dead = sorted(
-        (v for v in views if _ended(v) and not _clean(v)),
-        key=lambda v: to_epoch(v.status.at) if v.status is not None else 0.0,
-    )
+    dead = sorted((v for v in views if _ended(v) and not _clean(v)), key=_end)
     if dead:
-        first = dead[0]
-        culprits = [first] + [v for v in dead[1:] if _with(v, first)]
+        near = [v for v in dead if _end(v) - _end(dead[0]) <= CAUSE_WINDOW_S]
+        worst = max(_sureness(v) for v in near)
+        first = next(v for v in near if _sureness(v) == worst)
+        if worst < 2 and now - _end(first) < CAUSE_WINDOW_S:
+            return None  # stopped or failed after a peer, perhaps: how it ended may follow
+        culprits = [first] + [
+            v
+            for v in near
+            if v is not first
+            and _sureness(v) == worst == 2
+            and _end(v) - _end(first) <= DEATH_SPREAD_S
+        ]
         others = [v for v in views if v not in culprits]
         words = "; ".join(f"{_rank(v)}: process {_how(v)}" for v in culprits)
         return RecordedVerdict(FindingKind.DEAD_RANK, culprits, others, words + _list(others))
@@ -126,13 +145,13 @@ def judge_recorded(
         culprits = [v for v, _ in frozen]
         others = [v for v in views if v not in culprits]
         words = "; ".join(
-            f"{_rank(v)} went silent outside any collective, last heard {heard} (stopped or wedged)"
+            f"{_rank(v)} went silent, last heard {heard} (stopped or wedged)"
             if v.waiting_in is None
             else f"{_rank(v)} went silent in {v.waiting_in}, last heard {heard}"
             for v, heard in frozen
         )
         return RecordedVerdict(FindingKind.STALLED_RANK, culprits, others, words + _list(others))
-    waiting = [v for v in views if v.waiting_in is not None and waited(v) > patience]
+    waiting = [v for v in views if _in_collective(v) and waited(v) > patience]
     if not waiting:
         return None
     held = [v for v in views if v not in waiting]
@@ -154,7 +173,7 @@ def judge_recorded(
         words = f"{', '.join(_rank(v) for v in outside)} outside any collective"
         return RecordedVerdict(FindingKind.STALLED_RANK, outside, waiting, words + _list(waiting))
     if held or len({v.waiting_in for v in waiting}) == 1:
-        return None  # all in one collective, or some not waiting long yet
+        return None  # all in one collective, or some not waiting long yet (or in evaluations)
     sites: dict[str | None, list[RunnerView]] = {}
     for view in waiting:
         sites.setdefault(view.waiting_in, []).append(view)

@@ -21,7 +21,7 @@ from datetime import timedelta
 from rankscope.services.aggregator.collectives import judge_recorded
 from rankscope.services.aggregator.runners import RunnerView
 from rankscope.services.aggregator.views import ClusterState
-from rankscope.shared.timestamps import format_ts, parse_ts
+from rankscope.shared.timestamps import format_ts, parse_ts, to_epoch
 from rankscope.shared.wire import (
     Breadcrumb,
     Finding,
@@ -182,6 +182,7 @@ class _Judge:
             waited=lambda v: self.now - (v.progressed or self.now) + WAIT_NOTED_S,
             silent=lambda v: self.last_heard(v) if self.frozen(v) else None,
             patience=self.limits.working,
+            now=to_epoch(self.wall),
         )
         if found is None:
             return None

@@ -36,6 +36,8 @@ class Decision:
     runner: RunnerRef | None
     refused: str | None = None
     publish: tuple[InstanceCreated | InstanceReleased, ...] = ()
+    announced: bool = False
+    """Whether the rank's job is announced once `publish` is."""
 
 
 def _runner_id(job_id: str, attempt: int, rank: int) -> str:
@@ -92,7 +94,7 @@ class RecordedJobs:
                 )
             known = live.recorded.ranks
             if rank.deviceRank < len(known) and _same_run(known[rank.deviceRank], rank):
-                return Decision(_ref(rank, live.attempt))  # the same rank asking again
+                return Decision(_ref(rank, live.attempt), announced=True)  # asking again
             released = (  # a new run of the job: the old one is over
                 InstanceReleased(
                     at=now(),
@@ -135,7 +137,7 @@ class RecordedJobs:
             ],
             recorded=RecordedProgram(ranks=ordered),
         )
-        return Decision(_ref(rank, attempt), publish=(*released, created))
+        return Decision(_ref(rank, attempt), publish=(*released, created), announced=True)
 
 
 def release_due(instance: InstanceCreated, status: dict[str, RunnerStatusChanged]) -> float | None:

@@ -201,7 +201,9 @@ class RankTableService:
             except (TimeoutError, NatsError, OSError) as exc:
                 answer = Registered(refused=f"could not announce the job now: {exc}")
             else:
-                answer = Registered(runner=decision.runner, refused=decision.refused)
+                answer = Registered(
+                    runner=decision.runner, announced=decision.announced, refused=decision.refused
+                )
                 if decision.publish:
                     self._dirty.set()  # its rank table
         if msg.reply:

@@ -8,9 +8,10 @@ never blocks. The watcher is started with `RANKSCOPE_RECORD_PYTHON` (the interpr
 `rankscope record`), so the program's interpreter needs nothing of rankscope's.
 
 What is recorded per rank: the group's start, each collective's number in its group,
-an evaluation that has waited on pending collectives for `WAIT_NOTE_S` (`collective_wait`
-with the first pending one) and its end (`collective_resumed`), MLX memory every second,
-named steps, and how the process exits.
+an evaluation that has lasted `WAIT_NOTE_S` (`collective_wait`, in the first collective
+issued since the last evaluation, else in the evaluation itself: `mx.compile`d code hides
+its collectives) and its end (`collective_resumed`), MLX memory every second, named steps,
+and how the process exits.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ COLLECTIVES = (
 )
 WAIT_NOTE_S = 1.0
 """How long an evaluation waits on its collectives before the rank says so."""
-_EVALUATIONS = ("eval",)
+_EVALUATIONS = ("eval", "async_eval")  # async_eval too waits when the last one has not finished
 _ARRAY_EVALUATIONS = ("item", "tolist")
 _TICK_S = 0.25
 _COMMAND_CHARS = 256
@@ -91,6 +92,7 @@ class Recorder:
         """Collectives issued since the last evaluation returned: (op, group, number,
         attrs)."""
         self.waiting_since: float | None = None
+        self.waiting_call = ""
         self.noted = False
         self.dropped = 0
         self.exit_code: int | None = None
@@ -188,21 +190,31 @@ class Recorder:
                     cache=self.mx.get_cache_memory(),
                 )
             since, pending = self.waiting_since, self.pending
-            if since is not None and not self.noted and pending and moment - since >= WAIT_NOTE_S:
+            if since is not None and not self.noted and moment - since >= WAIT_NOTE_S:
                 self.noted = True
-                op, group, number, attrs = pending[0]
-                site = f"{op} #{number} (group {group})"
-                self.entry(
-                    "decode_barrier",
-                    "collective_wait",
-                    f"waiting in {site}",
-                    site=site,
-                    op=op,
-                    group=group,
-                    step=number,
-                    pending=len(pending),
-                    **attrs,
-                )
+                self._note_wait(pending)
+
+    def _note_wait(self, pending: list[tuple[str, str, int, dict[str, Any]]]) -> None:
+        """Say the evaluation in progress has waited a while: in its first pending
+        collective, or (none issued since the last one: they are inside compiled code, or
+        there are none) in the evaluation itself."""
+        if not pending:
+            site = f"{self.waiting_call}()"
+            self.entry("decode_barrier", "collective_wait", f"waiting in {site}", site=site)
+            return
+        op, group, number, attrs = pending[0]
+        site = f"{op} #{number} (group {group})"
+        self.entry(
+            "decode_barrier",
+            "collective_wait",
+            f"waiting in {site}",
+            site=site,
+            op=op,
+            group=group,
+            step=number,
+            pending=len(pending),
+            **attrs,
+        )
 
     def _bye(self) -> None:
         made = self.counts.get("world", 0)
@@ -224,12 +236,10 @@ class Recorder:
             attrs["peer"] = peer
         self.pending.append((op, name, number, attrs))
 
-    def evaluating(self) -> float | None:
-        """An evaluation starts: the time, when it waits on collectives."""
-        if not self.pending:
-            return None
+    def evaluating(self, call: str) -> float:
+        """An evaluation (`call`: `eval`, `item`, ...) starts: when it did."""
         started = time.monotonic()
-        self.waiting_since, self.noted = started, False
+        self.waiting_since, self.waiting_call, self.noted = started, call, False
         return started
 
     def evaluated(self, started: float) -> None:
@@ -291,17 +301,17 @@ def _wrap_collective(op: str, original: Callable[..., Any]) -> Callable[..., Any
     return wrapped
 
 
-def _wrap_evaluation(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_evaluation(call: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         recorder = _recorder
-        started = recorder.evaluating() if recorder is not None else None
-        if started is None:
+        if recorder is None:
             return original(*args, **kwargs)
+        started = recorder.evaluating(call)
         try:
             return original(*args, **kwargs)
         finally:
-            recorder.evaluated(started)  # type: ignore[union-attr]
+            recorder.evaluated(started)
 
     return wrapped
 
@@ -365,9 +375,9 @@ def install(mx: Any) -> None:
     for op, original in originals.items():
         setattr(distributed, op, _wrap_collective(op, original))
     for name in _EVALUATIONS:
-        setattr(mx, name, _wrap_evaluation(getattr(mx, name)))
+        setattr(mx, name, _wrap_evaluation(name, getattr(mx, name)))
     for name in _ARRAY_EVALUATIONS:
-        setattr(mx.array, name, _wrap_evaluation(getattr(mx.array, name)))
+        setattr(mx.array, name, _wrap_evaluation(name, getattr(mx.array, name)))
     sys.exit = _wrap_exit(sys.exit)
     sys.excepthook = _note_exception(sys.excepthook)
 

@@ -18,7 +18,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 import psutil
@@ -52,6 +54,7 @@ from rankscope.shared.wire import (
 __all__ = ["BUFFERED_LINES", "main"]
 
 log = logging.getLogger("rankscope.record")
+_T = TypeVar("_T")
 
 BUFFERED_LINES = 10_000
 """Lines of the rank held while NATS or the rank-table service is away."""
@@ -59,6 +62,7 @@ EXIT_FILE_WAIT_S = 1.0
 """How long to wait for `rankscope record` to say how a rank it started ended."""
 _REGISTER_TIMEOUT_S = 2.0
 _POLL_S = 0.5
+_GATHER_POLL_S = 0.2
 
 
 class Hello(msgspec.Struct, kw_only=True, frozen=True):
@@ -115,6 +119,8 @@ class _Pipe:
         self.dropped = 0
         self.closed = asyncio.Event()
         self.closed_at: str | None = None
+        self.closed_since = 0.0
+        """When it closed, in monotonic seconds."""
         """When the rank's end of the pipe closed: when its process ended, to the ms."""
         self._ready = asyncio.Event()
         self._loop = loop
@@ -131,7 +137,7 @@ class _Pipe:
                 self.dropped += 1
             self.lines.append(line)
             self._loop.call_soon_threadsafe(self._ready.set)
-        self.closed_at = now()
+        self.closed_at, self.closed_since = now(), time.monotonic()
         self._loop.call_soon_threadsafe(self.closed.set)
 
     async def wait(self, seconds: float) -> None:
@@ -240,8 +246,32 @@ def _gone(pid: int) -> bool:
         return True
 
 
-async def _register(nc: Client, subjects: Subjects, hello: Hello, pipe: _Pipe) -> RunnerRef | None:
-    """Ask until the rank-table service answers (None: it refused, said why in the log)."""
+def _publish(pipe: _Pipe, rank: _Rank, publisher: TelemetryPublisher) -> None:
+    """What the rank said since, its seqs skipping what the pipe's buffer dropped (the
+    aggregator counts the gap)."""
+    if pipe.dropped:
+        rank.seq, pipe.dropped = rank.seq + pipe.dropped, 0
+    while pipe.lines:
+        rank.publish(pipe.lines.popleft(), publisher)
+
+
+async def _before_giving_up(pipe: _Pipe, work: Awaitable[_T], give_up: float) -> _T | None:
+    """What `work` comes to, or None once the rank has been gone `give_up` seconds without
+    it (NATS away, the rank-table service not answering)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if pipe.closed.is_set() and time.monotonic() - pipe.closed_since > give_up:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, NatsError, OSError):
+                await task
+            return None
+        await asyncio.wait({task}, timeout=1.0)
+    return task.result()
+
+
+async def _register(nc: Client, subjects: Subjects, hello: Hello) -> RunnerRef | None:
+    """Ask until the rank-table service has announced the rank's job (None: it refused,
+    said why in the log)."""
     request = RecordedRank(
         jobId=hello.jobId,
         nodeId=hello.nodeId,
@@ -253,7 +283,7 @@ async def _register(nc: Client, subjects: Subjects, hello: Hello, pipe: _Pipe) -
         command=hello.command,
         startedAt=hello.startedAt,
     )
-    while not pipe.closed.is_set():
+    while True:
         try:
             reply = await nc.request(
                 subjects.record_register(hello.nodeId), encode(request), timeout=_REGISTER_TIMEOUT_S
@@ -269,8 +299,10 @@ async def _register(nc: Client, subjects: Subjects, hello: Hello, pipe: _Pipe) -
             log.error(
                 "rank %d of %s not recorded: %s", hello.deviceRank, hello.jobId, answer.refused
             )
-        return answer.runner
-    return None
+            return None
+        if answer.announced:
+            return answer.runner
+        await asyncio.sleep(_GATHER_POLL_S)  # its peers have not all registered yet
 
 
 async def watch(settings: Settings) -> None:
@@ -281,23 +313,23 @@ async def watch(settings: Settings) -> None:
     if not pipe.lines or (hello := pipe.lines.popleft().hello) is None:
         return
     subjects = Subjects(settings.subject_prefix)
-    nc = None
-    while nc is None and not pipe.closed.is_set():
-        try:
-            nc = await connect(settings, f"rankscope-record-{hello.jobId}-{hello.deviceRank}")
-        except (NatsError, OSError) as exc:
-            log.info("NATS not reachable (%s); asking again", exc)
-            await asyncio.sleep(2.0)
+    name = f"rankscope-record-{hello.jobId}-{hello.deviceRank}"
+    nc = await _before_giving_up(
+        pipe, connect(settings, name), settings.record_give_up
+    )  # retries until it answers
     if nc is None:
+        log.error("NATS never answered; rank %d of %s not recorded", hello.deviceRank, hello.jobId)
         return
     try:
-        runner = await _register(nc, subjects, hello, pipe)
+        runner = await _before_giving_up(
+            pipe, _register(nc, subjects, hello), settings.record_give_up
+        )
         if runner is None:
             return
         rank = _Rank(hello, runner, subjects)
         publisher = TelemetryPublisher(js=nc.jetstream())
         stop = asyncio.Event()
-        publishing = asyncio.create_task(publisher.run(stop))
+        publishing = asyncio.create_task(publisher.run(stop, drain_for=settings.record_give_up))
         rank.status(
             publisher,
             RunnerStatusChanged(
@@ -310,14 +342,12 @@ async def watch(settings: Settings) -> None:
             ),
         )
         while True:
-            while pipe.lines:
-                rank.publish(pipe.lines.popleft(), publisher)
+            _publish(pipe, rank, publisher)
             if pipe.closed.is_set() or _gone(hello.pid):
                 break
             await pipe.wait(_POLL_S)
         ended_at = pipe.closed_at or now()
-        while pipe.lines:
-            rank.publish(pipe.lines.popleft(), publisher)
+        _publish(pipe, rank, publisher)
         rank.status(publisher, await asyncio.to_thread(rank.ended, ended_at))
         stop.set()
         await publishing

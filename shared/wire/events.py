@@ -239,6 +239,9 @@ class Registered(CamelStruct, kw_only=True, frozen=True):
     or why it cannot be recorded."""
 
     runner: RunnerRef | None = None
+    announced: bool = False
+    """Whether its job is announced: its telemetry counts from then on (before, it would
+    be refused as older than the placement that made the rank), so the rank waits."""
     refused: str | None = None
 
 

@@ -132,7 +132,7 @@ def test_a_stopped_rank_is_named_and_the_ranks_waiting_on_it_are_not() -> None:
     assert finding.kind is FindingKind.STALLED_RANK
     assert finding.culpritRanks == [2]
     assert finding.waitingRanks == [0, 1, 3]
-    assert "rank 2 (node-2) went silent outside any collective" in finding.summary
+    assert "rank 2 (node-2) went silent, last heard 12:00:04Z" in finding.summary
     assert "rank 0 (node-0) waits in all_sum #417 (group world)" in finding.summary
     job.pass_time(60, talking=(0, 1, 3))
     (still,) = job.judge()
@@ -222,3 +222,37 @@ def test_no_agent_speaks_for_a_recorded_rank() -> None:
     job.pass_time(20, talking=(0, 1))
     assert job.judge() == []
     assert job.state.placed_nodes() == set()  # nothing to probe for it
+
+
+def test_a_wait_in_an_evaluation_whose_collectives_are_hidden_names_nobody() -> None:
+    job = Job()
+    job.waits(0, "all_sum #5 (group world)", 5)
+    job.entry(1, Phase.DECODE_BARRIER, "collective_wait", site="item()")  # compiled code
+    job.pass_time(20, talking=(0, 1))
+    assert job.judge() == []
+    job.entry(0, Phase.DECODE_BARRIER, "collective_wait", site="eval()")
+    job.pass_time(20, talking=(0, 1))
+    assert job.judge() == []  # both wait in evaluations: a slow step, not a desync
+
+
+def test_the_killed_rank_is_named_even_when_its_peers_ends_were_seen_first() -> None:
+    job = Job(world=3)
+    job.ends(0, code=-15, signal="SIGTERM")  # its watcher woke sooner
+    job.ends(1, code=1)  # failed on the lost peer
+    job.now += 0.3
+    job.ends(2, code=-9, signal="SIGKILL")
+    (finding,) = job.judge()
+    assert (finding.culpritRanks, finding.waitingRanks) == ([2], [0, 1])
+
+
+def test_a_rank_that_failed_on_its_own_is_named_before_those_stopped_after_it() -> None:
+    job = Job(world=3)
+    job.ends(1, code=1)
+    job.now += 0.05
+    job.ends(0, code=-15, signal="SIGTERM")
+    job.ends(2, code=-15, signal="SIGTERM")
+    assert job.judge() == []  # a rank killed outright may yet be heard of
+    job.pass_time(2, talking=())
+    (finding,) = job.judge()
+    assert finding.culpritRanks == [1]
+    assert "rank 1 (node-1): process exited with status 1" in finding.summary

@@ -60,6 +60,17 @@ def test_a_job_is_announced_once_its_whole_world_registered() -> None:
     assert service.register(_rank(0)) == ("train-7-0-0", [])  # asked again once announced
 
 
+def test_a_rank_hears_its_job_is_announced_only_once_it_is() -> None:
+    jobs, state = RecordedJobs(), PlacementState()
+    first = jobs.register(_rank(1), state.instances, state.attempts)
+    assert (first.announced, first.publish) == (False, ())  # its telemetry would be refused
+    last = jobs.register(_rank(0), state.instances, state.attempts)
+    assert last.announced
+    state = apply_placement(state, last.publish[0], 1)
+    again = jobs.register(_rank(1), state.instances, state.attempts)
+    assert (again.announced, again.runner) == (True, first.runner)
+
+
 def test_a_new_run_of_a_job_ends_the_old_one_and_gets_new_identities() -> None:
     service = Service()
     service.register(_rank(0))
