@@ -154,6 +154,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.node_diagnostics(node_id),
                 subjects.node_evidence(node_id),
                 subjects.node_model(node_id),
+                subjects.record_evidence_of_node(node_id),
             ),
             responds=True,
         )
@@ -165,6 +166,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.canary("aggregator"),
                 subjects.node_request_all("diagnostics"),
                 subjects.node_request_all("evidence"),
+                subjects.record_evidence_all(),
                 *api.everyone(),
                 *api.own(),
                 *api.read(

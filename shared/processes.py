@@ -9,6 +9,7 @@ the path macOS takes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import functools
@@ -18,15 +19,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
 from rankscope.shared.wire import ProcessState
 
 __all__ = [
+    "DUMPABLE",
     "LIFELINE_ENV",
     "PORTABLE_ENV",
+    "STACK_BYTES",
     "die_with_parent",
+    "dump_stacks",
     "process_state",
     "signal_name",
     "watch_parent",
@@ -122,3 +127,33 @@ def process_state(pid: int | None) -> ProcessState:
     except psutil.Error:
         return ProcessState.UNKNOWN
     return _STATES.get(status, ProcessState.UNKNOWN)
+
+
+DUMPABLE = frozenset({ProcessState.RUNNING, ProcessState.SLEEPING, ProcessState.DISK_WAIT})
+"""States in which a process runs its signal handlers, so can write its stacks."""
+STACK_WAIT_S = 1.0
+"""Longest a capture waits for a process to write its stacks."""
+STACK_BYTES = 32 << 10
+"""The most of a stack dump kept (the main thread comes first, each thread's innermost
+frame first)."""
+
+
+async def dump_stacks(pid: int, path: Path, sig: int, *, first: str) -> str | None:
+    """Ask process `pid` for its threads' stacks with `sig` (its `faulthandler` appends
+    them to `path`) and read them once it stops writing, the thread that holds `first`
+    first (None when it wrote nothing in time)."""
+    await asyncio.to_thread(path.write_bytes, b"")
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return None
+    deadline, size = time.monotonic() + STACK_WAIT_S, -1
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        now_size = (await asyncio.to_thread(path.stat)).st_size
+        if now_size and now_size == size:
+            break
+        size = now_size
+    text = (await asyncio.to_thread(path.read_bytes)).decode(errors="replace")
+    threads = sorted(text.strip().split("\n\n"), key=lambda t: first not in t)
+    return "\n\n".join(threads)[:STACK_BYTES] or None

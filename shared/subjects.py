@@ -179,6 +179,19 @@ class Subjects:
         """Registrations of recorded ranks on every node."""
         return f"{self.prefix}.record.register.*"
 
+    def record_evidence(self, node_id: str, runner_id: str) -> str:
+        """Where a recorded rank's watcher answers for its evidence (stacks, process
+        state, memory): no agent supervises that rank."""
+        return f"{self.prefix}.record.evidence.{token(node_id)}.{token(runner_id)}"
+
+    def record_evidence_of_node(self, node_id: str) -> str:
+        """Evidence requests of the recorded ranks on one node."""
+        return f"{self.prefix}.record.evidence.{token(node_id)}.*"
+
+    def record_evidence_all(self) -> str:
+        """Evidence requests of every recorded rank."""
+        return f"{self.prefix}.record.evidence.>"
+
     def ranktable(self, job_id: str) -> str:
         """The rank table of one job (= instance)."""
         return f"{self.prefix}.ranktable.{token(job_id)}"

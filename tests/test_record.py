@@ -1,5 +1,6 @@
 """End to end: `rankscope record` around real `mlx.launch` ring jobs on loopback, into a
-real `rankscope up` (NATS, rank-table service, aggregator, gateway): a recorded run prints
+real `rankscope up` (NATS, rank-table service, two aggregator partitions, gateway): each
+job is followed by the partition it hashes to, as a placed instance is. A recorded run prints
 and ends as it does unrecorded, a stopped rank is named and its waiting peers never are, a
 killed rank is a dead rank with its signal, a desync is named with both collectives, and
 with NATS gone the program runs on unharmed."""
@@ -22,6 +23,8 @@ from typing import Any
 import psutil
 import pytest
 
+from rankscope.shared.partitions import partition_of
+from rankscope.shared.subjects import token
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
 from tests.stack_up import free_port, running_up
 
@@ -113,7 +116,11 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     data = tmp_path_factory.mktemp("record") / ".rankscope"
-    env = {"RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
+    env = {
+        "RANKSCOPE_STALL_THRESHOLD": "3s",
+        "RANKSCOPE_LOG_LEVEL": "warning",
+        "RANKSCOPE_AGGREGATOR_PARTITIONS": "2",  # a job is seen by its partition alone
+    }
     with running_up(data, env=env) as (_, shown):
         found = Stack(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0], data.parent)
 
@@ -208,6 +215,15 @@ def test_a_stopped_rank_is_named_within_10s_and_in_every_sample_until_continued(
             ((2,), "stalled_rank")
         }, samples
         assert 2 not in samples[-1]["waitingRanks"]
+
+        def evidence() -> dict[int, dict[str, Any]]:
+            (found,) = stack.findings("stop-1")
+            return {e["deviceRank"]: e for e in found["evidence"] if e.get("capturedAt")}
+
+        captured = stack.until(lambda: len(evidence()) == 4 and evidence(), 10)
+        assert captured[2]["process"] == "stopped"  # its watcher saw it, as an agent would
+        assert captured[2]["stack"] is None  # a stopped process writes nothing
+        assert "forever.py" in captured[0]["stack"]  # a waiting rank's stack, from its collective
         os.kill(stopped, signal.SIGCONT)
         stack.until(lambda: not stack.findings("stop-1"), 10)
     finally:
@@ -309,6 +325,32 @@ def test_with_nats_gone_the_program_runs_on_and_ends_the_same(stack: Stack) -> N
     stack.until(lambda: not watchers(), 15)  # they gave up on NATS, and went
 
 
+INSIDE = """
+from rankscope.services.record import start, step
+start(job="inside-1", node="node-in")
+import mlx.core as mx
+group = mx.distributed.init()
+for _ in range(3):
+    with step("forward"):
+        mx.eval(mx.distributed.all_sum(mx.ones((8,))))
+print("done", group.rank(), flush=True)
+"""
+
+
+def test_a_program_switches_recording_on_itself_and_names_its_steps(stack: Stack) -> None:
+    inside = stack.script("inside.py", INSIDE)
+    env = {**os.environ, "RANKSCOPE_NATS_URL": stack.nats}
+    done = subprocess.run(stack.launch(2, inside), capture_output=True, text=True, env=env)
+    assert sorted(done.stdout.split("\n")[:2]) == ["done 0", "done 1"], done.stderr
+
+    def steps() -> list[dict[str, Any]]:
+        timeline = stack.get("/v1/cluster/timeline?instanceId=inside-1")["timeline"]
+        return [e for e in timeline if e["event"] == "step_started"]
+
+    named = stack.until(lambda: len(steps()) == 6 and steps(), 15)
+    assert {(e["nodeId"], e["detail"]) for e in named} == {("node-in", "forward")}
+
+
 def test_ranks_recorded_one_by_one_agree_on_one_job(stack: Stack) -> None:
     train = stack.script("each.py", TRAIN)
     record = [sys.executable, "-m", "rankscope.services.cli", "record", "--", sys.executable]
@@ -331,3 +373,8 @@ def test_ranks_recorded_one_by_one_agree_on_one_job(stack: Stack) -> None:
     assert sorted(r["deviceRank"] for r in ranks) == [0, 1]
     code, out, _ = _ended(job)
     assert (code, len(out)) == (0, 2)
+
+
+def test_the_jobs_here_land_in_both_partitions() -> None:
+    jobs = ["run-1", "stop-1", "kill-1", "desync-1", "server-1"]
+    assert {partition_of(token(job), 2) for job in jobs} == {0, 1}

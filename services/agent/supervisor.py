@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import os
 import queue
 import threading
 import time
@@ -42,7 +41,7 @@ from rankscope.services.agent.runner.channel import (
 from rankscope.services.agent.runner.config import RunnerConfig
 from rankscope.services.agent.runner.entry import runner_main
 from rankscope.services.agent.runner.watchdog import WEDGED_EXIT
-from rankscope.shared.processes import process_state, signal_name
+from rankscope.shared.processes import DUMPABLE, dump_stacks, process_state, signal_name
 from rankscope.shared.subjects import Subjects, TelemetryKind
 from rankscope.shared.synopsis import Synopsis, advance
 from rankscope.shared.timestamps import now
@@ -51,7 +50,6 @@ from rankscope.shared.wire import (
     FlightEntry,
     MemorySampled,
     Phase,
-    ProcessState,
     RunnerEvidence,
     RunnerStatusChanged,
     RunnerStatusKind,
@@ -74,34 +72,6 @@ VICTIM_BACKOFF_MAX_S = 30.0
 KEEP_ENTRIES = 128
 _TELEMETRY_QUEUE = 1024
 _STOP_GRACE_S = 3.0  # twice this fits within `up`'s 8 s grace for the agent
-
-
-_DUMPABLE = frozenset({ProcessState.RUNNING, ProcessState.SLEEPING, ProcessState.DISK_WAIT})
-STACK_WAIT_S = 1.0
-"""Longest a capture waits for a runner to write its stacks."""
-STACK_BYTES = 32 << 10
-"""The most of a stack dump kept (the main thread comes first, each thread's innermost
-frame first)."""
-
-
-async def _dump(pid: int, path: Path) -> str | None:
-    """Ask runner `pid` for its stacks and read them once it stops writing (None when it
-    wrote nothing in time)."""
-    await asyncio.to_thread(path.write_bytes, b"")
-    try:
-        os.kill(pid, STACK_SIGNAL)
-    except ProcessLookupError:
-        return None
-    deadline, size = time.monotonic() + STACK_WAIT_S, -1
-    while time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        now_size = (await asyncio.to_thread(path.stat)).st_size
-        if now_size and now_size == size:
-            break
-        size = now_size
-    text = (await asyncio.to_thread(path.read_bytes)).decode(errors="replace")
-    threads = sorted(text.strip().split("\n\n"), key=lambda t: "in runner_main" not in t)
-    return "\n\n".join(threads)[:STACK_BYTES] or None  # the main thread (inference) first
 
 
 def exit_cause(code: int) -> str:
@@ -411,8 +381,8 @@ class RunnerSupervisor:
         state = process_state(pid)
         stack = None
         path = self.config.stack_path
-        if pid is not None and path is not None and self._stacks_ready and state in _DUMPABLE:
-            stack = await _dump(pid, Path(path))
+        if pid is not None and path is not None and self._stacks_ready and state in DUMPABLE:
+            stack = await dump_stacks(pid, Path(path), STACK_SIGNAL, first="in runner_main")
         return RunnerEvidence(
             runnerId=self.runner_id,
             pid=pid,

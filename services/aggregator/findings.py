@@ -246,20 +246,28 @@ class Findings:
         join the finding when they arrive."""
         key = (finding.instanceId, finding.since)
         self._evidence[key] = {}
-        nodes: dict[str, list[str]] = {}
+        asks: dict[str, tuple[str, list[str]]] = {}
+        subjects = self._layout.subjects
         for rank in finding.evidence:
-            nodes.setdefault(rank.nodeId, []).append(rank.runnerId)
-        for node_id, runner_ids in nodes.items():
-            task = asyncio.get_running_loop().create_task(self._gather(key, node_id, runner_ids))
+            view = self._state.runners.get(rank.runnerId)
+            if view is not None and self._state.recorded(view):  # its watcher answers
+                subject = subjects.record_evidence(rank.nodeId, rank.runnerId)
+            else:  # its node's agent answers for every rank asked of it there
+                subject = subjects.node_evidence(rank.nodeId)
+            asks.setdefault(subject, (rank.nodeId, []))[1].append(rank.runnerId)
+        for subject, (node_id, runner_ids) in asks.items():
+            task = asyncio.get_running_loop().create_task(
+                self._gather(key, subject, node_id, runner_ids)
+            )
             self.capturing.add(task)
             task.add_done_callback(self.capturing.discard)
 
-    async def _gather(self, key: tuple[str, str], node_id: str, runner_ids: list[str]) -> None:
+    async def _gather(
+        self, key: tuple[str, str], subject: str, node_id: str, runner_ids: list[str]
+    ) -> None:
         request = encode(EvidenceRequest(runnerIds=runner_ids))
         try:
-            reply = await self._nc.request(
-                self._layout.subjects.node_evidence(node_id), request, timeout=EVIDENCE_WAIT_S
-            )
+            reply = await self._nc.request(subject, request, timeout=EVIDENCE_WAIT_S)
             answer = decode(reply.data, NodeEvidence)
         except (NatsError, TimeoutError, WireError) as exc:
             log.warning("no evidence from %s: %s", node_id, exc or type(exc).__name__)
@@ -268,7 +276,7 @@ class Findings:
         if held is None:
             return  # the incident is over already
         for runner in answer.runners:
-            if runner.runnerId in runner_ids:  # a node speaks only for the runners asked of it
+            if runner.runnerId in runner_ids:  # one speaks only for the runners asked of it
                 held[runner.runnerId] = runner
         self._state.version += 1
 

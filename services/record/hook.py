@@ -19,19 +19,30 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import faulthandler
 import functools
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["COLLECTIVES", "WAIT_NOTE_S", "Recorder", "install", "note_child_exits", "step"]
+__all__ = [
+    "COLLECTIVES",
+    "STACK_SIGNAL",
+    "WAIT_NOTE_S",
+    "Recorder",
+    "install",
+    "note_child_exits",
+    "step",
+]
 
 COLLECTIVES = (
     "all_sum",
@@ -43,6 +54,8 @@ COLLECTIVES = (
     "recv",
     "recv_like",
 )
+STACK_SIGNAL = signal.SIGUSR1
+"""Makes a recorded rank write its stacks, as a runner does."""
 WAIT_NOTE_S = 1.0
 """How long an evaluation waits on its collectives before the rank says so."""
 _EVALUATIONS = ("eval", "async_eval")  # async_eval too waits when the last one has not finished
@@ -80,6 +93,25 @@ def _ring_port(rank: int) -> int:
         return int(str(address).rsplit(":", 1)[1])
     except (KeyError, OSError, ValueError, IndexError, TypeError):
         return 0
+
+
+def _stacks_on_request() -> str:
+    """Have `faulthandler` append every thread's stack to a file on `STACK_SIGNAL`, even
+    from inside a blocked collective (after the program's own handler, if it has one);
+    the file's path, empty when that cannot be."""
+    previous = signal.getsignal(STACK_SIGNAL)
+    try:
+        handle, path = tempfile.mkstemp(prefix="rankscope-stacks-", suffix=".txt")
+        os.close(handle)
+        faulthandler.register(
+            STACK_SIGNAL,
+            file=open(path, "a"),  # noqa: SIM115  (open for the process's life)
+            all_threads=True,
+            chain=callable(previous),
+        )
+    except (OSError, RuntimeError, ValueError):
+        return ""
+    return path
 
 
 class Recorder:
@@ -124,6 +156,7 @@ class Recorder:
         self._pipe = os.dup(watcher.stdin.fileno())
         watcher.stdin.close()
         os.set_blocking(self._pipe, False)
+        stacks = _stacks_on_request()
         self.send(
             "hello",
             jobId=job,
@@ -136,6 +169,7 @@ class Recorder:
             command=" ".join(sys.argv)[:_COMMAND_CHARS] or sys.executable,
             startedAt=_started_at(),
             exitFile=os.environ.get("RANKSCOPE_RECORD_EXITS", ""),
+            stackFile=stacks,
         )
         threading.Thread(target=self._tick, name="rankscope-recorder", daemon=True).start()
         atexit.register(self._bye)

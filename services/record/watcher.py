@@ -25,12 +25,14 @@ from typing import TypeVar
 import msgspec
 import psutil
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from rankscope.services.agent.publisher import TelemetryPublisher
+from rankscope.services.record.hook import STACK_SIGNAL
 from rankscope.shared import logs
 from rankscope.shared.connection import close, connect
-from rankscope.shared.processes import signal_name
+from rankscope.shared.processes import DUMPABLE, dump_stacks, process_state, signal_name
 from rankscope.shared.settings import Settings, SettingsError, load
 from rankscope.shared.subjects import Subjects, TelemetryKind
 from rankscope.shared.timestamps import now
@@ -40,9 +42,11 @@ from rankscope.shared.wire import (
     Memory,
     MemorySampled,
     MlxMemorySnapshot,
+    NodeEvidence,
     Phase,
     RecordedRank,
     Registered,
+    RunnerEvidence,
     RunnerRef,
     RunnerStatusChanged,
     RunnerStatusKind,
@@ -79,6 +83,8 @@ class Hello(msgspec.Struct, kw_only=True, frozen=True):
     startedAt: str
     exitFile: str = ""
     """Where `rankscope record` writes how the processes it started ended."""
+    stackFile: str = ""
+    """Where the rank appends its stacks on `STACK_SIGNAL` (empty: it cannot)."""
 
 
 class RawEntry(msgspec.Struct, kw_only=True, frozen=True):
@@ -156,6 +162,8 @@ class _Rank:
         self.hello, self.runner, self.subjects = hello, runner, subjects
         self.seq = 0
         self.bye: Bye | None = None
+        self.memory: MlxMemorySnapshot | None = None
+        """Its last memory sample."""
 
     def next_seq(self, skip: int = 0) -> int:
         self.seq += skip
@@ -188,6 +196,7 @@ class _Rank:
                 peak=Memory(inBytes=sample.peak),
                 source="mlx.core",
             )
+            self.memory = snapshot
             seq = self.next_seq()
             message = MemorySampled(runner=self.runner, seq=seq, snapshot=snapshot)
             publisher.telemetry(self.subject("memory"), encode(message), self.runner.runnerId, seq)
@@ -198,6 +207,25 @@ class _Rank:
         publisher.telemetry(
             self.subject("status"), encode(status), self.runner.runnerId, status.seq
         )
+
+    async def evidence(self, msg: Msg) -> None:
+        """Answer for the rank's evidence: its process state, its stacks (when it can
+        write them: not stopped), its last memory sample."""
+        pid, path = self.hello.pid, self.hello.stackFile
+        state = process_state(pid)
+        stack = None
+        if path and state in DUMPABLE:
+            stack = await dump_stacks(pid, Path(path), STACK_SIGNAL, first="Current thread")
+        captured = RunnerEvidence(
+            runnerId=self.runner.runnerId,
+            pid=pid,
+            process=state,
+            stack=stack,
+            mlxMemory=self.memory,
+            capturedAt=now(),
+        )
+        with contextlib.suppress(NatsError):
+            await msg.respond(encode(NodeEvidence(nodeId=self.runner.nodeId, runners=[captured])))
 
     def ended(self, at: str) -> RunnerStatusChanged:
         """How the process ended: as `rankscope record` saw it (its parent), else as the
@@ -327,6 +355,9 @@ async def watch(settings: Settings) -> None:
         if runner is None:
             return
         rank = _Rank(hello, runner, subjects)
+        await nc.subscribe(
+            subjects.record_evidence(runner.nodeId, runner.runnerId), cb=rank.evidence
+        )
         publisher = TelemetryPublisher(js=nc.jetstream())
         stop = asyncio.Event()
         publishing = asyncio.create_task(publisher.run(stop, drain_for=settings.record_give_up))
@@ -353,6 +384,9 @@ async def watch(settings: Settings) -> None:
         await publishing
     finally:
         await close(nc)
+        if hello.stackFile:
+            with contextlib.suppress(OSError):
+                os.remove(hello.stackFile)
 
 
 def main() -> int:

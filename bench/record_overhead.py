@@ -1,0 +1,140 @@
+"""What `rankscope record` costs a program, recorded vs plain, interleaved in one run.
+
+Two programs under `mlx.launch` with two ring ranks on loopback (a core each), each run plain and
+recorded (into a real `rankscope up`) in alternating order, round after round:
+- a data-parallel loop whose steps take ~10 ms of compute and one `all_sum` of the
+  gradients: mean step time (target: recorded within 1% of plain);
+- `mlx_lm.benchmark` on a generated model: generation tokens/s (target: no measurable
+  change).
+Printed per program: the median of the paired per-round ratios with their spread.
+
+    .venv/bin/python bench/record_overhead.py [--rounds 5] [--steps 300] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from common import free_port
+
+from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
+
+LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+
+STEPS = """
+import sys, time
+import mlx.core as mx
+group = mx.distributed.init()
+size, steps = int(sys.argv[1]), int(sys.argv[2])
+weights = mx.random.normal((size, size), key=mx.random.key(group.rank()))
+batch = mx.random.normal((size, size), key=mx.random.key(7))
+times = []
+for step in range(steps):
+    started = time.perf_counter()
+    gradient = (batch @ weights) @ weights.T / size
+    gradient = mx.distributed.all_sum(gradient) / group.size()
+    weights = weights - 1e-4 * gradient
+    mx.eval(weights)
+    times.append(time.perf_counter() - started)
+if group.rank() == 0:
+    kept = sorted(times[steps // 10:])
+    print(f"step_ms {1000 * sum(kept) / len(kept):.4f}", flush=True)
+"""
+
+
+@contextlib.contextmanager
+def _stack(data: Path) -> Iterator[str]:
+    """`rankscope up` without a demo until the block ends; its NATS URL."""
+    nats = free_port()
+    ports = ["--nats-port", str(nats), "--gateway-port", str(free_port())]
+    command = [sys.executable, "-m", "rankscope.services.cli", "up", *ports]
+    command += ["--grpc-port", str(free_port()), "--data-dir", str(data)]
+    quiet = {**os.environ, "RANKSCOPE_LOG_LEVEL": "warning"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=quiet) as up:
+        assert up.stdout is not None
+        next(line for line in up.stdout if line.startswith("Ctrl-C"))
+        try:
+            yield f"nats://127.0.0.1:{nats}"
+        finally:
+            up.send_signal(signal.SIGINT)
+
+
+def _launch(*program: str) -> list[str]:
+    """`program` on two ring ranks, each pinned to a core of its own (as on machines of
+    their own; the watchers of a recorded run share their rank's core)."""
+    ring = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "-p", str(free_port())]
+    pinned = ["sh", "-c", 'exec taskset -c "$MLX_RANK" "$0" "$@"', sys.executable]
+    return [LAUNCH, *ring, "--", *pinned, *program]
+
+
+def _run(command: list[str], nats: str | None) -> str:
+    if nats is not None:
+        command = [sys.executable, "-m", "rankscope.services.cli", "record", "--", *command]
+    env = None if nats is None else {**os.environ, "RANKSCOPE_NATS_URL": nats}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"{command} failed: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def _paired(
+    name: str, rounds: int, measure: Callable[[str | None], float], nats: str, higher: bool
+) -> None:
+    ratios, plain_all, recorded_all = [], [], []
+    for round_ in range(rounds):
+        order = [None, nats] if round_ % 2 == 0 else [nats, None]
+        found = {which: measure(which) for which in order}
+        plain, recorded = found[None], found[nats]
+        plain_all.append(plain)
+        recorded_all.append(recorded)
+        ratios.append(recorded / plain if higher else plain / recorded)
+    print(
+        f"{name}: plain median {statistics.median(plain_all):.3f}, recorded median "
+        f"{statistics.median(recorded_all):.3f}; speed recorded/plain: median "
+        f"{statistics.median(ratios):.4f} (rounds {min(ratios):.4f}-{max(ratios):.4f})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--size", type=int, default=160, help="~10 ms a step on 2 shared cores")
+    parser.add_argument("--tokens", type=int, default=64, help="mlx_lm.benchmark's -g")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        script = work / "steps.py"
+        script.write_text(STEPS)
+        model = write_tiny_model(work / "model", TinyModelSpec(layers=4, hidden=256))
+        with _stack(work / ".rankscope") as nats:
+
+            def step_ms(which: str | None) -> float:
+                out = _run(_launch(str(script), str(args.size), str(args.steps)), which)
+                return float(re.search(r"step_ms (\S+)", out).group(1))  # type: ignore[union-attr]
+
+            def tokens_per_s(which: str | None) -> float:
+                benchmark = ["-m", "mlx_lm", "benchmark", "--model", str(model)]
+                tokens = str(args.tokens)
+                out = _run(_launch(*benchmark, "-p", "64", "-g", tokens, "-n", "2"), which)
+                return float(re.search(r"Averages:.*generation_tps=([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+
+            print(f"2 ring ranks on loopback, {args.rounds} rounds, plain and recorded interleaved")
+            _paired("data-parallel step (ms)", args.rounds, step_ms, nats, higher=False)
+            _paired(
+                "mlx_lm.benchmark generation tokens/s", args.rounds, tokens_per_s, nats, higher=True
+            )
+
+
+if __name__ == "__main__":
+    main()
