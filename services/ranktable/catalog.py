@@ -141,12 +141,17 @@ class Catalog:
         refusals: Mapping[str, str],
         instances: Callable[[str], list[str]],
         metrics: Callable[[str], RunnerMetrics],
+        judged: Mapping[str, int],
     ) -> dict[str, RunnerSpecStatus]:
         """Each spec's status, unstamped: a waiting revision's, else the placed one's
-        (with why placement refused it, in `refusals`), else why it was refused."""
+        (with why placement refused it, in `refusals`) once placement has judged that
+        revision (`judged`: the revision of each spec the plan had; one written while it
+        ran waits for the next), else why it was refused."""
         found = {}
         for spec_id, record in self.records.items():
             spec = record.waiting or record.placed
+            if spec is not None and not record.waiting and judged.get(spec_id) != spec.revision:
+                continue  # not judged yet: a status now would say nothing of it
             if spec is not None:
                 reason = record.why_waiting if record.waiting else refusals.get(spec_id)
                 status = RunnerSpecStatus(

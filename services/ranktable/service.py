@@ -297,8 +297,9 @@ class RankTableService:
         if await self._catalog.shape_waiting(sorted(self._nodes.views)):
             asyncio.get_running_loop().call_later(SHAPE_RETRY_S, self._dirty.set)
         placed = {i: p for i, p in self._state.instances.items() if p.recorded is None}
+        specs = self._catalog.placeable()
         decided = plan(
-            self._catalog.placeable(),
+            specs,
             self._nodes.views,
             placed,
             self._state.attempts,
@@ -336,7 +337,7 @@ class RankTableService:
             layers = ", ".join(f"{a.nodeId}[{a.startLayer},{a.endLayer})" for a in new.assignments)
             log.info("placed %s: %s", new.instance_id, layers)
         await self._publish_tables()
-        await self._publish_statuses(decided)
+        await self._publish_statuses(decided, {s.runner_id: s.revision for s in specs})
         return decided
 
     def _msg_id(self, event: InstanceCreated | InstanceReleased) -> str:
@@ -426,14 +427,16 @@ class RankTableService:
     def _instances_of(self, spec_id: str) -> list[str]:
         return sorted(i for i, p in self._state.instances.items() if p.runnerSpecId == spec_id)
 
-    async def _publish_statuses(self, decided: Plan) -> None:
-        statuses = self._catalog.statuses(decided.refusals, self._instances_of, self._metrics)
+    async def _publish_statuses(self, decided: Plan, judged: dict[str, int]) -> None:
+        statuses = self._catalog.statuses(
+            decided.refusals, self._instances_of, self._metrics, judged
+        )
         for spec_id, status in statuses.items():
             if self._statuses.get(spec_id) != status and self._status_kv is not None:
                 stamped = msgspec.structs.replace(status, updated_at=now())
                 await self._status_kv.put(token(spec_id), encode(stamped))
                 self._statuses[spec_id] = status
-        for spec_id in set(self._statuses) - set(statuses):
+        for spec_id in set(self._statuses) - set(self._catalog.records):  # deleted specs
             if self._status_kv is not None:
                 await self._status_kv.delete(token(spec_id))
             del self._statuses[spec_id]
