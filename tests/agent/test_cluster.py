@@ -485,7 +485,8 @@ async def test_a_stopped_peer_trips_the_watchdog_with_a_breadcrumb(cluster: Clus
         (waiting,) = (await cluster.evidence("node-a", RANKS[0])).runners
         assert waiting.process is ProcessState.SLEEPING  # blocked in the collective
         assert waiting.stack is not None
-        assert "in _agree" in waiting.stack, waiting.stack  # the line it waits on
+        # the line it waits on: agreeing on the next task, or decoding one still queued
+        assert "in _agree" in waiting.stack or "generation.py" in waiting.stack, waiting.stack
         assert waiting.mlxMemory is not None
         bad = await cluster.nc.request(cluster.layout.subjects.node_evidence("node-a"), b"[]", 5)
         assert decode(bad.data, QueryError).status == 422
@@ -494,15 +495,17 @@ async def test_a_stopped_peer_trips_the_watchdog_with_a_breadcrumb(cluster: Clus
         )
     finally:
         os.kill(victim.pid, signal.SIGCONT)
-    events = [e.event for e in cluster.entries[RANKS[0]]]
-    waited = [e for e in cluster.entries[RANKS[0]] if e.event == "collective_wait"]
-    # it said it was waiting (and where) long before its deadline, not idle
-    assert events.index("collective_wait") < events.index("pipeline_eval_timeout")
-    assert waited[-1].phase is Phase.TASK_AGREEMENT
-    assert waited[-1].attrs["site"] == "task_agreement"
-    (breadcrumb,) = [e for e in cluster.entries[RANKS[0]] if e.event == "pipeline_eval_timeout"]
-    assert breadcrumb.attrs["site"] == "task_agreement"
-    assert breadcrumb.detail == "task_agreement did not finish within 5s"
+    entries = cluster.entries[RANKS[0]]
+    (breadcrumb,) = [e for e in entries if e.event == "pipeline_eval_timeout"]
+    before = entries[: entries.index(breadcrumb)]
+    # it said it was waiting (and where) long before its deadline, not idle: in the task
+    # agreement when idle, in decode_stream when a chat of an earlier test still decoded
+    said = [e for e in before if e.event == "collective_wait"][-1]
+    site = said.attrs["site"]
+    assert site in ("task_agreement", "decode_stream")
+    assert said.phase.value == site
+    assert breadcrumb.attrs["site"] == site
+    assert breadcrumb.detail == f"{site} did not finish within 5s"
     assert breadcrumb.mlxMemory is not None
 
     def wedge_reported() -> bool:
