@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["free_port", "running_up"]
+__all__ = ["free_port", "running_up", "up_command"]
 
 REPO = Path(__file__).parent.parent
 
@@ -25,6 +25,27 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def up_command(
+    data: Path, *extra: str, gateway_port: int | None = None, nats_port: int = 0
+) -> list[str]:
+    """`rankscope up` with its data in `data`, on free ports unless given, and `extra`."""
+    return [
+        sys.executable,
+        "-m",
+        "rankscope.services.cli",
+        "up",
+        "--nats-port",
+        str(nats_port),
+        "--gateway-port",
+        str(gateway_port or free_port()),
+        "--grpc-port",
+        str(free_port()),
+        "--data-dir",
+        str(data),
+        *extra,
+    ]
+
+
 @contextlib.contextmanager
 def running_up(
     data: Path, *extra: str, env: dict[str, str] | None = None, nats_port: int = 0
@@ -32,21 +53,7 @@ def running_up(
     """`rankscope up` (its data in `data`) running until the block ends, stopped as
     Ctrl-C stops it, and the lines it printed at start by their label (`NATS`, `web`)."""
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rankscope.services.cli",
-            "up",
-            "--nats-port",
-            str(nats_port),
-            "--gateway-port",
-            str(free_port()),
-            "--grpc-port",
-            str(free_port()),
-            "--data-dir",
-            str(data),
-            *extra,
-        ],
+        up_command(data, *extra, nats_port=nats_port),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

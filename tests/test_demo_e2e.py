@@ -11,9 +11,7 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,16 +26,11 @@ import pytest
 
 from rankscope.shared.processes import PORTABLE_ENV
 from tests import skulk_shapes
+from tests.stack_up import free_port, up_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _descendants(pid: int) -> set[int]:
@@ -144,25 +137,9 @@ def _launch(data: Path, port: int, *flags: str, **extra: str) -> subprocess.Pope
     its demo is ready."""
     env = {**os.environ, "RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
     env.update(extra)
+    ring = ("--ring-port-base", str(free_port()))
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rankscope.services.cli",
-            "up",
-            "--demo",
-            "--nats-port",
-            "0",
-            "--gateway-port",
-            str(port),
-            "--grpc-port",
-            str(_free_port()),
-            "--ring-port-base",
-            str(_free_port()),
-            "--data-dir",
-            str(data),
-            *flags,
-        ],
+        up_command(data, "--demo", *ring, *flags, gateway_port=port),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -200,7 +177,7 @@ def demo(
 ) -> Iterator[Demo]:
     """The demo on an open NATS; and with `--nats-auth` on the processes' portable path
     (no Linux-only process ties: what runs on macOS)."""
-    port, data = _free_port(), tmp_path_factory.mktemp("demo") / ".rankscope"
+    port, data = free_port(), tmp_path_factory.mktemp("demo") / ".rankscope"
     flags, env = request.param
     process = _launch(data, port, *flags, **env)
     yield Demo(process, f"http://127.0.0.1:{port}", data)
@@ -208,7 +185,7 @@ def demo(
 
 
 def test_the_demo_runs_behind_an_api_token_that_closes_reads_too(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     secret = {"RANKSCOPE_API_TOKEN": "s3cret", "RANKSCOPE_API_TOKEN_READS": "true"}
     process = _launch(tmp_path / ".rankscope", port, **secret)  # it creates its spec, chats
     try:
@@ -236,7 +213,7 @@ def _acknowledged(demo: Demo, since: str) -> set[str]:
 def test_restarting_up_keeps_its_placement_runs_no_past_chat_and_opens_no_incident(
     tmp_path: Path,
 ) -> None:
-    port, data = _free_port(), tmp_path / ".rankscope"
+    port, data = free_port(), tmp_path / ".rankscope"
     placed, served = [], set[str]()
     for _ in range(3):
         started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
