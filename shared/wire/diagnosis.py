@@ -19,9 +19,11 @@ __all__ = [
     "Finding",
     "FindingKind",
     "InstanceState",
+    "PaceHistogram",
     "PlacementQuery",
     "QueryError",
     "RankEvidence",
+    "RankPace",
     "RankRole",
     "RankState",
     "RunnerHistory",
@@ -37,6 +39,9 @@ class FindingKind(StrEnum):
     STALLED_RANK = "stalled_rank"
     DEAD_RANK = "dead_rank"
     MISSING_DATA = "missing_data"
+    SLOW_RANK = "slow_rank"
+    """A rank works slower than it usually does while its peers do not: every rank of the
+    instance runs at its pace, and its peers wait for it."""
     NATS_UNREACHABLE = "nats_unreachable"
     """The aggregator cannot reach NATS: nothing can be said of any rank meanwhile (the
     finding of the whole installation, `instanceId` empty)."""
@@ -50,6 +55,19 @@ class RankRole(StrEnum):
 
     CULPRIT = "culprit"
     WAITING = "waiting"
+
+
+class RankPace(CamelStruct, kw_only=True, frozen=True):
+    """A rank's pace over the last window: per sampled step, the milliseconds it worked
+    and waited, and the work it usually does a step (its own history)."""
+
+    steps: int
+    workMs: float
+    waitMs: float
+    usualWorkMs: float | None = None
+    """None while its history is too short to say."""
+    ratio: float | None = None
+    """`workMs` over `usualWorkMs`: how much slower than usual it works."""
 
 
 class RankEvidence(CamelStruct, kw_only=True, frozen=True):
@@ -76,6 +94,8 @@ class RankEvidence(CamelStruct, kw_only=True, frozen=True):
     """Its threads' Python stacks when the finding opened (see `RunnerEvidence`)."""
     mlxMemory: MlxMemorySnapshot | None = None
     capturedAt: str | None = None
+    pace: RankPace | None = None
+    """Its work and wait per step when the finding was made, when it keeps a pace."""
 
 
 class SeenBefore(CamelStruct, kw_only=True, frozen=True):
@@ -164,6 +184,20 @@ class InstanceState(CamelStruct, kw_only=True, frozen=True):
         return bool(self.ranks) and all(rank.ready for rank in self.ranks)
 
 
+class PaceHistogram(CamelStruct, kw_only=True, frozen=True):
+    """A runner's sampled steps by the seconds they took working and waiting, counted
+    since the aggregator started (each sample's steps in the bucket of their mean):
+    `workCounts[i]` steps took at most `bounds[i]` seconds of work, the last count is of
+    every step (+Inf)."""
+
+    bounds: list[float]
+    workCounts: list[int]
+    waitCounts: list[int]
+    steps: int
+    workSeconds: float
+    waitSeconds: float
+
+
 class RunnerHistory(CamelStruct, kw_only=True, frozen=True):
     """How much of one runner's history the aggregator holds, and what it lacks.
 
@@ -194,6 +228,8 @@ class RunnerHistory(CamelStruct, kw_only=True, frozen=True):
     unseenSeqs: int = 0
     """Seqs up to `acknowledgedSeq` newer than `lastSeq`: stored, yet not read here (a
     loss at the end of the range, which no gap between seqs can show)."""
+    pace: PaceHistogram | None = None
+    """Its work and wait per step, when it keeps a pace."""
 
 
 class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -14,7 +14,7 @@ import msgspec
 from rankscope.shared.timestamps import check_ts, to_epoch
 from rankscope.shared.wire.base import CamelStruct
 from rankscope.shared.wire.enums import Phase, RunnerStatusKind, TaskKind, TaskStatus
-from rankscope.shared.wire.memory import MlxMemorySnapshot
+from rankscope.shared.wire.memory import MlxMemorySnapshot, StepPace
 from rankscope.shared.wire.timeline import Attrs, TimelineEntry
 
 __all__ = [
@@ -122,10 +122,12 @@ class PhaseEntries(_Telemetry, kw_only=True, frozen=True):
 
 
 class MemorySampled(_Telemetry, kw_only=True, frozen=True):
-    """A periodic MLX memory snapshot of one runner."""
+    """A periodic MLX memory snapshot of one runner, with its pace since the last one
+    (absent from ranks that keep none: a world of one, a runner of an older release)."""
 
     seq: NonNegative
     snapshot: MlxMemorySnapshot
+    pace: StepPace | None = None
 
 
 class RunnerStatusChanged(_Telemetry, kw_only=True, frozen=True):

@@ -1,11 +1,26 @@
-"""MLX memory snapshots (seed 001 `MlxMemorySnapshot`, `Memory`), and each rank's memory
-over a span of time (`ClusterMemory`)."""
+"""MLX memory snapshots (seed 001 `MlxMemorySnapshot`, `Memory`), each rank's memory over
+a span of time (`ClusterMemory`), and each rank's pace: its work and its wait per step
+(`StepPace`, `ClusterPace`)."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from rankscope.shared.wire.base import CamelStruct
 
-__all__ = ["ClusterMemory", "Memory", "MemoryPoint", "MemorySeries", "MlxMemorySnapshot"]
+__all__ = [
+    "ClusterMemory",
+    "ClusterPace",
+    "Memory",
+    "MemoryPoint",
+    "MemorySeries",
+    "MlxMemorySnapshot",
+    "PacePoint",
+    "PaceSeries",
+    "StepPace",
+]
 
 
 class Memory(CamelStruct, kw_only=True, frozen=True):
@@ -55,3 +70,45 @@ class ClusterMemory(CamelStruct, kw_only=True, frozen=True):
     since: str
     until: str
     runners: list[MemorySeries] = []
+
+
+class StepPace(CamelStruct, kw_only=True, frozen=True):
+    """What a rank's sampled steps took since its previous sample: `workSeconds` computing
+    its own part with its inputs at hand, `waitSeconds` waiting for its inputs (a peer's
+    transfer, a collective's other ranks). Steps are sampled (one every few milliseconds
+    at most), so the figures are sums over `steps` steps, not over every step."""
+
+    steps: Annotated[int, msgspec.Meta(ge=0)]
+    workSeconds: Annotated[float, msgspec.Meta(ge=0)]
+    waitSeconds: Annotated[float, msgspec.Meta(ge=0)]
+
+
+class PacePoint(CamelStruct, kw_only=True, frozen=True):
+    """A rank's pace over one slice of time: sampled steps, and per step the mean work and
+    wait in milliseconds."""
+
+    at: str
+    steps: int
+    workMs: float
+    waitMs: float
+
+
+class PaceSeries(CamelStruct, kw_only=True, frozen=True):
+    """One rank's pace over the span asked for, oldest first (slices without steps left
+    out)."""
+
+    runnerId: str
+    nodeId: str
+    instanceId: str
+    deviceRank: int
+    points: list[PacePoint] = []
+
+
+class ClusterPace(CamelStruct, kw_only=True, frozen=True):
+    """Every rank's work and wait per step over a span of time, read from the stored
+    samples: the rank out of line with its peers shows at a glance."""
+
+    generatedAt: str
+    since: str
+    until: str
+    runners: list[PaceSeries] = []
