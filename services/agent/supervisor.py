@@ -230,10 +230,10 @@ class RunnerSupervisor:
             case Entries(entries):
                 for entry in entries:
                     self._entry(entry)
-            case Memory(snapshot):
+            case Memory(snapshot, pace):
                 self.synopsis = replace(self.synopsis, memory=snapshot)
                 sample = MemorySampled(
-                    runner=self.config.runner, seq=self._next_seq(), snapshot=snapshot
+                    runner=self.config.runner, seq=self._next_seq(), snapshot=snapshot, pace=pace
                 )
                 self._publisher.telemetry(
                     self._subject("memory"), encode(sample), self.runner_id, sample.seq

@@ -19,6 +19,7 @@ from rankscope.shared.wire import (
     MlxMemorySnapshot,
     Phase,
     RunnerStatusKind,
+    StepPace,
     TaskCreated,
     TaskStatus,
 )
@@ -69,9 +70,10 @@ class Entries(msgspec.Struct, frozen=True):
 
 
 class Memory(msgspec.Struct, frozen=True):
-    """A periodic MLX memory sample."""
+    """A periodic MLX memory sample, with the rank's pace since the last one."""
 
     sample: MlxMemorySnapshot
+    pace: StepPace | None = None
 
 
 class Status(msgspec.Struct, frozen=True):

@@ -23,6 +23,8 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.utils import tree_map
 
+from rankscope.services.agent.runner.pace import Pace
+
 __all__ = ["split_layers"]
 
 
@@ -40,7 +42,16 @@ class _Stage(Module):
     attributes (`use_sliding`, `layer_type`, ...) that the family's code asks for."""
 
     def __init__(
-        self, layer: Any, group: Any, *, here: bool, receive: bool, send: bool, gather: bool
+        self,
+        layer: Any,
+        group: Any,
+        *,
+        here: bool,
+        receive: bool,
+        send: bool,
+        gather: bool,
+        timed_in: Pace | None = None,
+        timed_out: Pace | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.layer = layer
@@ -49,6 +60,8 @@ class _Stage(Module):
         self._receive = receive
         self._send = send
         self._gather = gather
+        self._timed_in = timed_in
+        self._timed_out = timed_out
 
     def __getattr__(self, name: str) -> Any:
         if name != "layer" and "layer" in self:
@@ -61,7 +74,11 @@ class _Stage(Module):
         if self._receive:  # still depends on h, so the embedding's cache bookkeeping runs
             h = mx.depends(mx.distributed.recv_like(h, rank - 1, group=group), h)
         if self._here:
+            if self._timed_in is not None:
+                h = self._timed_in.received(h)
             h = self.layer(h, *args, **kwargs)
+            if self._timed_out is not None:
+                h = self._timed_out.computed(h)
         elif hasattr(cache, "update_and_fetch"):
             empty = mx.zeros((h.shape[0], 1, h.shape[1], 0), dtype=h.dtype)
             keys, _ = cache.update_and_fetch(empty, empty)
@@ -96,9 +113,10 @@ def _owner_of_layers(model: Any) -> Any:
     raise ValueError(f"{type(model).__module__} has no layer list to split")
 
 
-def split_layers(model: Any, group: Any, start: int, end: int) -> None:
+def split_layers(model: Any, group: Any, start: int, end: int, pace: Pace | None = None) -> None:
     """Make `model` run layers `[start, end)` here and the rest on the group's other ranks
-    (a group of one keeps the model as it is).
+    (a group of one keeps the model as it is); with `pace`, time this rank's sampled
+    steps: its input to layer `start` as wait, its layers as work.
 
     Raises:
         ValueError: the model has no layer list, or the slice is not within it.
@@ -118,6 +136,8 @@ def split_layers(model: Any, group: Any, start: int, end: int) -> None:
             receive=i == start and rank > 0,
             send=i == end - 1 and rank < last,
             gather=i == count - 1,
+            timed_in=pace if i == start else None,
+            timed_out=pace if i == end - 1 else None,
         )
         for i, layer in enumerate(layers)
     ]

@@ -27,6 +27,7 @@ from rankscope.services.agent.runner.channel import (
 from rankscope.services.agent.runner.config import RunnerConfig
 from rankscope.services.agent.runner.generation import STREAM, Generation, RefusedError, barrier
 from rankscope.services.agent.runner.memory import snapshot
+from rankscope.services.agent.runner.pace import Pace
 from rankscope.services.agent.runner.recorder import Recorder
 from rankscope.services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from rankscope.services.agent.runner.watchdog import Watchdog
@@ -85,7 +86,9 @@ class _Runner:
             },
         )
         with self.watchdog.guard("load_model", timeouts.warmup, peers=False):
-            shard = load_shard(Path(config.model_path), group, config.assignments, rank)
+            shard = load_shard(
+                Path(config.model_path), group, config.assignments, rank, self.recorder.pace
+            )
         record(
             Phase.LOAD_MODEL,
             "loaded",
@@ -259,7 +262,12 @@ def runner_main(
             file=open(config.stack_path, "a"),  # noqa: SIM115  (open for the process's life)
             all_threads=True,
         )
-    recorder = Recorder(telemetry=telemetry, control=control, memory=snapshot)
+    recorder = Recorder(
+        telemetry=telemetry,
+        control=control,
+        memory=snapshot,
+        pace=Pace() if config.assignment.worldSize > 1 else None,
+    )
     runner = _Runner(config, recorder, tasks)
     signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
     recorder.record(Phase.CREATED, "process_started", memory=True, attrs={"pid": os.getpid()})

@@ -27,6 +27,7 @@ from rankscope.services.agent.runner.channel import (
     TaskReport,
     ToAgent,
 )
+from rankscope.services.agent.runner.pace import Pace
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import Attrs, MlxMemorySnapshot, Phase, RunnerStatusKind, TaskStatus
 
@@ -44,6 +45,8 @@ class Recorder:
         telemetry: bounded queue for entries and memory snapshots (may drop).
         control: queue for status, task status and output (never drops).
         memory: takes an MLX memory snapshot.
+        pace: the rank's pace, sent with each periodic memory sample (none in a world of
+            one: no peer to keep pace with).
         enabled: record entries at all (off only to measure what recording costs).
         window: seconds a token's entry or text may wait for the next ones.
     """
@@ -54,6 +57,7 @@ class Recorder:
         telemetry: Queue[ToAgent],
         control: Queue[ToAgent],
         memory: Callable[[], MlxMemorySnapshot],
+        pace: Pace | None = None,
         enabled: bool = True,
         window: float = BATCH_WINDOW_S,
     ) -> None:
@@ -61,6 +65,7 @@ class Recorder:
         self._telemetry = telemetry
         self._control = control
         self._memory = memory
+        self.pace = pace
         self._window = window
         self._lock = threading.Lock()
         self.phase = Phase.CREATED
@@ -125,13 +130,14 @@ class Recorder:
             self._unreported_drops = 0
 
     def sample_memory(self) -> None:
-        """Send a periodic memory snapshot (dropped, not waited for, when the queue is full),
-        after the entries waiting."""
+        """Send a periodic memory snapshot and the pace since the last (dropped, not waited
+        for, when the queue is full), after the entries waiting."""
         sample = self._memory()  # outside the lock: inference never waits on it
+        pace = self.pace.take() if self.pace is not None else None
         with self._lock:
             self._send_entries(time.monotonic())
             try:
-                self._telemetry.put_nowait(Memory(sample))
+                self._telemetry.put_nowait(Memory(sample, pace))
             except queue.Full:
                 self.dropped += 1
 

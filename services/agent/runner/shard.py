@@ -17,6 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes as model_classes
 from mlx_lm.utils import load_config, load_model, load_tokenizer
 
+from rankscope.services.agent.runner.pace import Pace
 from rankscope.services.agent.runner.pipeline import split_layers
 from rankscope.shared.wire import RunnerAssignment
 
@@ -75,9 +76,14 @@ class LoadedShard:
 
 
 def load_shard(
-    path: Path, group: Any, assignments: Sequence[RunnerAssignment], rank: RunnerAssignment
+    path: Path,
+    group: Any,
+    assignments: Sequence[RunnerAssignment],
+    rank: RunnerAssignment,
+    pace: Pace | None = None,
 ) -> LoadedShard:
-    """Load the model lazily, keep layers `[startLayer, endLayer)` and materialise only them.
+    """Load the model lazily, keep layers `[startLayer, endLayer)` and materialise only them
+    (`pace`: where this rank's sampled steps are timed).
 
     Raises:
         ValueError: the model cannot be split, or the placement's layers are not the model's.
@@ -87,7 +93,7 @@ def load_shard(
     placed = max(a.endLayer for a in assignments)
     if placed != layers:
         raise ValueError(f"the placement splits {placed} layers but the model has {layers}")
-    split_layers(model, group, rank.startLayer, rank.endLayer)
+    split_layers(model, group, rank.startLayer, rank.endLayer, pace)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(path)  # type: ignore[no-untyped-call]
     return LoadedShard(model, tokenizer, rank.endLayer - rank.startLayer)
