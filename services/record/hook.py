@@ -10,8 +10,15 @@ never blocks. The watcher is started with `RANKSCOPE_RECORD_PYTHON` (the interpr
 What is recorded per rank: the group's start, each collective's number in its group,
 an evaluation that has lasted `WAIT_NOTE_S` (`collective_wait`, in the first collective
 issued since the last evaluation, else in the evaluation itself: `mx.compile`d code hides
-its collectives) and its end (`collective_resumed`), MLX memory every second, named steps,
-and how the process exits.
+its collectives) and its end (`collective_resumed`), MLX memory and the rank's pace every
+second, named steps, and how the process exits.
+
+The pace: an evaluation that waits on collectives is one step; on a sampled step (one
+every `SAMPLE_GAP_S` at most) each collective's input is evaluated first (work: this
+rank's own computation), then the collective (wait: its peers, and the transfer), then
+the rest (work). Only collectives every rank joins alike (`all_sum`, `all_gather`, ...)
+are split so; a step with point-to-point transfers, or whose collectives compiled code
+hides, is not sampled.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Any
 
 __all__ = [
     "COLLECTIVES",
+    "SAMPLE_GAP_S",
     "STACK_SIGNAL",
     "WAIT_NOTE_S",
     "Recorder",
@@ -54,6 +62,9 @@ COLLECTIVES = (
     "recv",
     "recv_like",
 )
+_POINT_TO_POINT = frozenset({"send", "recv", "recv_like"})
+SAMPLE_GAP_S = 0.025
+"""Least time between two sampled steps (each costs a synchronisation per collective)."""
 STACK_SIGNAL = signal.SIGUSR1
 """Makes a recorded rank write its stacks, as a runner does."""
 WAIT_NOTE_S = 1.0
@@ -115,14 +126,23 @@ def _stacks_on_request() -> str:
 
 
 class Recorder:
-    """One rank's recording: counters, the evaluation in progress, the pipe."""
+    """One rank's recording: counters, the evaluation in progress, its pace, the pipe
+    (`evaluate`: MLX's own `eval`, unrecorded)."""
 
-    def __init__(self, mx: Any, rank: int, size: int) -> None:
+    def __init__(self, mx: Any, rank: int, size: int, evaluate: Callable[..., Any]) -> None:
         self.mx, self.rank, self.size = mx, rank, size
         self.counts: dict[str, int] = {}
         self.pending: list[tuple[str, str, int, dict[str, Any]]] = []
         """Collectives issued since the last evaluation returned: (op, group, number,
         attrs)."""
+        self.operands: list[tuple[Any, Any]] | None = []
+        """The (input, result) of each pending collective, None once a point-to-point one
+        is among them: what a sampled step evaluates one by one."""
+        self.evaluate = evaluate
+        self._next_sample = 0.0
+        self._steps = 0
+        self._work = 0.0
+        self._wait = 0.0
         self.waiting_since: float | None = None
         self.waiting_call = ""
         self.noted = False
@@ -216,12 +236,17 @@ class Recorder:
             moment = time.monotonic()
             if moment - sampled >= 1.0:
                 sampled = moment
+                with self._lock:
+                    pace = {"steps": self._steps, "workSeconds": self._work,
+                            "waitSeconds": self._wait}  # fmt: skip
+                    self._steps, self._work, self._wait = 0, 0.0, 0.0
                 self.send(
                     "memory",
                     at=_now(),
                     active=self.mx.get_active_memory(),
                     peak=self.mx.get_peak_memory(),
                     cache=self.mx.get_cache_memory(),
+                    pace=pace,
                 )
             since, pending = self.waiting_since, self.pending
             if since is not None and not self.noted and moment - since >= WAIT_NOTE_S:
@@ -261,14 +286,51 @@ class Recorder:
 
     # What the program calls
 
-    def collective(self, op: str, group: Any, shape: Any, nbytes: int, peer: Any) -> None:
-        """A collective was issued (MLX runs it when its result is evaluated)."""
+    def collective(self, op: str, group: Any, operands: tuple[Any, Any], peer: Any) -> None:
+        """A collective was issued (MLX runs it when its result is evaluated): `operands`,
+        its input (None for `recv`) and its result."""
+        given, result = operands
+        shape, nbytes = result.shape, result.nbytes
         name = "world" if group is None or group.size() == self.size else f"of {group.size()}"
         number = self.counts[name] = self.counts.get(name, 0) + 1
         attrs: dict[str, Any] = {"shape": "x".join(map(str, shape)) or "scalar", "bytes": nbytes}
         if peer is not None:
             attrs["peer"] = peer
         self.pending.append((op, name, number, attrs))
+        if op in _POINT_TO_POINT:
+            self.operands = None
+        elif self.operands is not None:
+            self.operands.append((given, result))
+
+    def due(self, call: str) -> bool:
+        """Whether the evaluation `call` starting now is a step to sample."""
+        return (
+            bool(self.operands)
+            and call != "async_eval"
+            and time.perf_counter() >= self._next_sample
+        )
+
+    def sampled(self, run: Callable[[], Any]) -> Any:
+        """Run the evaluation `run` as a sampled step: each pending collective's input,
+        then the collective, then the rest, each timed."""
+        work = wait = 0.0
+        for given, result in self.operands or ():
+            started = time.perf_counter()
+            if given is not None:
+                self.evaluate(given)
+            computed = time.perf_counter()
+            self.evaluate(result)
+            done = time.perf_counter()
+            work, wait = work + computed - started, wait + done - computed
+        started = time.perf_counter()
+        value = run()
+        ended = time.perf_counter()
+        self._next_sample = ended + SAMPLE_GAP_S
+        with self._lock:
+            self._steps += 1
+            self._work += work + ended - started
+            self._wait += wait
+        return value
 
     def evaluating(self, call: str) -> float:
         """An evaluation (`call`: `eval`, `item`, ...) starts: when it did."""
@@ -281,7 +343,7 @@ class Recorder:
         if self.noted:
             waited = time.monotonic() - started
             self.entry("idle", "collective_resumed", waitedMs=round(waited * 1000, 1))
-        self.pending, self.waiting_since, self.noted = [], None, False
+        self.pending, self.operands, self.waiting_since, self.noted = [], [], None, False
 
 
 _recorder: Recorder | None = None
@@ -302,14 +364,14 @@ def _node_id() -> str:
 
 
 def _wrap_init(
-    mx: Any, init: Callable[..., Any], all_sum: Callable[..., Any]
+    mx: Any, init: Callable[..., Any], all_sum: Callable[..., Any], plain_eval: Callable[..., Any]
 ) -> Callable[..., Any]:
     @functools.wraps(init)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         global _recorder
         group = init(*args, **kwargs)
         if _recorder is None and group.size() > 1:
-            recorder = Recorder(mx, group.rank(), group.size())
+            recorder = Recorder(mx, group.rank(), group.size(), plain_eval)
             recorder.attach(_job_id(mx, all_sum, group), _node_id())
             recorder.entry("connect_group", "group_ready", rank=group.rank(), size=group.size())
             _recorder = recorder
@@ -329,7 +391,8 @@ def _wrap_collective(op: str, original: Callable[..., Any]) -> Callable[..., Any
             peer = kwargs.get("src", kwargs.get("dst"))
             if peer is None and peer_arg is not None and len(args) > peer_arg:
                 peer = args[peer_arg]
-            recorder.collective(op, kwargs.get("group"), result.shape, result.nbytes, peer)
+            given = args[0] if args and op != "recv" else kwargs.get("x")
+            recorder.collective(op, kwargs.get("group"), (given, result), peer)
         return result
 
     return wrapped
@@ -343,6 +406,8 @@ def _wrap_evaluation(call: str, original: Callable[..., Any]) -> Callable[..., A
             return original(*args, **kwargs)
         started = recorder.evaluating(call)
         try:
+            if recorder.due(call):
+                return recorder.sampled(lambda: original(*args, **kwargs))
             return original(*args, **kwargs)
         finally:
             recorder.evaluated(started)
@@ -405,7 +470,7 @@ def install(mx: Any) -> None:
     _installed = True
     distributed = mx.distributed
     originals = {op: getattr(distributed, op) for op in COLLECTIVES if hasattr(distributed, op)}
-    distributed.init = _wrap_init(mx, distributed.init, originals["all_sum"])
+    distributed.init = _wrap_init(mx, distributed.init, originals["all_sum"], mx.eval)
     for op, original in originals.items():
         setattr(distributed, op, _wrap_collective(op, original))
     for name in _EVALUATIONS:

@@ -50,6 +50,7 @@ from rankscope.shared.wire import (
     RunnerRef,
     RunnerStatusChanged,
     RunnerStatusKind,
+    StepPace,
     WireError,
     decode,
     encode,
@@ -101,6 +102,7 @@ class RawMemory(msgspec.Struct, kw_only=True, frozen=True):
     active: int
     peak: int
     cache: int
+    pace: StepPace | None = None
 
 
 class Bye(msgspec.Struct, kw_only=True, frozen=True):
@@ -198,7 +200,9 @@ class _Rank:
             )
             self.memory = snapshot
             seq = self.next_seq()
-            message = MemorySampled(runner=self.runner, seq=seq, snapshot=snapshot)
+            message = MemorySampled(
+                runner=self.runner, seq=seq, snapshot=snapshot, pace=sample.pace
+            )
             publisher.telemetry(self.subject("memory"), encode(message), self.runner.runnerId, seq)
         elif line.bye is not None:
             self.bye = line.bye
