@@ -48,6 +48,16 @@ def _duration(text: str) -> float:
     return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
 
 
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 1 < value < 100:
+        raise ValueError(f"expected a ratio above 1 such as 1.25, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -217,6 +227,18 @@ class Settings:
     )
     stall_threshold: float = _setting(
         10.0, _duration, "Seconds without progress before a working rank counts as stuck."
+    )
+    slow_ratio: float = _setting(
+        1.15,
+        _ratio,
+        "How many times its usual work per step a rank must take over slow_window to be "
+        "named slow (its peers not as far from theirs).",
+    )
+    slow_clear: float = _setting(
+        1.1, _ratio, "The ratio under which a rank named slow is back in line."
+    )
+    slow_window: float = _setting(
+        25.0, _duration, "Seconds of each rank's newest pace samples judged for slowness."
     )
     record_give_up: float = _setting(
         60.0,

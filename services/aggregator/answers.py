@@ -172,6 +172,7 @@ def history(state: ClusterState) -> list[RunnerHistory]:
                 oldestAt=None if oldest is None else from_micros(oldest),
                 acknowledgedSeq=view.acknowledged,
                 unseenSeqs=_unseen(view),
+                pace=view.pace.histogram() if view.pace is not None else None,
             )
         )
     return found

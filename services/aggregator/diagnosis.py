@@ -9,16 +9,20 @@ victim: it is listed as waiting, with how it ended, and never named, whether it 
 restarting or waiting again. An incident keeps its culprits and its `since` until each
 culprit makes progress (an entry after the incident opened) or, for a stall, is
 confirmed dead; whatever the victims do meanwhile does not change it.
+
+With nothing stuck, a rank working slower than it usually does while its peers do not is
+named `slow_rank` (`pace`), until it is back in line.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from rankscope.services.aggregator.collectives import judge_recorded
+from rankscope.services.aggregator.pace import PaceLimits, judge_pace, paces_of
 from rankscope.services.aggregator.runners import RunnerView
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.timestamps import format_ts, parse_ts, to_epoch
@@ -29,6 +33,7 @@ from rankscope.shared.wire import (
     InstanceCreated,
     Phase,
     RankEvidence,
+    RankPace,
     RankRole,
     RunnerStatusKind,
 )
@@ -47,7 +52,7 @@ _GONE = frozenset({RunnerStatusKind.SHUTDOWN, RunnerStatusKind.SHUTTING_DOWN})
 
 @dataclass(frozen=True, slots=True)
 class Thresholds:
-    """Seconds without progress before a rank counts as stuck."""
+    """Seconds without progress before a rank counts as stuck; when one counts as slow."""
 
     working: float = 10.0
     loading: float = 300.0
@@ -55,6 +60,7 @@ class Thresholds:
     silent: float = 5.0
     """A live runner samples its memory every second; this long without a word from it
     means its process is frozen, not merely waiting in a collective."""
+    slow: PaceLimits = field(default_factory=PaceLimits)
 
     def of(self, phase: Phase | None) -> float:
         """The threshold that applies in `phase`."""
@@ -94,6 +100,50 @@ class _Judge:
         self.placed, self.limits = placed, thresholds
         self.newest_stored = max((v.stored_ns for v in views if v.stored_ns), default=None)
         """When NATS stored the newest message of any of the ranks (ns since the epoch)."""
+        self._paces: list[RankPace | None] | None = None
+
+    @property
+    def pace_now(self) -> float:
+        """Now, as pace samples are timed: by NATS's clock as of the ranks' newest message,
+        so an aggregator reading a backlog judges each moment as it was."""
+        return self.newest_stored / 1e9 if self.newest_stored else to_epoch(self.wall)
+
+    def pace(self, view: RunnerView) -> RankPace | None:
+        """The rank's pace over its newest samples, if it keeps one."""
+        if self._paces is None:
+            histories = [v.pace for v in self.views]
+            limits = self.limits.slow
+            self._paces = paces_of(histories, self.pace_now, limits.window, limits)
+        return self._paces[self.views.index(view)]
+
+    def slow(self, previous: Incident | None) -> _Verdict | None:
+        """The ranks working out of line with their usual pace and their peers'."""
+        named = frozenset(
+            i
+            for i, v in enumerate(self.views)
+            if previous is not None
+            and previous.finding.kind is FindingKind.SLOW_RANK
+            and v.ref.runnerId in previous.finding.culpritRunnerIds
+        )
+        histories = [v.pace for v in self.views]
+        found = judge_pace(histories, self.pace_now, self.limits.slow, named)
+        if found is None:
+            return None
+        self._paces = list(found.paces)  # the evidence: the span that showed it
+        culprits = [self.views[i] for i in found.slow]
+        words = "; ".join(
+            f"{_ranks([self.views[i]])} works {pace.ratio:.2g}x slower than usual: "
+            f"{pace.workMs:.3g} ms a step, usually {pace.usualWorkMs:.3g} ms "
+            f"(its peers: {found.peers_ratio[i]:.2g}x theirs)"
+            for i in found.slow
+            if (pace := found.paces[i]).ratio is not None and pace.usualWorkMs is not None
+        )
+        waiting = _without(self.views, culprits)
+        words += "".join(
+            f"; {_ranks([v])} waits {found.paces[self.views.index(v)].waitMs:.3g} ms a step"
+            for v in waiting
+        )
+        return _Verdict(FindingKind.SLOW_RANK, culprits, waiting, words)
 
     def down(self, view: RunnerView) -> bool:
         """Not running (or unreachable), and not because it was shut down."""
@@ -317,6 +367,7 @@ def _evidence(judge: _Judge, view: RunnerView, culprit: bool) -> RankEvidence:
         waitingIn=view.waiting_in,
         gaveUp=_gave_up(view),
         exitReason=_exit(view) if judge.down(view) or view.gave_up else None,
+        pace=judge.pace(view),
     )
 
 
@@ -374,11 +425,14 @@ def diagnose(
             verdict = judge.verdict()
             if (
                 previous is not None
+                and previous.finding.kind is not FindingKind.SLOW_RANK
                 and judge.at_fault(previous)
                 and not _widens(previous, verdict)
                 and not _sharpens(previous, verdict)
             ):
                 verdict = judge.kept(previous)
+        if verdict is None:
+            verdict = judge.slow(previous)
         if verdict is None:
             continue
         found[instance.instanceId] = _incident(judge, instance, verdict, previous, wall)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rankscope.services.aggregator.alerts import Alerter
 from rankscope.services.aggregator.diagnosis import Thresholds
+from rankscope.services.aggregator.pace import PaceLimits
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.snapshot import SnapshotFile
 from rankscope.services.aggregator.store import EntryStore
@@ -34,7 +35,13 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             state=ClusterState(store=store),
             node_id=settings.node_id or "aggregator",
             thresholds=Thresholds(
-                working=settings.stall_threshold, loading=settings.load_threshold
+                working=settings.stall_threshold,
+                loading=settings.load_threshold,
+                slow=PaceLimits(
+                    ratio=settings.slow_ratio,
+                    clear=min(settings.slow_clear, settings.slow_ratio),
+                    window=settings.slow_window,
+                ),
             ),
             # a silent node is reported well before the rank-table service, one TTL after
             # its last heartbeat, releases what ran on it

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from rankscope.services.aggregator.pace import PaceHistory
 from rankscope.services.aggregator.store import SeqTracker
 from rankscope.shared.synopsis import Synopsis
 from rankscope.shared.wire import (
@@ -54,6 +55,8 @@ class RunnerView:
     placed_ns: int | None = None
     """When NATS stored the placement that created it (ns since the epoch), if known:
     nothing of it can have been stored before."""
+    pace: PaceHistory | None = None
+    """Its work and wait per step, once a sample carried them."""
 
     @property
     def alive(self) -> bool:

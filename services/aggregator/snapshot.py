@@ -29,6 +29,7 @@ from typing import NoReturn
 
 import msgspec
 
+from rankscope.services.aggregator.pace import PaceHistory, PaceImage
 from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
 from rankscope.services.aggregator.store import EntryStore, SeqTracker, StoreImage
 from rankscope.services.aggregator.views import ClusterState
@@ -84,6 +85,7 @@ class _Runner(msgspec.Struct, array_like=True):
     failure: RunnerStatusChanged | None = None
     folded: int = -1
     """The seq of the newest entry its synopsis folded."""
+    pace: PaceImage | None = None
 
 
 class _Task(msgspec.Struct, array_like=True):
@@ -127,6 +129,7 @@ def capture(state: ClusterState, positions: dict[str, Position]) -> Snapshot:
                 gave_up=view.gave_up,
                 failure=view.failure,
                 folded=view.synopsis.seq,
+                pace=view.pace.image() if view.pace is not None else None,
             )
             for view in state.runners.values()
         ],
@@ -175,6 +178,7 @@ def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
                 waiting_in=held.waiting_in,
                 gave_up=held.gave_up,
                 failure=held.failure,
+                pace=PaceHistory.from_image(held.pace) if held.pace is not None else None,
             )
         )
     state.store = store

@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from rankscope.services.aggregator.pace import PaceHistory
 from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.shared.inputs import BadInputError
@@ -132,6 +133,10 @@ class ClusterState:
             if event.seq > view.memory_seq:
                 view.synopsis = dataclasses.replace(view.synopsis, memory=event.snapshot)
                 view.memory_seq = event.seq
+            if event.pace is not None:
+                if view.pace is None:
+                    view.pace = PaceHistory()
+                view.pace.add(stored_ns / 1e9 if stored_ns else self.wall(), event.pace)
         elif view.status is None or event.seq > view.status.seq:
             view.status = event
             if event.statusKind is RunnerStatusKind.FAILED:

@@ -1,0 +1,281 @@
+"""Each rank's pace (work and wait per step, as its samples say) and the rule that names a
+rank working slower than it usually does while its peers do not: `slow_rank`.
+
+In a pipeline or data-parallel job every rank runs at the slowest one's pace, so step
+times cannot name it: the victims' steps take as long, and they wait longer. A rank's
+work per step can: the culprit's grows, its peers' does not (their wait does). Work per
+step differs between ranks by design (layers held, the embedding, the head), so each rank
+is measured against its own history, and the culprit is the rank whose work grew out of
+line with how its peers' did: a machine-wide slowdown moves every rank alike and names
+none. A rank slow from its first step has no history to differ from and is not named.
+
+Pure: samples come in with the time NATS stored them, and the rules take the time now.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from rankscope.shared.wire import PaceHistogram, RankPace, StepPace
+
+__all__ = ["BOUNDS", "PaceHistory", "PaceImage", "PaceLimits", "SlowVerdict", "judge_pace"]
+
+BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Bucket bounds of the work and wait histograms, in seconds a step."""
+_USUAL_EVERY_S = 5.0
+"""How often a rank's usual work per step is worked out again (it moves slowly)."""
+HISTORY_S = 900.0
+"""Seconds of a rank's samples kept: its usual pace is the median over them of its work
+per step in each `PaceLimits.glance` of time, the span judged left out, so a slowdown
+lasting more than half of it becomes its usual."""
+_CHUNK_STEPS = 3
+_LEARN_CHUNKS = 5
+"""Sampled steps a stretch of time needs to count towards a rank's usual."""
+
+
+@dataclass(frozen=True, slots=True)
+class PaceLimits:
+    """When a rank counts as slow: its work per step over a span of its newest samples,
+    against its usual (`ratio`) and against how far its peers' moved from theirs
+    (`apart`)."""
+
+    ratio: float = 1.15
+    """Its work per step over `window` this many times its usual..."""
+    window: float = 25.0
+    apart: float = 1.1
+    """...and this many times its peers' median ratio: a machine-wide slowdown moves
+    every rank alike and names none."""
+    sharp: float = 1.5
+    """Or: its work per step over `glance` this many times its usual and `sharp_apart`
+    times its peers' ratio: a rank much slower is named sooner."""
+    sharp_apart: float = 1.3
+    glance: float = 8.0
+    clear: float = 1.1
+    """A rank named slow stays named until its ratio falls under this (or under
+    `clear_apart` times its peers')."""
+    clear_apart: float = 1.0
+    reach: float = 90.0
+    """How far back a span reaches for `steps` sampled steps when steps are sparse."""
+    steps: int = 12
+    """Sampled steps each rank needs in a span to be judged."""
+    learn: float = 60.0
+    """Seconds of samples a rank needs before its usual counts (and `glance`s of them
+    with steps: at least five)."""
+    excess: float = 0.0001
+    """Seconds a step a slow rank's work must exceed its usual by, besides the ratio: at a
+    millisecond a step, the scheduler's jitter alone moves the ratio."""
+
+
+class PaceImage(msgspec.Struct, array_like=True):
+    """A `PaceHistory` as a snapshot keeps it."""
+
+    samples: list[tuple[float, int, float, float]]
+    work_counts: list[int]
+    wait_counts: list[int]
+    totals: tuple[int, float, float]
+
+
+class PaceHistory:
+    """One rank's pace samples over `history` seconds, and its histograms since the
+    aggregator started.
+
+    Args:
+        history: seconds of samples kept.
+    """
+
+    def __init__(self, history: float = HISTORY_S) -> None:
+        self._history = history
+        self.samples: deque[tuple[float, int, float, float]] = deque()
+        """(when NATS stored it, steps, work seconds, wait seconds), oldest first."""
+        self._work_counts = [0] * (len(BOUNDS) + 1)
+        self._wait_counts = [0] * (len(BOUNDS) + 1)
+        self._totals = (0, 0.0, 0.0)
+        self._usual: tuple[float, float | None] = (-1e18, None)
+        """When the usual was worked out (sample time), and what it was."""
+
+    def add(self, at: float, pace: StepPace) -> None:
+        """A sample stored at `at` (seconds since the epoch); one older than the newest
+        held goes in its place, so the samples stay in time order."""
+        sample = (at, pace.steps, pace.workSeconds, pace.waitSeconds)
+        if self.samples and at < self.samples[-1][0]:
+            self.samples.insert(bisect.bisect(self.samples, sample), sample)
+        else:
+            self.samples.append(sample)
+        while self.samples and self.samples[0][0] < self.samples[-1][0] - self._history:
+            self.samples.popleft()
+        if pace.steps:
+            for counts, seconds in (
+                (self._work_counts, pace.workSeconds),
+                (self._wait_counts, pace.waitSeconds),
+            ):
+                counts[bisect.bisect_left(BOUNDS, seconds / pace.steps)] += pace.steps
+            steps, work, wait = self._totals
+            self._totals = (steps + pace.steps, work + pace.workSeconds, wait + pace.waitSeconds)
+
+    def recent(
+        self, now: float, span: float, limits: PaceLimits
+    ) -> tuple[float, int, float, float]:
+        """(since when, steps, work per step, wait per step) of the newest samples, back
+        `span` seconds from `now`, further (up to `reach`) until they hold `steps` steps."""
+        steps, work, wait, since = 0, 0.0, 0.0, now
+        for at, count, worked, waited in reversed(self.samples):
+            if at > now:
+                continue
+            if now - at > limits.reach or (now - at > span and steps >= limits.steps):
+                break
+            steps, work, wait, since = steps + count, work + worked, wait + waited, at
+        return since, steps, work / steps if steps else 0.0, wait / steps if steps else 0.0
+
+    def usual(self, before: float, limits: PaceLimits) -> float | None:
+        """Its usual work per step, from its samples before `before`: the median of its
+        work per step in each `glance` of time; None until `learn` seconds are held."""
+        worked_out, value = self._usual
+        if abs(before - worked_out) < _USUAL_EVERY_S:
+            return value
+        chunks: dict[int, tuple[int, float]] = {}
+        first: float | None = None
+        for at, count, worked, _ in self.samples:
+            if at >= before or not count:
+                continue
+            first = at if first is None else first
+            key = int(at // limits.glance)
+            steps, work = chunks.get(key, (0, 0.0))
+            chunks[key] = (steps + count, work + worked)
+        means = [work / steps for steps, work in chunks.values() if steps >= _CHUNK_STEPS]
+        value = None
+        if len(means) >= _LEARN_CHUNKS and first is not None and before - first >= limits.learn:
+            value = statistics.median(means)
+        self._usual = (before, value)
+        return value
+
+    def histogram(self) -> PaceHistogram | None:
+        """Its work and wait per step as histograms, None before its first step."""
+        steps, work, wait = self._totals
+        if not steps:
+            return None
+        return PaceHistogram(
+            bounds=list(BOUNDS),
+            workCounts=_cumulative(self._work_counts),
+            waitCounts=_cumulative(self._wait_counts),
+            steps=steps,
+            workSeconds=work,
+            waitSeconds=wait,
+        )
+
+    def image(self) -> PaceImage:
+        return PaceImage(
+            samples=list(self.samples),
+            work_counts=list(self._work_counts),
+            wait_counts=list(self._wait_counts),
+            totals=self._totals,
+        )
+
+    @classmethod
+    def from_image(cls, image: PaceImage) -> PaceHistory:
+        """The history `image` holds.
+
+        Raises:
+            ValueError: its histograms do not have one count a bucket.
+        """
+        buckets = len(BOUNDS) + 1
+        if len(image.work_counts) != buckets or len(image.wait_counts) != buckets:
+            raise ValueError(f"pace histograms of {len(image.work_counts)} buckets, not {buckets}")
+        history = cls()
+        history.samples = deque(sorted(image.samples))
+        history._work_counts, history._wait_counts = image.work_counts, image.wait_counts
+        history._totals = image.totals
+        return history
+
+
+def _cumulative(counts: Sequence[int]) -> list[int]:
+    total, out = 0, []
+    for count in counts:
+        total += count
+        out.append(total)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class SlowVerdict:
+    """The ranks working slower than usual (by index into the ranks judged), every rank's
+    pace over the span that showed it, and per rank its peers' median ratio."""
+
+    slow: list[int]
+    paces: list[RankPace]
+    peers_ratio: list[float]
+
+
+def paces_of(
+    histories: Sequence[PaceHistory | None], now: float, span: float, limits: PaceLimits
+) -> list[RankPace | None]:
+    """Each rank's pace over its newest `span` seconds (None: it keeps none or took no
+    step)."""
+    out: list[RankPace | None] = []
+    for history in histories:
+        found = history.recent(now, span, limits) if history is not None else None
+        if history is None or found is None or not found[1]:
+            out.append(None)
+            continue
+        since, steps, work, wait = found
+        usual = history.usual(since, limits)
+        out.append(
+            RankPace(
+                steps=steps,
+                workMs=round(1000 * work, 3),
+                waitMs=round(1000 * wait, 3),
+                usualWorkMs=round(1000 * usual, 3) if usual else None,
+                ratio=round(work / usual, 3) if usual else None,
+            )
+        )
+    return out
+
+
+def judge_pace(
+    histories: Sequence[PaceHistory | None],
+    now: float,
+    limits: PaceLimits,
+    named: frozenset[int] = frozenset(),
+) -> SlowVerdict | None:
+    """The ranks working slower than usual while their peers do not, judged at `now`;
+    None when any rank cannot be judged (no pace kept, too few steps, too little history)
+    or none is slow. `named`: ranks an open finding names, held to the `clear` bars."""
+    if len(histories) < 2:
+        return None
+    verdict = None
+    for span, bar, apart in (
+        (limits.window, limits.ratio, limits.apart),
+        (limits.glance, limits.sharp, limits.sharp_apart),
+    ):
+        paces = paces_of(histories, now, span, limits)
+        judged = [p for p in paces if p is not None and p.ratio and p.steps >= limits.steps]
+        if len(judged) < len(histories):
+            continue
+        ratios = [p.ratio or 0.0 for p in judged]
+        peers = [statistics.median(ratios[:i] + ratios[i + 1 :]) for i in range(len(ratios))]
+        slow = [
+            i
+            for i, pace in enumerate(judged)
+            if _slow(pace, peers[i], limits, (bar, apart), named=i in named)
+        ]
+        if slow and verdict is None:
+            verdict = SlowVerdict(slow=slow, paces=judged, peers_ratio=peers)
+    return verdict
+
+
+def _slow(
+    pace: RankPace, peers: float, limits: PaceLimits, bars: tuple[float, float], *, named: bool
+) -> bool:
+    """Whether `pace` is out of line: its ratio over the first of `bars` and over the
+    second times its peers' median ratio (`peers`); for a rank already named, over the
+    clearing bars."""
+    ratio, usual = pace.ratio or 0.0, pace.usualWorkMs or 0.0
+    if named:
+        return ratio >= limits.clear and ratio >= limits.clear_apart * peers
+    bar, apart = bars
+    return ratio >= bar and ratio >= apart * peers and (pace.workMs - usual) / 1000 >= limits.excess

@@ -1,0 +1,239 @@
+"""A rank working slower than it usually does while its peers do not is named `slow_rank`;
+its peers, waiting longer on it, never are; a healthy job, a machine-wide slowdown and
+ranks that differ by design name nobody."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import msgspec
+import pytest
+
+from rankscope.services.aggregator.answers import history
+from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from rankscope.services.aggregator.pace import PaceHistory, PaceLimits, judge_pace
+from rankscope.services.aggregator.snapshot import capture, restore
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.gateway.metrics import cluster_families
+from rankscope.shared.wire import (
+    AggregatorHealth,
+    ClusterTimeline,
+    Diagnosis,
+    Finding,
+    FindingKind,
+    MemorySampled,
+    MlxMemorySnapshot,
+    Phase,
+    StepPace,
+    WireError,
+    decode,
+    encode,
+)
+from tests.aggregator.builders import at, entries, placed, rank
+
+STEPS_A_SECOND = 40
+
+
+class Job:
+    """A placed instance whose ranks decode steadily, each sampling its pace every second:
+    rank r's step takes `usual[r]` seconds of work times its slowdown, with noise."""
+
+    def __init__(self, usual: list[float], seed: int = 7) -> None:
+        self.now = 1000.0
+        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now)
+        self.state.apply_placement(placed(world=len(usual)), stored_ns=self._ns())
+        self.usual, self.slowdown = usual, [1.0] * len(usual)
+        self.ranks = [rank(r, world=len(usual)) for r in range(len(usual))]
+        self.seqs = [0] * len(usual)
+        self.noise = random.Random(seed)
+        self.incidents: dict[str, Incident] = {}
+        for r, ref in enumerate(self.ranks):
+            self.state.apply_telemetry(
+                entries(ref, (self._seq(r), 0, Phase.DECODE_STREAM, 1)), stored_ns=self._ns()
+            )
+
+    def _ns(self) -> int:
+        return int(self.now * 1e9)
+
+    def _seq(self, r: int) -> int:
+        self.seqs[r] += 1
+        return self.seqs[r]
+
+    def second(self) -> None:
+        """A second of decoding: every rank samples; a rank waits for the slowest peer."""
+        self.now += 1.0
+        works = [
+            u * s * self.noise.uniform(0.85, 1.2)
+            for u, s in zip(self.usual, self.slowdown, strict=False)
+        ]
+        step = max(works)
+        for r, work in enumerate(works):
+            pace = StepPace(
+                steps=STEPS_A_SECOND,
+                workSeconds=work * STEPS_A_SECOND,
+                waitSeconds=(step - work + 0.0002) * STEPS_A_SECOND,
+            )
+            snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
+            sample = MemorySampled(
+                runner=self.ranks[r], seq=self._seq(r), snapshot=snapshot, pace=pace
+            )
+            self.state.apply_telemetry(sample, stored_ns=self._ns())
+            self.state.apply_telemetry(
+                entries(self.ranks[r], (self._seq(r), self.now - 1000, Phase.DECODE_STREAM, 2)),
+                stored_ns=self._ns(),
+            )
+
+    def judge(self) -> list[Finding]:
+        self.incidents = diagnose(
+            self.state,
+            now=self.now,
+            wall=at(self.now - 1000),
+            incidents=self.incidents,
+            placed_at=lambda _: 1000.0,
+            thresholds=Thresholds(),
+        )
+        return [i.finding for i in self.incidents.values()]
+
+    def run(self, seconds: int) -> list[list[Finding]]:
+        """`seconds` of decoding, judged each second."""
+        found = []
+        for _ in range(seconds):
+            self.second()
+            found.append(self.judge())
+        return found
+
+
+def _first(found: list[list[Finding]]) -> int:
+    return next(i for i, findings in enumerate(found) if findings) + 1
+
+
+@pytest.mark.parametrize(("factor", "within"), [(2.0, 15), (1.3, 30)])
+def test_a_slowed_rank_is_named_within_its_bound_its_peers_never(
+    factor: float, within: int
+) -> None:
+    job = Job([0.001, 0.0012, 0.001, 0.0011])
+    assert not any(job.run(120))
+    job.slowdown[2] = factor
+    slowed = job.run(90)
+    assert _first(slowed) <= within
+    named = [f for findings in slowed for f in findings]
+    assert {(f.kind, tuple(f.culpritRanks), tuple(f.waitingRanks)) for f in named} == {
+        (FindingKind.SLOW_RANK, (2,), (0, 1, 3))
+    }
+    assert len({f.incidentId for f in named}) == 1  # one incident while it lasts
+    finding = named[-1]
+    assert re.search(
+        r"rank 2 \(node-2\) works [\d.]+x slower than usual: [\d.]+ ms a step", finding.summary
+    )
+    assert "rank 0 (node-0) waits" in finding.summary
+    culprit = next(e for e in finding.evidence if e.deviceRank == 2)
+    assert culprit.pace is not None
+    assert culprit.pace.ratio is not None
+    assert culprit.pace.ratio == pytest.approx(factor, rel=0.15)
+    victim = next(e for e in finding.evidence if e.deviceRank == 0)
+    assert victim.pace is not None
+    assert victim.pace.waitMs > culprit.pace.waitMs
+    job.slowdown[2] = 1.0
+    after = job.run(60)
+    assert not after[-1]
+    assert _first([[] if f else ["back"] for f in after]) <= 60  # type: ignore[list-item]
+
+
+def test_a_healthy_job_names_nobody_for_half_an_hour() -> None:
+    job = Job([0.001, 0.003], seed=11)  # ranks differ by design: layers, the head
+    assert not any(job.run(1800))
+
+
+def test_a_machine_wide_slowdown_names_nobody() -> None:
+    job = Job([0.001, 0.001, 0.001])
+    job.run(120)
+    job.slowdown = [1.6, 1.6, 1.6]
+    assert not any(job.run(90))
+
+
+def test_a_rank_slow_from_its_first_step_has_no_usual_to_differ_from() -> None:
+    job = Job([0.001, 0.001])
+    job.slowdown[1] = 2.0
+    assert not any(job.run(120))
+
+
+def test_a_frozen_rank_is_stalled_not_slow() -> None:
+    job = Job([0.001, 0.001])
+    job.run(120)
+    job.slowdown[1] = 3.0
+    job.run(20)
+    ranks = job.ranks
+    for _ in range(8):  # rank 1 stops altogether: only rank 0 is heard
+        job.now += 1.0
+        job.state.apply_telemetry(
+            entries(ranks[0], (job._seq(0), job.now - 1000, Phase.DECODE_STREAM, 3)),
+            stored_ns=job._ns(),
+        )
+        snapshot = MlxMemorySnapshot(generatedAt=at(job.now - 1000), source="mlx.core")
+        job.state.apply_telemetry(
+            MemorySampled(runner=ranks[0], seq=job._seq(0), snapshot=snapshot),
+            stored_ns=job._ns(),
+        )
+    (finding,) = job.judge()
+    assert (finding.kind, finding.culpritRanks) == (FindingKind.STALLED_RANK, [1])
+
+
+def test_a_restart_from_a_snapshot_keeps_the_pace_and_the_finding() -> None:
+    job = Job([0.001, 0.001])
+    job.run(120)
+    job.slowdown[0] = 2.0
+    (named,) = job.run(30)[-1]
+    image = msgspec.json.decode(
+        msgspec.json.encode(capture(job.state, {})), type=type(capture(job.state, {}))
+    )
+    fresh = ClusterState(store=EntryStore(), clock=lambda: job.now)
+    restore(fresh, image, moment=job.now)
+    job.state = fresh
+    job.incidents = {}  # the incident history is the diagnosis stream's, not the snapshot's
+    (again,) = job.run(1)[-1]
+    assert (again.kind, again.culpritRanks) == (FindingKind.SLOW_RANK, named.culpritRanks)
+
+
+def test_samples_arriving_out_of_order_are_judged_in_time_order() -> None:
+    history = PaceHistory()
+    for second in (5, 3, 4, 1, 2):
+        history.add(1000.0 + second, StepPace(steps=10, workSeconds=0.01 * second, waitSeconds=0))
+    assert [s[0] for s in history.samples] == [1001.0, 1002.0, 1003.0, 1004.0, 1005.0]
+    assert judge_pace([history], 1005.0, PaceLimits()) is None  # one rank: no peers
+
+
+def test_a_pace_that_cannot_be_is_refused_at_the_door() -> None:
+    snapshot = MlxMemorySnapshot(generatedAt=at(0), source="mlx.core")
+    good = MemorySampled(
+        runner=rank(0),
+        seq=1,
+        snapshot=snapshot,
+        pace=StepPace(steps=3, workSeconds=0.01, waitSeconds=0.0),
+    )
+    raw = encode(good).replace(b'"steps":3', b'"steps":-3')
+    with pytest.raises(WireError, match="steps"):
+        decode(raw, MemorySampled)
+
+
+def test_prometheus_has_each_ranks_work_and_wait_histograms() -> None:
+    job = Job([0.0015, 0.004])
+    job.run(5)
+    families = cluster_families(
+        AggregatorHealth(ready=True, partition="0"),
+        ClusterTimeline(generatedAt=at(0), localNodeId="node-0"),
+        Diagnosis(generatedAt=at(0)),
+        history(job.state),
+    )
+    work = next(f for f in families if f.name == "rankscope_step_work_seconds")
+    counts = {
+        (s.labels["rank"], s.labels["le"]): s.value
+        for s in work.samples
+        if s.name.endswith("_bucket")
+    }
+    assert counts[("0", "0.001")] == 0
+    assert counts[("0", "0.0025")] == 5 * STEPS_A_SECOND
+    assert counts[("1", "0.0025")] == 0
+    assert counts[("1", "0.005")] == 5 * STEPS_A_SECOND
+    assert counts[("1", "+Inf")] == 5 * STEPS_A_SECOND
