@@ -8,12 +8,14 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlencode
 
 from rankscope.services.client.http import ClientError, Gateway
-from rankscope.services.client.verdicts import finding_lines, verdicts
+from rankscope.services.client.verdicts import finding_lines, pace_lines, verdicts
 from rankscope.shared.subjects import token
+from rankscope.shared.timestamps import format_ts
 
 __all__ = ["add_client_commands", "client_options", "identifier", "ranktable_client"]
 
@@ -148,9 +150,31 @@ def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
         _out(args, found, "\n".join([f"{window}: {len(found['findings'])}", *told]))
         return
     found = gateway.call("GET", "/v1/cluster/diagnosis")
-    _out(args, found, "\n".join(lines(found)) or "no findings: every instance is healthy")
+    said = "\n".join(lines(found)) or "no findings: every instance is healthy"
+    _out(args, found, said if args.json else said + _pace(gateway))
     if found["findings"]:
         raise SystemExit(1)
+
+
+PACE_SPAN_S = 120
+"""How far back `diagnose` shows each rank's work per step."""
+
+
+def _pace(gateway: Gateway) -> str:
+    """Each rank's work per step over the last `PACE_SPAN_S` as strips, under a heading
+    (nothing when no rank decoded; a line saying why when the gateway cannot tell)."""
+    since = format_ts(datetime.now(UTC) - timedelta(seconds=PACE_SPAN_S))
+    try:
+        paced = gateway.call("GET", f"/v1/cluster/pace?since={quote(since)}&points=60")
+    except ClientError as error:
+        return f"\n(work per step unknown: {error})"
+    strips = pace_lines(paced["runners"])
+    if not strips:
+        return ""
+    return (
+        f"\nwork per decode step, the last {PACE_SPAN_S // 60} minutes (each rank against its "
+        "quickest: ' ' as quick, '█' twice as slow or more):\n" + "\n".join(strips)
+    )
 
 
 def _ranktable(args: argparse.Namespace, gateway: Gateway) -> None:

@@ -10,13 +10,15 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["clock", "finding_lines", "verdicts", "where_it_waits"]
+__all__ = ["clock", "finding_lines", "pace_lines", "verdicts", "where_it_waits"]
 
 WAIT_FRAMES = 4
 """Innermost frames of a waiting thread's stack that say where it waits."""
 
 _EVIDENCE = ("phase", "step", "waitingIn", "gaveUp", "exitReason", "process", "lastProgressAt")
 """What `diagnose --verbose` says of each rank, in this order."""
+_SHADES = " ▁▂▃▄▅▆▇█"
+"""A slice of a rank's pace, from its quickest (blank-ish) to twice that or more."""
 
 
 def clock(at: str | None, now: datetime | None = None) -> str:
@@ -85,6 +87,8 @@ def finding_lines(finding: dict[str, Any], verbose: bool, stacks: bool = False) 
     ranks = sorted(finding.get("evidence", []), key=lambda r: r["runnerId"] not in culprits)
     for rank in ranks:
         said = [f"{key} {rank[key]}" for key in _EVIDENCE if rank.get(key) is not None]
+        if pace := rank.get("pace"):
+            said.append(_pace_words(pace))
         role = "CULPRIT" if rank["runnerId"] in culprits else "waiting"
         lines.append(
             f"  {role} rank {rank['deviceRank']} ({rank['nodeId']}): "
@@ -93,4 +97,33 @@ def finding_lines(finding: dict[str, Any], verbose: bool, stacks: bool = False) 
         stack = rank.get("stack") or ""
         shown = stack.strip().splitlines() if stacks else where_it_waits(stack) if stack else []
         lines += [f"      {line.strip()}" for line in shown]
+    return lines
+
+
+def _pace_words(pace: dict[str, Any]) -> str:
+    usual = pace.get("usualWorkMs")
+    against = f" (usually {usual:.3g}, {pace['ratio']:.2g}x)" if usual and pace.get("ratio") else ""
+    return f"work {pace['workMs']:.3g} ms a step{against}, wait {pace['waitMs']:.3g} ms"
+
+
+def pace_lines(series: Iterable[dict[str, Any]]) -> list[str]:
+    """Each rank's work per step over time as a strip: each character a slice of time,
+    shaded by how many times its own quickest slice it took (█: twice or more), then its
+    latest work and wait a step. Ranks differ by design, so each is held to itself; a
+    slow rank's strip darkens while its peers' stays light."""
+    lines = []
+    for rank in series:
+        points = rank.get("points") or []
+        if not points:
+            continue
+        works = sorted(p["workMs"] for p in points)
+        quickest = works[len(works) // 10] or works[-1] or 1.0
+        strip = "".join(
+            _SHADES[min(round(max(p["workMs"] / quickest - 1, 0) * 8), 8)] for p in points
+        )
+        last = points[-1]
+        lines.append(
+            f"  {rank['instanceId']} rank {rank['deviceRank']} ({rank['nodeId']})  "
+            f"|{strip}|  {last['workMs']:.3g} ms work, {last['waitMs']:.3g} ms wait a step"
+        )
     return lines

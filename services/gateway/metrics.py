@@ -8,7 +8,12 @@ from collections.abc import Iterable, Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from rankscope.shared.wire import AggregatorHealth, ClusterTimeline, Diagnosis, RunnerHistory
@@ -146,6 +151,7 @@ def cluster_families(
         queued,
         bad,
         *_telemetry(history),
+        *_pace(history),
     ]  # fmt: skip
 
 
@@ -180,3 +186,33 @@ def _telemetry(history: list[RunnerHistory]) -> Iterator[Metric]:
             if amount := getattr(held, field):
                 family.add_metric([held.runnerId], amount)
         yield family
+
+
+def _pace(history: list[RunnerHistory]) -> Iterator[Metric]:
+    """Per rank, its sampled steps by the seconds they took working and waiting."""
+    labels = ["runner", "instance", "rank"]
+    work = HistogramMetricFamily(
+        "rankscope_step_work_seconds",
+        "Seconds a rank's sampled decode step took computing its own part (a rank slower "
+        "than its peers works longer).",
+        labels=labels,
+    )
+    wait = HistogramMetricFamily(
+        "rankscope_step_wait_seconds",
+        "Seconds a rank's sampled decode step waited for its peers (the victims of a slow "
+        "rank wait longer).",
+        labels=labels,
+    )
+    for held in history:
+        pace = held.pace
+        if pace is None:
+            continue
+        values = [held.runnerId, held.instanceId, str(held.deviceRank)]
+        bounds = [f"{b:g}" for b in pace.bounds] + ["+Inf"]
+        for family, counts, total in (
+            (work, pace.workCounts, pace.workSeconds),
+            (wait, pace.waitCounts, pace.waitSeconds),
+        ):
+            family.add_metric(values, list(zip(bounds, counts, strict=True)), total)
+    yield work
+    yield wait

@@ -9,16 +9,18 @@ from fastapi import APIRouter, Depends, Query
 
 from rankscope.services.gateway.bus import Bus, BusError
 from rankscope.services.gateway.deps import bus, reader
-from rankscope.services.gateway.memory import series
+from rankscope.services.gateway.memory import pace_series, series
 from rankscope.services.gateway.responses import Json, fail, schema_ref
 from rankscope.services.gateway.trace import to_trace
 from rankscope.shared.timestamps import format_ts, micros, now, parse_ts
 from rankscope.shared.wire import (
     ClusterMemory,
+    ClusterPace,
     ClusterTimeline,
     Diagnosis,
     Finding,
     FindingKind,
+    MemorySampled,
     PlacementRunnerDiagnostics,
     RunnerHistory,
     decode,
@@ -84,25 +86,47 @@ MEMORY_SAMPLES = 200_000
 """The most memory samples one query reads (about 55 rank-hours at one a second)."""
 
 
+class Span:
+    """The samples of one instance or all over a span of time, as a query asks for them."""
+
+    def __init__(
+        self,
+        instanceId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
+        since: Annotated[str | None, Query(description="RFC 3339; default 5 minutes ago")] = None,
+        until: Annotated[str | None, Query(description="RFC 3339; default now")] = None,
+        points: Annotated[int, Query(ge=2, le=2000)] = 300,
+    ) -> None:
+        end = parse_ts(moment(until, "until") or now())
+        start = parse_ts(moment(since, "since") or format_ts(end - timedelta(minutes=5)))
+        if start >= end:
+            raise fail(422, "`since` must come before `until`")
+        self.instance_id, self.start, self.points = instanceId, start, points
+        self.since, self.until = format_ts(start), format_ts(end)
+
+    async def samples(self, nats: Bus) -> list[MemorySampled]:
+        """The samples stored within the span."""
+        return await nats.memory_samples(
+            instance_id=self.instance_id, since=self.start, limit=MEMORY_SAMPLES
+        )
+
+
 @router.get("/v1/cluster/memory", response_class=Json, responses={200: schema_ref(ClusterMemory)})
-async def memory(
-    nats: Nats,
-    instanceId: Annotated[str | None, Query(min_length=1)] = None,  # noqa: N803
-    since: Annotated[str | None, Query(description="RFC 3339; default 5 minutes ago")] = None,
-    until: Annotated[str | None, Query(description="RFC 3339; default now")] = None,
-    points: Annotated[int, Query(ge=2, le=2000)] = 300,
-) -> Json:
+async def memory(nats: Nats, span: Annotated[Span, Depends()]) -> Json:
     """Each rank's MLX memory (active, peak, cache) from `since` to `until`, at most
     `points` per rank (of each slice of the span, its sample with the most active
     memory), from the samples runners send every second."""
-    end = parse_ts(moment(until, "until") or now())
-    start = parse_ts(moment(since, "since") or format_ts(end - timedelta(minutes=5)))
-    if start >= end:
-        raise fail(422, "`since` must come before `until`")
-    samples = await nats.memory_samples(instance_id=instanceId, since=start, limit=MEMORY_SAMPLES)
-    first, last = format_ts(start), format_ts(end)
-    found = series(samples, micros(first), micros(last), points)
-    return Json(ClusterMemory(generatedAt=now(), since=first, until=last, runners=found))
+    found = series(await span.samples(nats), micros(span.since), micros(span.until), span.points)
+    return Json(ClusterMemory(generatedAt=now(), since=span.since, until=span.until, runners=found))
+
+
+@router.get("/v1/cluster/pace", response_class=Json, responses={200: schema_ref(ClusterPace)})
+async def pace(nats: Nats, span: Annotated[Span, Depends()]) -> Json:
+    """Each rank's work and wait per step from `since` to `until`, at most `points` per
+    rank (each slice of the span sums its samples), from the samples runners send every
+    second: a rank slower than its peers works longer a step, its peers wait longer."""
+    samples = await span.samples(nats)
+    found = pace_series(samples, micros(span.since), micros(span.until), span.points)
+    return Json(ClusterPace(generatedAt=now(), since=span.since, until=span.until, runners=found))
 
 
 @router.get("/v1/cluster/diagnosis", response_class=Json, responses={200: schema_ref(Diagnosis)})

@@ -1,6 +1,7 @@
 // rankscope web timeline: one swimlane per rank, grouped by instance and incarnation
 // (ended incarnations folded into one row); phase segments over a time axis, each rank's
-// MLX memory (active, peak, cache) on the same axis, open findings with the culprit
+// MLX memory (active, peak, cache) and work per step (a heat strip) on the same axis,
+// open findings with the culprit
 // first, past incidents as bands and as a list to open, placement bars. Every time is
 // UTC, labelled Z; how long ago is computed when drawn.
 "use strict";
@@ -15,15 +16,18 @@ PHASES.forEach((phase, i) => { COLORS[phase] = `hsl(${(i * 137.5) % 360} 60% 55%
 COLORS.idle = "#3a4150"; COLORS.error = "#ff3b3b"; COLORS.decode_stream = "#4aa3ff";
 COLORS.prefill_pipeline = "#b084ff";
 
-const LANE = 30, LABEL = 330, AXIS = 26, MEMORY_ROW = 46, WAIT_FRAMES = 4;
+const LANE = 30, LABEL = 330, AXIS = 26, MEMORY_ROW = 46, PACE_ROW = 18, WAIT_FRAMES = 4;
 const MEMORY = { active: "#58d68d", peak: "#ffb347", cache: "#7fb3ff" };
 const canvas = document.getElementById("lanes");
 const ctx = canvas.getContext("2d");
 const memoryCanvas = document.getElementById("memory");
 const memoryCtx = memoryCanvas.getContext("2d");
+const paceCanvas = document.getElementById("pace");
+const paceCtx = paceCanvas.getContext("2d");
 let view = { lanes: [], start: 0, end: 1, findings: [], incidents: [] };
 let incidents = [];
 let memory = [];
+let pace = [];
 let refreshes = 0;
 const unfolded = new Set();  // ended incarnations the operator opened
 
@@ -216,20 +220,59 @@ function draw() {
     }
   });
   drawMemory(width, x);
+  drawPace(width, x);
+}
+
+// a canvas sized to `rows` rows of `row` pixels, cleared, its context ready to draw in
+function sized(target, context, width, rows, row) {
+  const height = Math.max(rows * row + 8, 40);
+  const ratio = window.devicePixelRatio || 1;
+  target.width = width * ratio; target.height = height * ratio;
+  target.style.height = `${height}px`;
+  context.setTransform(ratio, 0, 0, ratio, 0, 0);
+  context.clearRect(0, 0, width, height);
+  context.font = "12px system-ui"; context.textBaseline = "middle";
+  return context;
+}
+
+// each rank's work per sampled decode step on the lanes' time axis, one row per rank,
+// colored by how many times its own quickest slice it took (green 1×, red 2× or more):
+// ranks differ by design, so each is held to itself; a slow rank's row turns red while
+// its peers' stay green (they wait longer, they do not work longer)
+function drawPace(width, x) {
+  const rows = pace.filter((p) => p.points.length);
+  const c = sized(paceCanvas, paceCtx, width, rows.length, PACE_ROW);
+  if (!rows.length) {
+    c.fillStyle = "#8a93a5"; c.fillText("no decode steps in this window", 4, 20);
+    paceCanvas.textContent = "no decode steps in this window";
+    return;
+  }
+  const said = [];
+  rows.forEach((series, row) => {
+    const y = row * PACE_ROW + 4, works = series.points.map((p) => p.workMs).sort((a, b) => a - b);
+    const quickest = works[Math.floor(works.length / 10)] || works[0];
+    const last = series.points[series.points.length - 1];
+    const words = `rank ${series.deviceRank} · ${series.nodeId}: ${last.workMs.toFixed(2)} ms work, ` +
+      `${last.waitMs.toFixed(2)} ms wait a step`;
+    said.push(`${series.instanceId} ${words}`);
+    c.fillStyle = "#d8dee9"; c.fillText(words, 4, y + PACE_ROW / 2 - 2);
+    const points = series.points.filter((p) => seconds(p.at) >= view.start);
+    points.forEach((point, i) => {
+      const from = x(seconds(point.at));
+      const to = i + 1 < points.length ? x(seconds(points[i + 1].at)) : from + 3;
+      const slower = Math.min(Math.max(point.workMs / quickest - 1, 0), 1);
+      c.fillStyle = `hsl(${120 - 120 * slower} 70% ${45 + 10 * slower}%)`;
+      c.fillRect(from, y, Math.max(to - from, 2), PACE_ROW - 4);
+    });
+  });
+  paceCanvas.textContent = said.join("\n");
 }
 
 // each rank's MLX memory on the lanes' time axis, one row per rank, scaled to the
 // highest peak of all: who holds how much, and since when
 function drawMemory(width, x) {
   const rows = memory.filter((m) => m.samples.length);
-  const height = Math.max(rows.length * MEMORY_ROW + 8, 40);
-  const ratio = window.devicePixelRatio || 1;
-  memoryCanvas.width = width * ratio; memoryCanvas.height = height * ratio;
-  memoryCanvas.style.height = `${height}px`;
-  const c = memoryCtx;
-  c.setTransform(ratio, 0, 0, ratio, 0, 0);
-  c.clearRect(0, 0, width, height);
-  c.font = "12px system-ui"; c.textBaseline = "middle";
+  const c = sized(memoryCanvas, memoryCtx, width, rows.length, MEMORY_ROW);
   if (!rows.length) {
     c.fillStyle = "#8a93a5"; c.fillText("no memory samples in this window", 4, 20);
     memoryCanvas.textContent = "no memory samples in this window";
@@ -362,11 +405,13 @@ async function refresh() {
       json(`/v1/cluster/timeline?limit=50000&since=${encodeURIComponent(since)}`),
       json("/v1/cluster/diagnosis"), json("/v1/placement/runners"), json("/v1/cluster/history")]);
     if (refreshes++ % 5 === 0) {  // past incidents and memory change slowly: every fifth refresh
-      const [past, held] = await Promise.all([
+      const [past, held, paced] = await Promise.all([
         json("/v1/cluster/diagnosis/history?limit=200"),
-        json(`/v1/cluster/memory?since=${encodeURIComponent(since)}&points=300`)]);
+        json(`/v1/cluster/memory?since=${encodeURIComponent(since)}&points=300`),
+        json(`/v1/cluster/pace?since=${encodeURIComponent(since)}&points=150`)]);
       incidents = past.findings;
       memory = held.runners;
+      pace = paced.runners;
       showIncidents(incidents);
     }
     const fetched = performance.now();
