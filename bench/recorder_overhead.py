@@ -1,10 +1,13 @@
-"""Decode tokens/s of one runner with the flight recorder on and off, side by side.
+"""Decode tokens/s of one runner with the flight recorder off, on, and on with the pace
+(each sampled step's wait and work timed apart), side by side.
 
 The same process, model and prompt run alternately with the recorder on (entries go
 through the real bounded queue to a thread that drains it, as the agent does) and off;
-the ratio of the medians is the recorder's cost. Target: under 1%.
+the ratio of the medians is the recorder's cost. The pace runs through the same layer
+wrappers a pipeline rank's do (here in a group of one), and its cost is its ratio to the
+recorder on without it. Target: under 1% each.
 
-    .venv/bin/python bench/recorder_overhead.py [--rounds 5] [--tokens 128]
+    .venv/bin/python bench/recorder_overhead.py [--rounds 5] [--tokens 128] [--hidden 768]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import mlx.core as mx
 from rankscope.services.agent.runner.config import RunnerConfig
 from rankscope.services.agent.runner.generation import Generation
 from rankscope.services.agent.runner.memory import snapshot
+from rankscope.services.agent.runner.pace import Pace
 from rankscope.services.agent.runner.recorder import Recorder
 from rankscope.services.agent.runner.shard import load_shard
 from rankscope.services.agent.runner.watchdog import Watchdog
@@ -80,6 +84,8 @@ def main() -> None:
     config = RunnerConfig(runner=ref, assignment=rank, assignments=(rank,), model_path=str(model))
     group = mx.distributed.init()
     shard = load_shard(model, group, (rank,), rank)
+    pace = Pace()
+    paced = load_shard(model, group, (rank,), rank, pace)
     context = multiprocessing.get_context("spawn")
     telemetry, control = context.Queue(1024), context.Queue()
     agent = context.Process(target=_drain, args=(telemetry, control), daemon=True)
@@ -92,15 +98,20 @@ def main() -> None:
         commandId="c",
         request=GenerationRequest(prompt="Which rank is stuck?", maxTokens=args.tokens),
     )
-    rates: dict[bool, list[float]] = {True: [], False: []}
+    variants = ("off", "on", "pace")
+    rates: dict[str, list[float]] = {v: [] for v in variants}
     for round_ in range(args.rounds + 1):
-        for enabled in (True, False) if round_ % 2 else (False, True):
+        for variant in variants if round_ % 2 else variants[::-1]:
             recorder = Recorder(
-                telemetry=telemetry, control=control, memory=snapshot, enabled=enabled
+                telemetry=telemetry,
+                control=control,
+                memory=snapshot,
+                pace=pace if variant == "pace" else None,
+                enabled=variant != "off",
             )
             generation = Generation(
                 config=config,
-                shard=shard,
+                shard=paced if variant == "pace" else shard,
                 group=group,
                 recorder=recorder,
                 watchdog=Watchdog(recorder),
@@ -109,17 +120,21 @@ def main() -> None:
             started = time.perf_counter()
             generation.run(task)
             elapsed = time.perf_counter() - started
-            if round_:  # round 0 warms caches for both
-                rates[enabled].append(args.tokens / elapsed)
-    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+            if round_:  # round 0 warms caches for all
+                rates[variant].append(args.tokens / elapsed)
+    off, on, timed = (statistics.median(rates[v]) for v in variants)
     agent.terminate()
+    for channel in (telemetry, control):  # what the drain no longer reads is not waited for
+        channel.cancel_join_thread()
     print(
         f"model: {args.layers} layers, hidden {args.hidden}; {args.tokens} tokens x "
         f"{args.rounds} rounds each, alternating"
     )
-    print(f"recorder off: {off:8.1f} tokens/s (median)")
-    print(f"recorder on:  {on:8.1f} tokens/s (median)")
-    print(f"on/off ratio: {on / off:.4f}  (cost {100 * (1 - on / off):+.2f}%)")
+    print(f"recorder off:    {off:8.1f} tokens/s (median)")
+    print(f"recorder on:     {on:8.1f} tokens/s (median)")
+    print(f"on, with pace:   {timed:8.1f} tokens/s (median; {pace.take().steps} steps sampled)")
+    print(f"recorder on/off: {on / off:.4f}  (cost {100 * (1 - on / off):+.2f}%)")
+    print(f"pace/on:         {timed / on:.4f}  (cost {100 * (1 - timed / on):+.2f}%)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Every architecture split across 2 and 3 ranks generates what one process generates.
+"""Every architecture split across 2 and 3 ranks generates what one process generates,
+with every decode step timed apart (the pace) on every rank.
 
 Each rank is a real process on a real mlx ring (loopback), loading its shard through the
 runner's own code (`connect_group`, `load_shard`); the reference is plain `mlx_lm` in one
@@ -16,6 +17,7 @@ import pytest
 from mlx.nn.layers.base import Module
 
 from rankscope.services.agent.runner.generation import barrier
+from rankscope.services.agent.runner.pace import Pace
 from rankscope.services.agent.runner.pipeline import split_layers
 from rankscope.services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from rankscope.shared.tiny_model import ARCHITECTURES, TinyModelSpec, write_tiny_model
@@ -71,10 +73,11 @@ def _rank(
     try:
         me = assignments[rank]
         group = connect_group(me, ring_hosts(assignments))
-        shard = load_shard(Path(path), group, assignments, me)
+        pace = Pace(every=1, gap=0)  # every step timed: what it does to results shows
+        shard = load_shard(Path(path), group, assignments, me, pace)
         run = _generate(shard.model, shard.tokenizer)
         barrier(group)  # after the step generate_step starts ahead, still in flight
-        out.put((rank, shard.parameter_bytes, run))
+        out.put((rank, shard.parameter_bytes, (run, pace.take())))
     except Exception as exc:  # the test shows it rather than waiting for a silent rank
         out.put((rank, -1, f"{type(exc).__name__}: {exc}"))
     done.wait(60)  # no rank closes its sockets while a peer may still be reading them
@@ -139,8 +142,13 @@ def test_split_generates_what_one_process_generates(model: Path, split: tuple[in
     expected = _generate(reference, tokenizer)
     whole = sum(a.nbytes for _, a in cast(list[Any], tree_flatten(reference.parameters())))
     ranks = _run_split(model, split)
-    for rank, (weights, run) in enumerate(ranks):
-        assert 0 < weights < whole, f"rank {rank} holds {weights} of {whole} bytes: {run}"
+    for rank, (weights, answer) in enumerate(ranks):
+        assert 0 < weights < whole, f"rank {rank} holds {weights} of {whole} bytes: {answer}"
+        run, pace = answer
+        decoded = sum(len(tokens) - 1 for tokens, _ in expected)
+        assert pace.steps >= decoded, f"rank {rank} timed {pace.steps} of {decoded} steps"
+        assert pace.workSeconds > 0, pace
+        assert pace.waitSeconds > 0, pace
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(run, expected, strict=True):
             assert tokens == want_tokens, f"rank {rank}"
             worst = max(

@@ -9,7 +9,9 @@ peer involved). A slow rank's work grows; its peers' wait grows and their work d
 
 Evaluating inside the step costs two synchronisations and the overlap mlx-lm keeps
 between building a step and computing the last, ~5-10% of a step on a small model, so
-a step is sampled only once `SAMPLE_GAP_S` has passed since the last sampled one ended.
+a step is sampled only once `SAMPLE_EVERY` steps and `SAMPLE_GAP_S` have passed since the
+last sampled one (or `SAMPLE_ANYWAY_S`: where a step takes that long, two more
+synchronisations cost nothing to speak of).
 """
 
 from __future__ import annotations
@@ -21,21 +23,27 @@ import mlx.core as mx
 
 from rankscope.shared.wire import StepPace
 
-__all__ = ["SAMPLE_GAP_S", "Pace"]
+__all__ = ["SAMPLE_ANYWAY_S", "SAMPLE_EVERY", "SAMPLE_GAP_S", "Pace"]
 
-SAMPLE_GAP_S = 0.025
-"""Least time between two sampled steps: at a millisecond a token, one step in 25."""
+SAMPLE_EVERY = 32
+"""Least decode steps from one sampled step to the next."""
+SAMPLE_GAP_S = 0.1
+"""Least time between two sampled steps: at a millisecond a token, one step in 100."""
+SAMPLE_ANYWAY_S = 1.0
+"""Time after a sampled step when the next is sampled, however few steps came between."""
 
 
 class Pace:
     """Sums of one rank's sampled decode steps, taken by the memory sampler each second.
 
     Args:
-        gap: least seconds between two sampled steps (0: every step).
+        every: least steps from one sampled step to the next (1: any step).
+        gap: least seconds between two sampled steps (0: no least).
     """
 
-    def __init__(self, gap: float = SAMPLE_GAP_S) -> None:
-        self._gap = gap
+    def __init__(self, every: int = SAMPLE_EVERY, gap: float = SAMPLE_GAP_S) -> None:
+        self._every, self._gap = every, gap
+        self._unsampled = every
         self._lock = threading.Lock()
         self._next = 0.0
         self._sampling = False
@@ -49,8 +57,15 @@ class Pace:
         """The rank's input to its first layer (`h`: the embedding, or the hidden state
         from the previous rank); on a decode step due for a sample, evaluated and timed as
         wait."""
-        self._sampling = h.ndim == 3 and h.shape[1] == 1 and time.perf_counter() >= self._next
+        if h.ndim != 3 or h.shape[1] != 1:
+            return h  # a chunk of a prompt: not a decode step
+        self._unsampled += 1
+        moment = time.perf_counter()
+        self._sampling = moment >= self._next and (
+            self._unsampled >= self._every or moment >= self._next + SAMPLE_ANYWAY_S
+        )
         if self._sampling:
+            self._unsampled = 0
             started = time.perf_counter()
             mx.eval(h)
             self._started = time.perf_counter()

@@ -116,7 +116,8 @@ def _owner_of_layers(model: Any) -> Any:
 def split_layers(model: Any, group: Any, start: int, end: int, pace: Pace | None = None) -> None:
     """Make `model` run layers `[start, end)` here and the rest on the group's other ranks
     (a group of one keeps the model as it is); with `pace`, time this rank's sampled
-    steps: its input to layer `start` as wait, its layers as work.
+    steps: its input to layer `start` as wait, its layers as work (in a group of one
+    too, which is how `bench/recorder_overhead.py` measures what that costs).
 
     Raises:
         ValueError: the model has no layer list, or the slice is not within it.
@@ -126,7 +127,7 @@ def split_layers(model: Any, group: Any, start: int, end: int, pace: Pace | None
     count, rank, last = len(layers), group.rank(), group.size() - 1
     if not 0 <= start < end <= count:
         raise ValueError(f"layers [{start}, {end}) are not within the model's {count}")
-    if last == 0:
+    if last == 0 and pace is None:
         return
     inner.layers = [
         _Stage(
@@ -135,7 +136,7 @@ def split_layers(model: Any, group: Any, start: int, end: int, pace: Pace | None
             here=start <= i < end,
             receive=i == start and rank > 0,
             send=i == end - 1 and rank < last,
-            gather=i == count - 1,
+            gather=i == count - 1 and last > 0,
             timed_in=pace if i == start else None,
             timed_out=pace if i == end - 1 else None,
         )
