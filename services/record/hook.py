@@ -13,12 +13,12 @@ issued since the last evaluation, else in the evaluation itself: `mx.compile`d c
 its collectives) and its end (`collective_resumed`), MLX memory and the rank's pace every
 second, named steps, and how the process exits.
 
-The pace: an evaluation that waits on collectives is one step; on a sampled step (one
-every `SAMPLE_GAP_S` at most) each collective's input is evaluated first (work: this
-rank's own computation), then the collective (wait: its peers, and the transfer), then
-the rest (work). Only collectives every rank joins alike (`all_sum`, `all_gather`, ...)
-are split so; a step with point-to-point transfers, or whose collectives compiled code
-hides, is not sampled.
+The pace: an evaluation that waits on collectives is one step. On a sampled step (one in
+`SAMPLE_EVERY`, `SAMPLE_GAP_S` apart at least, or any after `SAMPLE_ANYWAY_S`) each
+collective's input is evaluated first (work: this rank's own computation), then the
+collective (wait: its peers, and the transfer), then the rest (work). Only collectives
+every rank joins alike (`all_sum`, `all_gather`, ...) are split so; a step with
+point-to-point transfers, or whose collectives compiled code hides, is not sampled.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from typing import Any
 
 __all__ = [
     "COLLECTIVES",
+    "SAMPLE_ANYWAY_S",
+    "SAMPLE_EVERY",
     "SAMPLE_GAP_S",
     "STACK_SIGNAL",
     "WAIT_NOTE_S",
@@ -63,8 +65,14 @@ COLLECTIVES = (
     "recv_like",
 )
 _POINT_TO_POINT = frozenset({"send", "recv", "recv_like"})
-SAMPLE_GAP_S = 0.025
-"""Least time between two sampled steps (each costs a synchronisation per collective)."""
+SAMPLE_EVERY = 16
+"""Least steps from one sampled step to the next (each costs two synchronisations per
+collective)."""
+SAMPLE_GAP_S = 0.1
+"""Least time between two sampled steps."""
+SAMPLE_ANYWAY_S = 1.0
+"""Time after a sampled step when the next is sampled, however few steps came between
+(steps that long make two synchronisations cheap)."""
 STACK_SIGNAL = signal.SIGUSR1
 """Makes a recorded rank write its stacks, as a runner does."""
 WAIT_NOTE_S = 1.0
@@ -140,6 +148,7 @@ class Recorder:
         is among them: what a sampled step evaluates one by one."""
         self.evaluate = evaluate
         self._next_sample = 0.0
+        self._unsampled = SAMPLE_EVERY
         self._steps = 0
         self._work = 0.0
         self._wait = 0.0
@@ -236,22 +245,25 @@ class Recorder:
             moment = time.monotonic()
             if moment - sampled >= 1.0:
                 sampled = moment
-                with self._lock:
-                    pace = {"steps": self._steps, "workSeconds": self._work,
-                            "waitSeconds": self._wait}  # fmt: skip
-                    self._steps, self._work, self._wait = 0, 0.0, 0.0
                 self.send(
                     "memory",
                     at=_now(),
                     active=self.mx.get_active_memory(),
                     peak=self.mx.get_peak_memory(),
                     cache=self.mx.get_cache_memory(),
-                    pace=pace,
+                    pace=self.take_pace(),
                 )
             since, pending = self.waiting_since, self.pending
             if since is not None and not self.noted and moment - since >= WAIT_NOTE_S:
                 self.noted = True
                 self._note_wait(pending)
+
+    def take_pace(self) -> dict[str, float]:
+        """The sampled steps' sums since the last take (`StepPace`'s fields), reset."""
+        with self._lock:
+            pace = {"steps": self._steps, "workSeconds": self._work, "waitSeconds": self._wait}
+            self._steps, self._work, self._wait = 0, 0.0, 0.0
+        return pace
 
     def _note_wait(self, pending: list[tuple[str, str, int, dict[str, Any]]]) -> None:
         """Say the evaluation in progress has waited a while: in its first pending
@@ -304,10 +316,12 @@ class Recorder:
 
     def due(self, call: str) -> bool:
         """Whether the evaluation `call` starting now is a step to sample."""
-        return (
-            bool(self.operands)
-            and call != "async_eval"
-            and time.perf_counter() >= self._next_sample
+        if not self.operands or call == "async_eval":
+            return False
+        self._unsampled += 1
+        moment, next_sample = time.perf_counter(), self._next_sample
+        return moment >= next_sample and (
+            self._unsampled >= SAMPLE_EVERY or moment >= next_sample + SAMPLE_ANYWAY_S
         )
 
     def sampled(self, run: Callable[[], Any]) -> Any:
@@ -325,7 +339,7 @@ class Recorder:
         started = time.perf_counter()
         value = run()
         ended = time.perf_counter()
-        self._next_sample = ended + SAMPLE_GAP_S
+        self._next_sample, self._unsampled = ended + SAMPLE_GAP_S, 0
         with self._lock:
             self._steps += 1
             self._work += work + ended - started
