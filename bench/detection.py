@@ -1,0 +1,204 @@
+"""How fast and how right the diagnosis is: each fault injected many times, at random
+moments, into the demo's 2-rank pipeline under a steady chat load (`rankscope up --demo`,
+the shipped processes), the diagnosis sampled twice a second.
+
+Per fault: time from the injection to the first finding naming the right rank (p50, p90,
+max), the share of samples naming the right culprit while the fault lasts (after the
+first), findings that named a wrong rank, and the time from the fault's end to no
+finding. Faults:
+
+- `sigstop`: a rank's process stopped (expected: `stalled_rank` naming it);
+- `sigkill`: a rank's process killed (`dead_rank`; its agent starts it again);
+- `slow2`, `slow1.3`: a rank made 2x and 1.3x slower by a stop/continue duty cycle
+  (`slow_rank`);
+- `nats`: the NATS server stopped (`nats_unreachable`, naming no rank).
+
+    .venv/bin/python bench/detection.py [--injections 10] [--faults sigstop:50,sigkill,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+
+from tests.slowdown import slowed  # noqa: E402
+from tests.stack_up import free_port, running_up  # noqa: E402
+from tests.test_slow_rank import Gateway, _chatting  # noqa: E402
+
+EXPECTED = {
+    "sigstop": "stalled_rank",
+    "sigkill": "dead_rank",
+    "slow2": "slow_rank",
+    "slow1.3": "slow_rank",
+    "nats": "nats_unreachable",
+}
+HOLD_S = {"sigstop": 15.0, "sigkill": 0.0, "slow2": 30.0, "slow1.3": 45.0, "nats": 10.0}
+"""How long each fault lasts (a kill lasts until the rank is back)."""
+SETTLE_S = 60.0
+"""Longest wait for no finding before the next injection."""
+
+
+@dataclass
+class Tally:
+    """One fault's injections."""
+
+    named: list[float] = field(default_factory=list)
+    missed: int = 0
+    right: int = 0
+    samples: int = 0
+    wrong: list[str] = field(default_factory=list)
+    cleared: list[float] = field(default_factory=list)
+
+
+def _pid(title: str) -> int:
+    for process in psutil.process_iter(["cmdline"]):
+        if " ".join(process.info["cmdline"] or []).startswith(title):
+            return int(process.pid)
+    raise LookupError(title)
+
+
+@contextlib.contextmanager
+def _fault(kind: str, rank: int, nats_pid: int) -> Iterator[None]:
+    pid = _pid(f"rankscope runner demo-0 rank {rank} ")
+    if kind.startswith("slow"):
+        with slowed(pid, float(kind.removeprefix("slow"))):
+            yield
+        return
+    target, stop, go = {
+        "sigstop": (pid, signal.SIGSTOP, signal.SIGCONT),
+        "sigkill": (pid, signal.SIGKILL, None),
+        "nats": (nats_pid, signal.SIGSTOP, signal.SIGCONT),
+    }[kind]
+    os.kill(target, stop)
+    try:
+        yield
+    finally:
+        if go is not None:
+            os.kill(target, go)
+
+
+def _findings(gateway: Gateway) -> list[dict[str, Any]]:
+    try:
+        return list(gateway.get("/v1/cluster/diagnosis")["findings"])
+    except OSError:
+        return [{"kind": "gateway unanswered", "culpritRanks": []}]
+
+
+def _right(kind: str, rank: int) -> Callable[[dict[str, Any]], bool]:
+    def check(finding: dict[str, Any]) -> bool:
+        if finding["kind"] != EXPECTED[kind]:
+            return False
+        return kind == "nats" or finding["culpritRanks"] == [rank]
+
+    return check
+
+
+def inject(gateway: Gateway, kind: str, nats_pid: int, tally: Tally) -> None:
+    rank = random.choice((0, 1))
+    right = _right(kind, rank)
+    time.sleep(random.uniform(0, 3))  # a random moment of the load: between or inside steps
+    started = time.monotonic()
+    with _fault(kind, rank, nats_pid):
+        first: float | None = None
+        while time.monotonic() - started < max(HOLD_S[kind], 20.0 if first is None else 0.0):
+            found = _findings(gateway)
+            for finding in found:
+                if right(finding):
+                    first = first if first is not None else time.monotonic() - started
+                elif finding["kind"] != "gateway unanswered":
+                    tally.wrong.append(f"{finding['kind']} {finding['culpritRanks']}")
+            if first is not None:
+                tally.samples += 1
+                tally.right += any(right(f) for f in found)
+            if kind == "sigkill" and first is not None:
+                break
+            time.sleep(0.5)
+    if first is None:
+        tally.missed += 1
+    else:
+        tally.named.append(first)
+    ended = time.monotonic()
+    while _findings(gateway) and time.monotonic() - ended < SETTLE_S:
+        time.sleep(0.5)
+    tally.cleared.append(time.monotonic() - ended)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=10)[int(q * 10) - 1] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--injections", type=int, default=10, help="per fault")
+    parser.add_argument(
+        "--faults", default=",".join(EXPECTED), help="FAULT[:INJECTIONS], comma separated"
+    )
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    random.seed(args.seed)
+    data = Path(tempfile.mkdtemp()) / ".rankscope"
+    env = {"RANKSCOPE_LOG_LEVEL": "error"}
+    with running_up(data, "--demo", "--ring-port-base", str(free_port()), env=env) as (_, shown):
+        gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
+        nats_pid = _nats_pid(data)
+        gateway.until(lambda: _ready(gateway), 180)
+        tallies: dict[str, Tally] = {}
+        with _chatting(gateway):
+            time.sleep(75)  # a minute of load: every rank's usual pace is known
+            for fault in args.faults.split(","):
+                kind, _, count = fault.partition(":")
+                tally = tallies[kind] = Tally()
+                for _ in range(int(count or args.injections)):
+                    gateway.until(lambda: _ready(gateway), 180)
+                    inject(gateway, kind, nats_pid, tally)
+    print("injections at random moments into a 2-rank pipeline, chats back to back")
+    print(f"{'fault':10} {'runs':>4} {'named p50':>9} {'p90':>6} {'max':>6} {'missed':>6} "
+          f"{'right':>7} {'wrong':>5} {'clear p50':>9} {'max':>6}")  # fmt: skip
+    for kind, tally in tallies.items():
+        named = tally.named or [float("nan")]
+        share = tally.right / tally.samples if tally.samples else float("nan")
+        print(
+            f"{kind:10} {len(tally.cleared):4d} {statistics.median(named):8.1f}s "
+            f"{_quantile(named, 0.9):5.1f}s {max(named):5.1f}s {tally.missed:6d} "
+            f"{share:7.1%} {len(tally.wrong):5d} "
+            f"{statistics.median(tally.cleared):8.1f}s {max(tally.cleared):5.1f}s"
+        )
+        for wrong in sorted(set(tally.wrong)):
+            print(f"    wrong: {wrong} ({tally.wrong.count(wrong)} samples)")
+
+
+def _ready(gateway: Gateway) -> bool:
+    try:
+        ranks = gateway.get("/v1/cluster/timeline?instanceId=demo-0&limit=1")["runners"]
+    except OSError:
+        return False
+    ready = len(ranks) == 2 and all(r["statusKind"] == "RunnerReady" for r in ranks)
+    return ready and not _findings(gateway)
+
+
+def _nats_pid(data: Path) -> int:
+    for process in psutil.process_iter(["cmdline"]):
+        line = process.info["cmdline"] or []
+        if line and line[0].endswith("nats-server") and str(data) in " ".join(line):
+            return int(process.pid)
+    raise LookupError("nats-server")
+
+
+if __name__ == "__main__":
+    main()

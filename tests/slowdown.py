@@ -1,0 +1,43 @@
+"""A rank made slower for real: its process stopped and continued on a duty cycle, so it
+computes at `1 / factor` of its pace (SIGSTOP/SIGCONT reach any process, on Linux and
+macOS alike; no cgroup needed)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+__all__ = ["PERIOD_S", "slowed"]
+
+PERIOD_S = 0.02
+"""One stop and one run: short beside a step, so every step is slowed alike."""
+
+
+@contextlib.contextmanager
+def slowed(pid: int, factor: float, period: float = PERIOD_S) -> Iterator[None]:
+    """Process `pid` runs `1 / factor` of the time while the block lasts; continued after
+    (also when the block raises)."""
+    stopped_for = period * (1 - 1 / factor)
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(stopped_for)
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(period - stopped_for)
+
+    thread = threading.Thread(target=cycle, name=f"slowing {pid}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

@@ -1,0 +1,213 @@
+"""End to end: a rank made slower for real (stopped and continued on a duty cycle) under a
+steady load is named `slow_rank`, never its peers, and cleared once it is back in line;
+healthy, the same load names nobody. In the demo's 2-rank pipeline (`rankscope up
+--demo`, chats back to back) and in a recorded 4-rank data-parallel `mlx.launch` job."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.slowdown import slowed
+from tests.stack_up import free_port, running_up
+
+pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(420)]
+
+LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+HEALTHY_S = 75
+"""Load before the slowdown: a rank's usual pace needs a minute of it; no finding meanwhile
+(the healthy soak, scaled down)."""
+
+DATA_PARALLEL = """
+import time
+import mlx.core as mx
+group = mx.distributed.init()
+weights = mx.random.normal((128, 128), key=mx.random.key(group.rank()))
+while True:
+    gradient = weights
+    for _ in range(3):
+        gradient = mx.tanh(gradient @ weights) / 16
+    weights = weights - 0.001 * mx.distributed.all_sum(gradient) / group.size()
+    mx.eval(weights)
+    time.sleep(0.02)  # four ranks on two cores: room to spare, as a healthy job has
+"""
+
+
+class Gateway:
+    """The stack's gateway (`base`), and its NATS for the jobs recorded into it."""
+
+    def __init__(self, base: str, nats: str) -> None:
+        self.base, self.nats = base, nats
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.base + path, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def findings(self, instance: str) -> list[dict[str, Any]]:
+        return [
+            f for f in self.get("/v1/cluster/diagnosis")["findings"] if f["instanceId"] == instance
+        ]
+
+    def until(self, check: Callable[[], Any], seconds: float) -> Any:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if found := check():
+                return found
+            time.sleep(0.5)
+        raise AssertionError(f"not reached within {seconds:g}s")
+
+    def quiet_for(self, instance: str, seconds: float) -> None:
+        """No finding of `instance` in any sample for `seconds`."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert self.findings(instance) == [], self.findings(instance)
+            time.sleep(1)
+
+    def named_slow(self, instance: str, culprit: int, within: float, then: float) -> float:
+        """Seconds until `slow_rank` names `culprit` (at most `within`), after checking for
+        `then` more that every sample names it alone (or, in its first seconds, nothing);
+        never a peer, never another kind."""
+        started = time.monotonic()
+        (finding,) = self.until(lambda: self.findings(instance), within)
+        named = time.monotonic() - started
+        samples = [finding]
+        while time.monotonic() - started < named + then:
+            samples += self.findings(instance)
+            time.sleep(0.5)
+        assert {(s["kind"], tuple(s["culpritRanks"])) for s in samples} == {
+            ("slow_rank", (culprit,))
+        }, samples
+        culprit_pace = next(e for e in finding["evidence"] if e["deviceRank"] == culprit)["pace"]
+        assert culprit_pace["ratio"] >= 1.15, finding
+        assert "slower than usual" in finding["summary"]
+        return named
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    data = tmp_path_factory.mktemp("slow") / ".rankscope"
+    env = {"RANKSCOPE_LOG_LEVEL": "warning"}
+    ring = ("--ring-port-base", str(free_port()))
+    with running_up(data, "--demo", *ring, env=env) as (_, shown):
+        found = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
+
+        def ready() -> bool:
+            ranks = found.get("/v1/cluster/timeline?instanceId=demo-0&limit=1")["runners"]
+            return len(ranks) == 2 and all(r["statusKind"] == "RunnerReady" for r in ranks)
+
+        found.until(lambda: _answers(found) and ready(), 120)
+        yield found
+
+
+def _answers(gateway: Gateway) -> bool:
+    try:
+        gateway.get("/readyz")
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _chatting(gateway: Gateway) -> Iterator[None]:
+    """Chat completions back to back while the block lasts."""
+    done = threading.Event()
+    body = json.dumps(
+        {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "who is slow?"}],
+            "max_tokens": 200,
+        }
+    ).encode()
+
+    def chat() -> None:
+        while not done.is_set():
+            request = urllib.request.Request(
+                gateway.base + "/v1/chat/completions", body, {"Content-Type": "application/json"}
+            )
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(request, timeout=60).read()
+
+    thread = threading.Thread(target=chat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=60)
+
+
+def _runner_pid(rank: int) -> int:
+    for process in psutil.process_iter(["name", "cmdline"]):
+        title = " ".join(process.info["cmdline"] or [])
+        if title.startswith(f"rankscope runner demo-0 rank {rank} "):
+            return int(process.pid)
+    raise AssertionError(f"no runner of rank {rank}")
+
+
+def test_a_pipeline_rank_slowed_twice_over_is_named_within_15s_and_cleared(
+    gateway: Gateway,
+) -> None:
+    with _chatting(gateway):
+        gateway.quiet_for("demo-0", HEALTHY_S)
+        with slowed(_runner_pid(1), 2.0):
+            gateway.named_slow("demo-0", culprit=1, within=15, then=15)
+        gateway.until(lambda: not gateway.findings("demo-0"), 60)
+    history = gateway.get("/v1/cluster/diagnosis/history?instanceId=demo-0")["findings"]
+    assert [(f["kind"], f["culpritRanks"], f["open"]) for f in history] == [
+        ("slow_rank", [1], False)
+    ]
+
+
+def _rank_pid(script: str, rank: int) -> int:
+    for process in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if script in (process.info["cmdline"] or []) and process.environ().get(
+                "MLX_RANK"
+            ) == str(rank):
+                return int(process.pid)
+    raise AssertionError(f"no rank {rank} of {script}")
+
+
+def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(DATA_PARALLEL)
+    hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "4", "-p", str(free_port())]
+    job = subprocess.Popen(
+        [sys.executable, "-m", "rankscope.services.cli", "record", "--job", "dp-1", "--",
+         LAUNCH, *hosts, "--", sys.executable, str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RANKSCOPE_NATS_URL": gateway.nats},
+    )  # fmt: skip
+    try:
+        gateway.until(
+            lambda: (
+                len(gateway.get("/v1/cluster/timeline?instanceId=dp-1&limit=1")["runners"]) == 4
+            ),
+            60,
+        )
+        gateway.quiet_for("dp-1", HEALTHY_S)
+        with slowed(_rank_pid(str(script), 2), 2.0):
+            gateway.named_slow("dp-1", culprit=2, within=15, then=10)
+        gateway.until(lambda: not gateway.findings("dp-1"), 60)
+    finally:
+        for process in psutil.process_iter(["cmdline"]):
+            if str(script) in (process.info["cmdline"] or []):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+        job.communicate(timeout=60)
