@@ -17,8 +17,10 @@ demo: $(RUNS)
 	@echo "(later: . $(VENV)/bin/activate, and the rankscope command is on your PATH)"
 	@$(BIN)/rankscope up --demo
 
+# Two workers, then the tests that time a slowdown, alone on the machine
 test: lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not solo"
+	$(BIN)/python -m pytest -m solo
 
 # The inner loop: no MLX computation and no multi-process end-to-end test (CI runs them all)
 test-fast: $(TESTS)

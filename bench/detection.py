@@ -39,7 +39,7 @@ import psutil  # noqa: E402
 
 from tests.slowdown import slowed  # noqa: E402
 from tests.stack_up import free_port, running_up  # noqa: E402
-from tests.test_slow_rank import Gateway, _chatting  # noqa: E402
+from tests.test_slow_rank import Gateway, chatting  # noqa: E402
 
 EXPECTED = {
     "sigstop": "stalled_rank",
@@ -159,7 +159,7 @@ def main() -> None:
         nats_pid = _nats_pid(data)
         gateway.until(lambda: _ready(gateway), 180)
         tallies: dict[str, Tally] = {}
-        with _chatting(gateway):
+        with chatting(gateway):
             time.sleep(75)  # a minute of load: every rank's usual pace is known
             for fault in args.faults.split(","):
                 kind, _, count = fault.partition(":")

@@ -23,7 +23,13 @@ import pytest
 from tests.slowdown import slowed
 from tests.stack_up import free_port, running_up
 
-pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(420)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.mlx,
+    pytest.mark.nats,
+    pytest.mark.solo,  # other tests on the same cores would make ranks slow too
+    pytest.mark.timeout(420),
+]
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 HEALTHY_S = 75
@@ -120,7 +126,7 @@ def _answers(gateway: Gateway) -> bool:
 
 
 @contextlib.contextmanager
-def _chatting(gateway: Gateway) -> Iterator[None]:
+def chatting(gateway: Gateway) -> Iterator[None]:
     """Chat completions back to back while the block lasts."""
     done = threading.Event()
     body = json.dumps(
@@ -159,7 +165,7 @@ def _runner_pid(rank: int) -> int:
 def test_a_pipeline_rank_slowed_twice_over_is_named_within_15s_and_cleared(
     gateway: Gateway,
 ) -> None:
-    with _chatting(gateway):
+    with chatting(gateway):
         gateway.quiet_for("demo-0", HEALTHY_S)
         with slowed(_runner_pid(1), 2.0):
             gateway.named_slow("demo-0", culprit=1, within=15, then=15)
@@ -168,6 +174,21 @@ def test_a_pipeline_rank_slowed_twice_over_is_named_within_15s_and_cleared(
     assert [(f["kind"], f["culpritRanks"], f["open"]) for f in history] == [
         ("slow_rank", [1], False)
     ]
+
+
+def recorded(gateway: Gateway, job: str, script: Path) -> subprocess.Popen[str]:
+    """`DATA_PARALLEL` written to `script` and run on 4 ring ranks under `rankscope record`
+    as `job`, into the stack of `gateway`."""
+    script.write_text(DATA_PARALLEL)
+    hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "4", "-p", str(free_port())]
+    return subprocess.Popen(
+        [sys.executable, "-m", "rankscope.services.cli", "record", "--job", job, "--",
+         LAUNCH, *hosts, "--", sys.executable, str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "RANKSCOPE_NATS_URL": gateway.nats},
+    )  # fmt: skip
 
 
 def _rank_pid(script: str, rank: int) -> int:
@@ -184,16 +205,7 @@ def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(
     gateway: Gateway, tmp_path: Path
 ) -> None:
     script = tmp_path / "train.py"
-    script.write_text(DATA_PARALLEL)
-    hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "4", "-p", str(free_port())]
-    job = subprocess.Popen(
-        [sys.executable, "-m", "rankscope.services.cli", "record", "--job", "dp-1", "--",
-         LAUNCH, *hosts, "--", sys.executable, str(script)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "RANKSCOPE_NATS_URL": gateway.nats},
-    )  # fmt: skip
+    job = recorded(gateway, "dp-1", script)
     try:
         gateway.until(
             lambda: (

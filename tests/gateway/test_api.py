@@ -408,7 +408,10 @@ async def test_every_mutating_route_needs_the_token(
 async def test_one_capture_of_a_node_at_a_time(stack_for: Any) -> None:
     stack: Stack = await stack_for()
 
+    asked = asyncio.Event()
+
     async def slowly(msg: Msg) -> None:  # an agent answering its probe late
+        asked.set()
         await asyncio.sleep(1.0)
         here = NodeDiagnostics(nodeId="node-a", friendlyName="a", address="", generatedAt=now())
         await msg.respond(encode(here))
@@ -416,7 +419,7 @@ async def test_one_capture_of_a_node_at_a_time(stack_for: Any) -> None:
     await stack.nc.subscribe(stack.layout.subjects.node_diagnostics("node-a"), cb=slowly)
     path, quick = "/v1/diagnostics/cluster/node-a/capture", {"includeProcessSamples": False}
     first = asyncio.create_task(stack.http.post(path, json=quick))
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(asked.wait(), 30)  # the first capture is under way
     second = await stack.http.post(path, json=quick)
     assert second.status_code == 429
     assert second.json()["detail"].startswith("a capture of node 'node-a' is under way")
