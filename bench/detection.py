@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 
 from tests.slowdown import slowed  # noqa: E402
-from tests.stack_up import free_port, running_up  # noqa: E402
+from tests.stack_up import free_ports, running_up  # noqa: E402
 from tests.test_slow_rank import Gateway, chatting  # noqa: E402
 
 EXPECTED = {
@@ -154,7 +154,7 @@ def main() -> None:
     random.seed(args.seed)
     data = Path(tempfile.mkdtemp()) / ".rankscope"
     env = {"RANKSCOPE_LOG_LEVEL": "error"}
-    with running_up(data, "--demo", "--ring-port-base", str(free_port()), env=env) as (_, shown):
+    with running_up(data, "--demo", "--ring-port-base", str(free_ports(2)), env=env) as (_, shown):
         gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
         nats_pid = _nats_pid(data)
         gateway.until(lambda: _ready(gateway), 180)

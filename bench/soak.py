@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.stack_up import free_port, running_up  # noqa: E402
+from tests.stack_up import free_ports, running_up  # noqa: E402
 from tests.test_slow_rank import Gateway, recorded  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
     env = {"RANKSCOPE_LOG_LEVEL": "error"}
-    ring = ("--ring-port-base", str(free_port()))
+    ring = ("--ring-port-base", str(free_ports(2)))
     with running_up(work / ".rankscope", "--demo", *ring, env=env) as (_, shown):
         gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
         job = recorded(gateway, "soak", work / "train.py")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["free_port", "running_up", "up_command"]
+__all__ = ["free_port", "free_ports", "running_up", "up_command"]
 
 REPO = Path(__file__).parent.parent
 
@@ -23,6 +24,24 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive TCP ports nobody listens on right now, below the
+    ephemeral range (where the kernel picks other tests' client ports): a ring of ranks
+    binds one port a rank from a base."""
+    draw = random.Random()
+    for _ in range(200):
+        base = draw.randrange(20_000, 32_000 - count)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    probe = held.enter_context(socket.socket())
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise OSError(f"no {count} consecutive free ports")
 
 
 def up_command(

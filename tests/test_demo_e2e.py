@@ -26,7 +26,7 @@ import pytest
 
 from rankscope.shared.processes import PORTABLE_ENV
 from tests import skulk_shapes
-from tests.stack_up import free_port, up_command
+from tests.stack_up import free_port, free_ports, up_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -137,7 +137,7 @@ def _launch(data: Path, port: int, *flags: str, **extra: str) -> subprocess.Pope
     its demo is ready."""
     env = {**os.environ, "RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
     env.update(extra)
-    ring = ("--ring-port-base", str(free_port()))
+    ring = ("--ring-port-base", str(free_ports(2)))
     process = subprocess.Popen(
         up_command(data, "--demo", *ring, *flags, gateway_port=port),
         stdout=subprocess.PIPE,

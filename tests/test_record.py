@@ -26,7 +26,7 @@ import pytest
 from rankscope.shared.partitions import partition_of
 from rankscope.shared.subjects import token
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
-from tests.stack_up import free_port, running_up
+from tests.stack_up import free_port, free_ports, running_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(240)]
 
@@ -90,7 +90,7 @@ class Stack:
 
     def launch(self, ranks: int, *program: str) -> list[str]:
         """`mlx.launch` of `program` on `ranks` ring ranks on loopback."""
-        port = str(free_port())
+        port = str(free_ports(ranks))
         hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks), "-p", port]
         return [LAUNCH, *hosts, "--", sys.executable, *program]
 

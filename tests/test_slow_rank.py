@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.slowdown import slowed
-from tests.stack_up import free_port, running_up
+from tests.stack_up import free_ports, running_up
 
 pytestmark = [
     pytest.mark.slow,
@@ -105,7 +105,7 @@ class Gateway:
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     data = tmp_path_factory.mktemp("slow") / ".rankscope"
     env = {"RANKSCOPE_LOG_LEVEL": "warning"}
-    ring = ("--ring-port-base", str(free_port()))
+    ring = ("--ring-port-base", str(free_ports(2)))
     with running_up(data, "--demo", *ring, env=env) as (_, shown):
         found = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
 
@@ -180,7 +180,7 @@ def recorded(gateway: Gateway, job: str, script: Path) -> subprocess.Popen[str]:
     """`DATA_PARALLEL` written to `script` and run on 4 ring ranks under `rankscope record`
     as `job`, into the stack of `gateway`."""
     script.write_text(DATA_PARALLEL)
-    hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "4", "-p", str(free_port())]
+    hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "4", "-p", str(free_ports(4))]
     return subprocess.Popen(
         [sys.executable, "-m", "rankscope.services.cli", "record", "--job", job, "--",
          LAUNCH, *hosts, "--", sys.executable, str(script)],
