@@ -37,9 +37,11 @@ HEALTHY_S = 75
 (the healthy soak, scaled down)."""
 
 DATA_PARALLEL = """
-import time
+import os, time
 import mlx.core as mx
 group = mx.distributed.init()
+if hasattr(os, "sched_setaffinity"):  # ranks pinned two to a core: the same neighbours always
+    os.sched_setaffinity(0, {group.rank() % os.cpu_count()})
 weights = mx.random.normal((128, 128), key=mx.random.key(group.rank()))
 while True:
     gradient = weights
@@ -101,15 +103,17 @@ class Gateway:
         return named
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    data = tmp_path_factory.mktemp("slow") / ".rankscope"
+@contextlib.contextmanager
+def stack(data: Path, *flags: str) -> Iterator[Gateway]:
+    """`rankscope up` with `flags` in `data`, its gateway once it answers (and, with the
+    demo, once both its ranks are ready)."""
     env = {"RANKSCOPE_LOG_LEVEL": "warning"}
-    ring = ("--ring-port-base", str(free_ports(2)))
-    with running_up(data, "--demo", *ring, env=env) as (_, shown):
+    with running_up(data, *flags, env=env) as (_, shown):
         found = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
 
         def ready() -> bool:
+            if "--demo" not in flags:
+                return True
             ranks = found.get("/v1/cluster/timeline?instanceId=demo-0&limit=1")["runners"]
             return len(ranks) == 2 and all(r["statusKind"] == "RunnerReady" for r in ranks)
 
@@ -163,17 +167,18 @@ def _runner_pid(rank: int) -> int:
 
 
 def test_a_pipeline_rank_slowed_twice_over_is_named_within_15s_and_cleared(
-    gateway: Gateway,
+    tmp_path: Path,
 ) -> None:
-    with chatting(gateway):
+    ring = ("--ring-port-base", str(free_ports(2)))
+    with stack(tmp_path / ".rankscope", "--demo", *ring) as gateway, chatting(gateway):
         gateway.quiet_for("demo-0", HEALTHY_S)
         with slowed(_runner_pid(1), 2.0):
             gateway.named_slow("demo-0", culprit=1, within=15, then=15)
         gateway.until(lambda: not gateway.findings("demo-0"), 60)
-    history = gateway.get("/v1/cluster/diagnosis/history?instanceId=demo-0")["findings"]
-    assert [(f["kind"], f["culpritRanks"], f["open"]) for f in history] == [
-        ("slow_rank", [1], False)
-    ]
+        history = gateway.get("/v1/cluster/diagnosis/history?instanceId=demo-0")["findings"]
+        assert [(f["kind"], f["culpritRanks"], f["open"]) for f in history] == [
+            ("slow_rank", [1], False)
+        ]
 
 
 def recorded(gateway: Gateway, job: str, script: Path) -> subprocess.Popen[str]:
@@ -201,25 +206,23 @@ def _rank_pid(script: str, rank: int) -> int:
     raise AssertionError(f"no rank {rank} of {script}")
 
 
-def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(
-    gateway: Gateway, tmp_path: Path
-) -> None:
+def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    job = recorded(gateway, "dp-1", script)
-    try:
-        gateway.until(
-            lambda: (
-                len(gateway.get("/v1/cluster/timeline?instanceId=dp-1&limit=1")["runners"]) == 4
-            ),
-            60,
-        )
-        gateway.quiet_for("dp-1", HEALTHY_S)
-        with slowed(_rank_pid(str(script), 2), 2.0):
-            gateway.named_slow("dp-1", culprit=2, within=15, then=10)
-        gateway.until(lambda: not gateway.findings("dp-1"), 60)
-    finally:
-        for process in psutil.process_iter(["cmdline"]):
-            if str(script) in (process.info["cmdline"] or []):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    process.kill()
-        job.communicate(timeout=60)
+    with stack(tmp_path / ".rankscope") as gateway:
+        job = recorded(gateway, "dp-1", script)
+        try:
+            gateway.until(lambda: len(_ranks(gateway, "dp-1")) == 4, 60)
+            gateway.quiet_for("dp-1", HEALTHY_S)
+            with slowed(_rank_pid(str(script), 2), 2.0):
+                gateway.named_slow("dp-1", culprit=2, within=15, then=10)
+            gateway.until(lambda: not gateway.findings("dp-1"), 60)
+        finally:
+            for process in psutil.process_iter(["cmdline"]):
+                if str(script) in (process.info["cmdline"] or []):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+            job.communicate(timeout=60)
+
+
+def _ranks(gateway: Gateway, instance: str) -> list[dict[str, Any]]:
+    return list(gateway.get(f"/v1/cluster/timeline?instanceId={instance}&limit=1")["runners"])
