@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.partitions import partition_of
 from rankscope.shared.subjects import token
 from rankscope.shared.timestamps import format_ts
@@ -101,3 +103,18 @@ def instances_by_partition(count: int, per: int) -> dict[int, list[str]]:
         if len(found[owner]) < per:
             found[owner].append(name)
     return found
+
+
+def judged(
+    state: ClusterState, now: float, incidents: dict[str, Incident], thresholds: Thresholds
+) -> dict[str, Incident]:
+    """The diagnosis of `state` at `now` on the aggregator's clock (the wall clock `now -
+    1000` seconds after T0), every instance placed at 1000."""
+    return diagnose(
+        state,
+        now=now,
+        wall=at(now - 1000),
+        incidents=incidents,
+        placed_at=lambda _: 1000.0,
+        thresholds=thresholds,
+    )

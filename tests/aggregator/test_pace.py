@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from rankscope.services.aggregator.answers import history
-from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from rankscope.services.aggregator.diagnosis import Incident, Thresholds
 from rankscope.services.aggregator.pace import PaceHistory, PaceLimits, judge_pace
 from rankscope.services.aggregator.snapshot import capture, restore
 from rankscope.services.aggregator.store import EntryStore
@@ -31,7 +31,7 @@ from rankscope.shared.wire import (
     decode,
     encode,
 )
-from tests.aggregator.builders import at, entries, placed, rank
+from tests.aggregator.builders import at, entries, judged, placed, rank
 
 STEPS_A_SECOND = 40
 
@@ -86,14 +86,7 @@ class Job:
             )
 
     def judge(self) -> list[Finding]:
-        self.incidents = diagnose(
-            self.state,
-            now=self.now,
-            wall=at(self.now - 1000),
-            incidents=self.incidents,
-            placed_at=lambda _: 1000.0,
-            thresholds=Thresholds(),
-        )
+        self.incidents = judged(self.state, self.now, self.incidents, Thresholds())
         return [i.finding for i in self.incidents.values()]
 
     def run(self, seconds: int) -> list[list[Finding]]:

@@ -3,7 +3,7 @@ the rank at fault is named, the ranks waiting on it never are."""
 
 from __future__ import annotations
 
-from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from rankscope.services.aggregator.diagnosis import Incident, Thresholds
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.wire import (
@@ -22,7 +22,7 @@ from rankscope.shared.wire import (
     RunnerStatusKind,
     UnreachableNode,
 )
-from tests.aggregator.builders import at, placed, rank
+from tests.aggregator.builders import at, judged, placed, rank
 
 LIMITS = Thresholds(working=10, loading=300, no_data=30, silent=5)
 
@@ -110,14 +110,7 @@ class Job:
                 self.sample(r)
 
     def judge(self) -> list[Finding]:
-        self.incidents = diagnose(
-            self.state,
-            now=self.now,
-            wall=at(self.now - 1000),
-            incidents=self.incidents,
-            placed_at=lambda _: 1000.0,
-            thresholds=LIMITS,
-        )
+        self.incidents = judged(self.state, self.now, self.incidents, LIMITS)
         return [i.finding for i in self.incidents.values()]
 
 

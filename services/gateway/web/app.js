@@ -223,8 +223,9 @@ function draw() {
   drawPace(width, x);
 }
 
-// a canvas sized to `rows` rows of `row` pixels, cleared, its context ready to draw in
-function sized(target, context, width, rows, row) {
+// a canvas sized to `rows` rows of `row` pixels, cleared, its context ready to draw in;
+// with no rows, `empty` said on it instead (and null)
+function sized(target, context, width, rows, row, empty) {
   const height = Math.max(rows * row + 8, 40);
   const ratio = window.devicePixelRatio || 1;
   target.width = width * ratio; target.height = height * ratio;
@@ -232,7 +233,10 @@ function sized(target, context, width, rows, row) {
   context.setTransform(ratio, 0, 0, ratio, 0, 0);
   context.clearRect(0, 0, width, height);
   context.font = "12px system-ui"; context.textBaseline = "middle";
-  return context;
+  if (rows) return context;
+  context.fillStyle = "#8a93a5"; context.fillText(empty, 4, 20);
+  target.textContent = empty;
+  return null;
 }
 
 // each rank's work per sampled decode step on the lanes' time axis, one row per rank,
@@ -241,12 +245,8 @@ function sized(target, context, width, rows, row) {
 // its peers' stay green (they wait longer, they do not work longer)
 function drawPace(width, x) {
   const rows = pace.filter((p) => p.points.length);
-  const c = sized(paceCanvas, paceCtx, width, rows.length, PACE_ROW);
-  if (!rows.length) {
-    c.fillStyle = "#8a93a5"; c.fillText("no decode steps in this window", 4, 20);
-    paceCanvas.textContent = "no decode steps in this window";
-    return;
-  }
+  const c = sized(paceCanvas, paceCtx, width, rows.length, PACE_ROW, "no decode steps in this window");
+  if (!c) return;
   const said = [];
   rows.forEach((series, row) => {
     const y = row * PACE_ROW + 4, works = series.points.map((p) => p.workMs).sort((a, b) => a - b);
@@ -272,12 +272,8 @@ function drawPace(width, x) {
 // highest peak of all: who holds how much, and since when
 function drawMemory(width, x) {
   const rows = memory.filter((m) => m.samples.length);
-  const c = sized(memoryCanvas, memoryCtx, width, rows.length, MEMORY_ROW);
-  if (!rows.length) {
-    c.fillStyle = "#8a93a5"; c.fillText("no memory samples in this window", 4, 20);
-    memoryCanvas.textContent = "no memory samples in this window";
-    return;
-  }
+  const c = sized(memoryCanvas, memoryCtx, width, rows.length, MEMORY_ROW, "no memory samples in this window");
+  if (!c) return;
   const top = Math.max(...rows.flatMap((m) => m.samples.map((p) => Math.max(p.peak || 0, p.active || 0, p.cache || 0)))) || 1;
   const said = [];
   rows.forEach((series, row) => {
