@@ -289,7 +289,8 @@ def test_skulk_s_cancel_stops_a_long_generation(demo: Demo) -> None:
 
     def active() -> Any:
         for node in demo.get("/v1/diagnostics/cluster")["nodes"]:
-            for runner in node["diagnostics"]["supervisorRunners"]:
+            held = node["diagnostics"] or {}  # none from a node that did not answer in time
+            for runner in held.get("supervisorRunners", []):
                 if runner["activeTaskId"] and runner["phase"] == "decode_stream":
                     return node["nodeId"], runner["runnerId"], runner["activeTaskId"]
         return None
@@ -385,6 +386,7 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
         assert "process stopped" in page  # the frozen rank, as the kernel says
         assert "culprit rank 1 · since " in page  # the culprit leads the banner
         assert re.search(r"rank [01] · node-[ab]: active \d", page)  # each rank's MLX memory
+        assert re.search(r"rank [01] · node-[ab]: [\d.]+ ms work, [\d.]+ ms wait", page)  # pace
         assert "incidents (" in page  # and the incidents to open
         # the line its peer is on, from its stack: meeting the frozen rank in the task
         # agreement, or (frozen between chats, before its next tick) waiting for work
