@@ -140,7 +140,11 @@ def inject(gateway: Gateway, kind: str, nats_pid: int, tally: Tally) -> None:
 
 
 def _quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=10)[int(q * 10) - 1] if len(values) > 1 else values[0]
+    return (
+        statistics.quantiles(values, n=10, method="inclusive")[int(q * 10) - 1]
+        if len(values) > 1
+        else values[0]
+    )
 
 
 def main() -> None:
