@@ -282,9 +282,8 @@ async def _simulate(
     sampler; the nodes of this process share one publisher (one pump, as one agent's)."""
     layout = Layout()
     nc = await nats.connect(url, pending_size=64 << 20)
-    js = nc.jetstream()
     stop, rng = asyncio.Event(), random.Random(names[0])
-    publisher = TelemetryPublisher(js=js, max_buffered=1_000_000, max_in_flight=1024)
+    publisher = TelemetryPublisher(nc=nc, max_buffered=1_000_000, max_in_flight=1024)
     nodes = {n: _Node(n, load, layout, publisher) for n in names}
     scripts = {n: node.script(rng) for n, node in nodes.items()}
 
@@ -352,7 +351,7 @@ async def _measure(
     nc = await nats.connect(url)
     js = nc.jetstream()
     http = httpx.AsyncClient(base_url=gateway, timeout=10)
-    publisher = TelemetryPublisher(js=js)
+    publisher = TelemetryPublisher(nc=nc)
     probe = _Node(PROBE_NODE, Load(1, 1.0, 1.0, (0, 0), (0, 0)), layout, publisher)
     await js.publish(layout.subjects.placement(f"{PROBE_NODE}-job"), encode(_placed(PROBE_NODE, 1)))
     stop = asyncio.Event()

@@ -116,7 +116,7 @@ async def test_killing_the_telemetry_stream_leader_loses_and_doubles_no_entry(
 ) -> None:
     layout, js = await _held_three_times(nc)
     stream = layout.runner_stream.name
-    publisher = TelemetryPublisher(js=js, ack_timeout=1.0)
+    publisher = TelemetryPublisher(nc=nc, ack_timeout=1.0)
     stop = asyncio.Event()
     running = asyncio.create_task(publisher.run(stop))
     refs = [

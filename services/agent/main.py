@@ -64,7 +64,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
     async with contextlib.AsyncExitStack() as stack:
         bus = await connected(stack, settings, f"rankscope-agent-{identity}", stop)
         nc, js, layout = bus.nc, bus.js, bus.layout
-        publisher = TelemetryPublisher(js=js)
+        publisher = TelemetryPublisher(nc=nc)
         publishing_stop = asyncio.Event()
         publishing = asyncio.create_task(publisher.run(publishing_stop))
         agent = Agent(

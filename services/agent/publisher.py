@@ -3,8 +3,9 @@
 Entries of one runner are batched (flush at `max_batch` entries or `flush_after` seconds,
 whichever first). A batch is encoded once, with `Nats-Msg-Id: <runnerId>:<first>-<last>`,
 and resent unchanged until JetStream acknowledges it, so a retry is deduplicated. While
-NATS is away everything waits in a bounded buffer; past the bound the oldest is dropped
-and counted, and the aggregator sees the gap in `seq`.
+NATS is away nothing is sent (the client's own outbound buffer would only fill with
+copies) and everything waits in a bounded buffer; past the bound the oldest is dropped and
+counted, and the aggregator sees the gap in `seq`.
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from nats.aio.client import Client
 from nats.errors import Error as NatsError
-from nats.js import JetStreamContext
 
+from rankscope.services.agent.acks import AckInbox
 from rankscope.shared.wire import FlightEntry, PhaseEntries, RunnerRef, encode
 
 __all__ = ["TelemetryPublisher"]
 
 log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5
+"""Seconds between looks at the queue when nothing wakes the publisher."""
+_AWAY_POLL_S = 0.1
+"""Seconds between looks at the connection while NATS is away."""
 
 
 @dataclass(slots=True)
@@ -50,7 +57,7 @@ class TelemetryPublisher:
     """One per agent, shared by its runners.
 
     Args:
-        js: JetStream context.
+        nc: the connection.
         max_batch: entries per batch at most.
         flush_after: seconds an open batch may wait for more entries.
         max_buffered: entries kept while unacknowledged; beyond, the oldest are dropped.
@@ -61,18 +68,18 @@ class TelemetryPublisher:
     def __init__(
         self,
         *,
-        js: JetStreamContext,
+        nc: Client,
         max_batch: int = 64,
         flush_after: float = 0.05,
         max_buffered: int = 100_000,
         max_in_flight: int = 256,
         ack_timeout: float = 2.0,
     ) -> None:
-        self._js = js
+        self._nc = nc
+        self._acks = AckInbox(nc, patience=ack_timeout)
         self._max_batch = max_batch
         self._flush_after = flush_after
         self._max_buffered = max_buffered
-        self._ack_timeout = ack_timeout
         self._open: dict[str, _OpenBatch] = {}
         self._queue: deque[_Outgoing] = deque()
         self._buffered = 0
@@ -149,10 +156,9 @@ class TelemetryPublisher:
 
     async def _send(self, outgoing: _Outgoing) -> None:
         try:
-            ack = await self._js.publish_async(
-                outgoing.subject, outgoing.payload, headers={"Nats-Msg-Id": outgoing.msg_id}
+            await self._acks.publish(
+                outgoing.subject, outgoing.payload, {"Nats-Msg-Id": outgoing.msg_id}
             )
-            await asyncio.wait_for(ack, self._ack_timeout)
         except (NatsError, OSError, TimeoutError) as exc:
             self.retries += 1
             log.debug("publish of %s not acknowledged (%s); retrying", outgoing.msg_id, exc)
@@ -175,12 +181,22 @@ class TelemetryPublisher:
         """Entries not yet acknowledged (open, queued or in flight)."""
         return self._buffered
 
-    def _pump(self, tasks: set[asyncio.Task[None]]) -> None:
+    def _pump(self, tasks: set[asyncio.Task[None]]) -> float:
+        """Send what the in-flight bound allows (nothing while NATS is away); returns the
+        seconds after which to look again at the latest."""
+        if not self._nc.is_connected:
+            return _AWAY_POLL_S
         while self._queue and self._in_flight < self._max_in_flight:
             self._in_flight += 1
             task = asyncio.create_task(self._send(self._queue.popleft()))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+        return _IDLE_POLL_S
+
+    async def _woken(self, within: float) -> None:
+        self._wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), within)
 
     async def run(self, stop: asyncio.Event, *, drain_for: float = 5.0) -> None:
         """Publish until `stop` is set; then, for up to `drain_for` seconds, send what is
@@ -188,17 +204,13 @@ class TelemetryPublisher:
         tasks: set[asyncio.Task[None]] = set()
         while not stop.is_set():
             due = self._flush_aged()
-            self._pump(tasks)
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.5 if due is None else due)
+            again = self._pump(tasks)
+            await self._woken(again if due is None else min(due, again))
         self._flush_aged(everything=True)
         deadline = time.monotonic() + drain_for
         while (self._queue or tasks) and time.monotonic() < deadline:
-            self._pump(tasks)
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
+            again = self._pump(tasks)
+            await self._woken(min(again, deadline - time.monotonic()))
         for task in tasks:
             task.cancel()
         self.dropped_entries += sum(o.entries for o in self._queue)

@@ -362,7 +362,7 @@ async def watch(settings: Settings) -> None:
         await nc.subscribe(
             subjects.record_evidence(runner.nodeId, runner.runnerId), cb=rank.evidence
         )
-        publisher = TelemetryPublisher(js=nc.jetstream())
+        publisher = TelemetryPublisher(nc=nc)
         stop = asyncio.Event()
         publishing = asyncio.create_task(publisher.run(stop, drain_for=settings.record_give_up))
         rank.status(

@@ -48,7 +48,7 @@ async def test_a_restarted_agent_starts_runners_only_for_what_is_still_placed(
     )
     await js.publish(subjects.placement("gone"), encode(released))
     describe = functools.partial(node_info, "node-0", 24)
-    agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=TelemetryPublisher(js=js))
+    agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=TelemetryPublisher(nc=nc))
     follower = await follow(js, subjects.placement_all(), agent.on_placement)
     await follower.caught_up.wait()
     assert agent.supervisors == {}, "nothing starts while the stream is replayed"
@@ -115,7 +115,7 @@ async def test_a_restarted_agent_runs_no_task_that_finished_started_or_expired_b
 
     await nc.subscribe(subjects.task_status("kept", "node-0"), cb=keep)
     describe = functools.partial(node_info, "node-0", 24)
-    publisher, publishing = TelemetryPublisher(js=js), asyncio.Event()
+    publisher, publishing = TelemetryPublisher(nc=nc), asyncio.Event()
     sending = asyncio.create_task(publisher.run(publishing))
     agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=publisher)
     follower = await follow(js, subjects.placement_all(), agent.on_placement)

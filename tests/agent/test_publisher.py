@@ -68,7 +68,7 @@ async def ready(nc: Client, layout: Layout) -> Layout:
 
 
 async def test_entries_are_batched_with_deterministic_ids(nc: Client, ready: Layout) -> None:
-    publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=10.0)
+    publisher = TelemetryPublisher(nc=nc, flush_after=10.0)
     subject = ready.subjects.runner("node-a", "i", 0, "phase")
     async with _running(publisher):
         for seq in range(130):
@@ -85,7 +85,7 @@ async def test_entries_are_batched_with_deterministic_ids(nc: Client, ready: Lay
 async def test_task_statuses_and_telemetry_messages_share_the_queue_but_not_the_seqs(
     nc: Client, ready: Layout
 ) -> None:
-    publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=0.01)
+    publisher = TelemetryPublisher(nc=nc, flush_after=0.01)
     status_subject = ready.subjects.task_status("i", "node-a")
     memory_subject = ready.subjects.runner("node-a", "i", 0, "memory")
     async with _running(publisher):
@@ -97,7 +97,7 @@ async def test_task_statuses_and_telemetry_messages_share_the_queue_but_not_the_
 
 
 async def test_a_runner_status_goes_behind_its_older_entries(nc: Client, ready: Layout) -> None:
-    publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=10.0, max_in_flight=1)
+    publisher = TelemetryPublisher(nc=nc, flush_after=10.0, max_in_flight=1)
     got: list[str] = []
 
     async def keep(msg: object) -> None:
@@ -114,7 +114,7 @@ async def test_a_runner_status_goes_behind_its_older_entries(nc: Client, ready: 
 
 
 async def test_a_quiet_runner_is_flushed_within_the_window(nc: Client, ready: Layout) -> None:
-    publisher = TelemetryPublisher(js=nc.jetstream(), flush_after=0.05)
+    publisher = TelemetryPublisher(nc=nc, flush_after=0.05)
     got: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def keep(msg: object) -> None:
@@ -133,13 +133,22 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-async def test_nothing_is_lost_across_a_nats_restart(tmp_path: Path, layout: Layout) -> None:
+@pytest.mark.parametrize(
+    ("entries", "outage"),
+    [(100, 0.0), (2000, 3.0)],
+    ids=["restart", "seconds-away-with-a-backlog"],
+)
+async def test_nothing_is_lost_across_a_nats_restart(
+    tmp_path: Path, layout: Layout, entries: int, outage: float
+) -> None:
+    """The backlog case once wedged the publisher for good: its sends, failing while the
+    client's outbound buffer (4 KiB here) was full, used up nats-py's publish slots."""
     port, store = _free_port(), tmp_path / "nats"
     server = EmbeddedNats(store_dir=store, port=port).start()
     settings = Settings(nats_url=server.url, subject_prefix=layout.subjects.prefix)
-    nc = await connect(settings, "publisher-test")
+    nc = await connect(settings, "publisher-test", pending_size=4096)
     await ensure(nc.jetstream(), layout)
-    publisher = TelemetryPublisher(js=nc.jetstream(), max_batch=8, ack_timeout=0.5)
+    publisher = TelemetryPublisher(nc=nc, max_batch=4, ack_timeout=0.5)
     subject = layout.subjects.runner("node-a", "i", 0, "phase")
     try:
         async with _running(publisher):
@@ -147,13 +156,14 @@ async def test_nothing_is_lost_across_a_nats_restart(tmp_path: Path, layout: Lay
                 publisher.entry(RUNNER, subject, _entry(seq))
             await asyncio.wait_for(publisher.settled(), 10)
             server.stop()
-            for seq in range(40, 100):
+            for seq in range(40, entries):
                 publisher.entry(RUNNER, subject, _entry(seq))
+            await asyncio.sleep(outage)
             server = EmbeddedNats(store_dir=store, port=port).start()
             await asyncio.wait_for(publisher.settled(), 30)
         stored = await _stored(nc, layout)
         seqs = sorted(seq for _, batch in stored for seq in batch)
-        assert seqs == list(range(100))  # complete, and no batch stored twice
+        assert seqs == list(range(entries))  # complete, and no batch stored twice
         assert publisher.dropped_entries == 0
     finally:
         await nc.close()
@@ -167,7 +177,7 @@ async def test_past_the_bound_the_oldest_is_dropped_and_counted(
     nc = await connect(Settings(nats_url=server.url), "publisher-test")
     await ensure(nc.jetstream(), layout)
     server.stop()  # NATS is gone before anything is sent
-    publisher = TelemetryPublisher(js=nc.jetstream(), max_batch=10, max_buffered=30)
+    publisher = TelemetryPublisher(nc=nc, max_batch=10, max_buffered=30)
     subject = layout.subjects.runner("node-a", "i", 0, "phase")
     for seq in range(100):
         publisher.entry(RUNNER, subject, _entry(seq))

@@ -265,7 +265,7 @@ def _supervisor() -> RunnerSupervisor:
     supervisor = RunnerSupervisor(
         config=config,
         subjects=Subjects("t"),
-        publisher=TelemetryPublisher(js=MagicMock()),  # queues only: it is never run
+        publisher=TelemetryPublisher(nc=MagicMock()),  # queues only: it is never run
         first_seq=0,
         on_output=lambda chunk: None,
         on_task=lambda task, status, detail, refused: None,

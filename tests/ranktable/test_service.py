@@ -339,7 +339,7 @@ async def _agent_reading_models(stack: Stack, node_id: str) -> Subscription:
         js=stack.js,
         layout=stack.layout,
         node=lambda: node_info(node_id, 24),
-        publisher=TelemetryPublisher(js=stack.js),
+        publisher=TelemetryPublisher(nc=stack.nc),
     )
     return await stack.nc.subscribe(stack.layout.subjects.node_model(node_id), cb=agent.model)
 

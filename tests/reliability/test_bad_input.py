@@ -249,7 +249,7 @@ def test_garbage_the_rank_table_service_reads_loses_no_valid_node_or_spec(
 async def _agent_scenario(nc: Client, layout: Layout, garbage: list[bytes]) -> None:
     js, subjects = nc.jetstream(), layout.subjects
     describe = functools.partial(node_info, "node-0", 24)
-    agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=TelemetryPublisher(js=js))
+    agent = Agent(nc=nc, js=js, layout=layout, node=describe, publisher=TelemetryPublisher(nc=nc))
     follower = await follow(js, subjects.placement_all(), agent.on_placement)
     await follower.caught_up.wait()
     await agent.catch_up()
