@@ -11,7 +11,11 @@ finding. Faults:
 - `sigkill`: a rank's process killed (`dead_rank`; its agent starts it again);
 - `slow2`, `slow1.3`: a rank made 2x and 1.3x slower by a stop/continue duty cycle
   (`slow_rank`);
-- `nats`: the NATS server stopped (`nats_unreachable`, naming no rank).
+- `nats`: the NATS server paused (SIGSTOP; `nats_unreachable`, naming no rank);
+- `linkcut`: the network link of node-b cut (in a deployment of its own, every service its
+  own process and node-b behind a veth pair in a network namespace, as
+  `tests/reliability/test_partition.py` builds it; default heartbeat TTL): `dead_rank`
+  naming node-b's rank. Needs root and `ip netns`.
 
     .venv/bin/python bench/detection.py [--injections 10] [--faults sigstop:50,sigkill,...]
 """
@@ -19,6 +23,7 @@ finding. Faults:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import random
@@ -28,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +43,10 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
+from rankscope.shared.nats_server import EmbeddedNats  # noqa: E402
+from tests.gateway.conftest import free_port  # noqa: E402
+from tests.reliability.deployment import Deployment, deployed  # noqa: E402
+from tests.reliability.netns import Link, behind  # noqa: E402
 from tests.slowdown import slowed  # noqa: E402
 from tests.stack_up import free_ports, running_up  # noqa: E402
 from tests.test_slow_rank import Gateway, chatting  # noqa: E402
@@ -47,9 +57,14 @@ EXPECTED = {
     "slow2": "slow_rank",
     "slow1.3": "slow_rank",
     "nats": "nats_unreachable",
+    "linkcut": "dead_rank",
 }
-HOLD_S = {"sigstop": 15.0, "sigkill": 0.0, "slow2": 30.0, "slow1.3": 45.0, "nats": 10.0}
-"""How long each fault lasts (a kill lasts until the rank is back)."""
+HOLD_S = {"sigstop": 15.0, "slow2": 30.0, "slow1.3": 45.0, "nats": 10.0}
+"""How long each fault lasts; a kill or a cut link, until it is named (the rank is then
+started again, or the job placed again once the node is back)."""
+NAMED_WITHIN_S = {"linkcut": 45.0}
+"""Longest wait for the first finding, if not 20 s (a lost node is known after up to two
+heartbeat TTLs)."""
 SETTLE_S = 60.0
 """Longest wait for no finding before the next injection."""
 
@@ -109,14 +124,17 @@ def _right(kind: str, rank: int) -> Callable[[dict[str, Any]], bool]:
     return check
 
 
-def inject(gateway: Gateway, kind: str, nats_pid: int, tally: Tally) -> None:
-    rank = random.choice((0, 1))
+def inject(
+    gateway: Gateway, kind: str, rank: int, fault: AbstractContextManager[None], tally: Tally
+) -> None:
+    """`fault` (to `rank`) at a random moment of the load, sampled until it ends."""
     right = _right(kind, rank)
     time.sleep(random.uniform(0, 3))  # a random moment of the load: between or inside steps
     started = time.monotonic()
-    with _fault(kind, rank, nats_pid):
+    hold, wait = HOLD_S.get(kind, 0.0), NAMED_WITHIN_S.get(kind, 20.0)
+    with fault:
         first: float | None = None
-        while time.monotonic() - started < max(HOLD_S[kind], 20.0 if first is None else 0.0):
+        while time.monotonic() - started < (max(hold, wait) if first is None else hold):
             found = _findings(gateway)
             for finding in found:
                 if right(finding):
@@ -126,8 +144,6 @@ def inject(gateway: Gateway, kind: str, nats_pid: int, tally: Tally) -> None:
             if first is not None:
                 tally.samples += 1
                 tally.right += any(right(f) for f in found)
-            if kind == "sigkill" and first is not None:
-                break
             time.sleep(0.5)
     if first is None:
         tally.missed += 1
@@ -147,6 +163,63 @@ def _quantile(values: list[float], q: float) -> float:
     )
 
 
+def _on_demo(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
+    """Inject `faults` into one `rankscope up --demo`, chats back to back."""
+    data = Path(tempfile.mkdtemp()) / ".rankscope"
+    env = {"RANKSCOPE_LOG_LEVEL": "error"}
+    with running_up(data, "--demo", "--ring-port-base", str(free_ports(2)), env=env) as (_, shown):
+        gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
+        nats_pid = _nats_pid(data)
+        gateway.until(lambda: _ready(gateway), 180)
+        with chatting(gateway):
+            time.sleep(75)  # a minute of load: every rank's usual pace is known
+            for kind, count in faults:
+                for _ in range(count):
+                    gateway.until(lambda: _ready(gateway), 180)
+                    rank = random.choice((0, 1))
+                    inject(gateway, kind, rank, _fault(kind, rank, nats_pid), tallies[kind])
+
+
+@contextlib.contextmanager
+def _cut(link: Link) -> Iterator[None]:
+    link.cut()
+    try:
+        yield
+    finally:
+        link.mend()
+
+
+async def _link_cuts(count: int, tally: Tally) -> None:
+    """`count` cuts of node-b's link, each during a generation, in a deployment of its own;
+    after each, the node rejoins and the job is placed again before the next."""
+    root, port = Path(tempfile.mkdtemp()), free_port()
+    with Link() as link:
+        server = EmbeddedNats(store_dir=root / "nats", host="0.0.0.0", port=port).start()
+        try:
+            async with deployed(root, server, behind(link, port)) as deployment:
+                gateway = Gateway(str(deployment.http.base_url).rstrip("/"), server.url)
+                for n in range(count):
+                    ranks = await _quiet(deployment)
+                    await deployment.generate(f"cut-{n}", max_tokens=100_000)
+                    await asyncio.to_thread(
+                        inject, gateway, "linkcut", ranks["node-b"], _cut(link), tally
+                    )
+        finally:
+            server.stop()
+
+
+async def _quiet(deployment: Deployment) -> dict[str, int]:
+    """Once both ranks serve and nothing is found: each node's rank."""
+
+    async def settled() -> dict[str, int] | None:
+        found = await deployment.ready()
+        if found is None or await deployment.findings():
+            return None
+        return {r.nodeId: r.deviceRank for r in found.runners if r.processAlive}
+
+    return await deployment.until("both ranks ready, no finding", settled, 300)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--injections", type=int, default=10, help="per fault")
@@ -156,22 +229,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     random.seed(args.seed)
-    data = Path(tempfile.mkdtemp()) / ".rankscope"
-    env = {"RANKSCOPE_LOG_LEVEL": "error"}
-    with running_up(data, "--demo", "--ring-port-base", str(free_ports(2)), env=env) as (_, shown):
-        gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
-        nats_pid = _nats_pid(data)
-        gateway.until(lambda: _ready(gateway), 180)
-        tallies: dict[str, Tally] = {}
-        with chatting(gateway):
-            time.sleep(75)  # a minute of load: every rank's usual pace is known
-            for fault in args.faults.split(","):
-                kind, _, count = fault.partition(":")
-                tally = tallies[kind] = Tally()
-                for _ in range(int(count or args.injections)):
-                    gateway.until(lambda: _ready(gateway), 180)
-                    inject(gateway, kind, nats_pid, tally)
-    print("injections at random moments into a 2-rank pipeline, chats back to back")
+    faults = [
+        (kind, int(count or args.injections))
+        for kind, _, count in (f.partition(":") for f in args.faults.split(","))
+    ]
+    tallies = {kind: Tally() for kind, _ in faults}
+    if on_demo := [(kind, count) for kind, count in faults if kind != "linkcut"]:
+        _on_demo(on_demo, tallies)
+    if cuts := dict(faults).get("linkcut"):
+        asyncio.run(_link_cuts(cuts, tallies["linkcut"]))
+    print("injections at random moments into a 2-rank pipeline under load")
     print(f"{'fault':10} {'runs':>4} {'named p50':>9} {'p90':>6} {'max':>6} {'missed':>6} "
           f"{'right':>7} {'wrong':>5} {'clear p50':>9} {'max':>6}")  # fmt: skip
     for kind, tally in tallies.items():

@@ -6,10 +6,7 @@ and what it recorded while cut off arrives, each entry once."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
@@ -22,67 +19,17 @@ from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.timestamps import format_ts, to_epoch
 from rankscope.shared.wire import ClusterTimeline, Phase, decode
 from tests.gateway.conftest import free_port
-from tests.reliability.deployment import (
-    FAULT_TEST_MARKS,
-    Agent,
-    Deployment,
-    deployed,
-    node_loss_seen,
-)
+from tests.reliability.deployment import FAULT_TEST_MARKS, Deployment, deployed, node_loss_seen
+from tests.reliability.netns import Link, behind, namespaces_work
 
 pytestmark = FAULT_TEST_MARKS
 
 TTL = 3.0
-HOST_IP, NODE_IP = "10.231.7.1", "10.231.7.2"
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-class Link:
-    """A network namespace joined to the host by a veth pair that can be cut."""
-
-    def __init__(self) -> None:
-        tag = uuid.uuid4().hex[:6]
-        self.namespace, self.host_end, self.node_end = f"rs-{tag}", f"rsh-{tag}", f"rsn-{tag}"
-
-    def __enter__(self) -> Link:
-        _ip("netns", "add", self.namespace)
-        _ip("link", "add", self.host_end, "type", "veth", "peer", "name", self.node_end)
-        _ip("link", "set", self.node_end, "netns", self.namespace)
-        _ip("addr", "add", f"{HOST_IP}/30", "dev", self.host_end)
-        _ip("link", "set", self.host_end, "up")
-        inside = ("-n", self.namespace)
-        _ip(*inside, "addr", "add", f"{NODE_IP}/30", "dev", self.node_end)
-        _ip(*inside, "link", "set", self.node_end, "up")
-        _ip(*inside, "link", "set", "lo", "up")
-        return self
-
-    def cut(self) -> None:
-        _ip("link", "set", self.host_end, "down")
-
-    def mend(self) -> None:
-        _ip("link", "set", self.host_end, "up")
-
-    def __exit__(self, *exc: object) -> None:
-        subprocess.run(["ip", "link", "del", self.host_end], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True)
-
-
-def _namespaces_work() -> bool:
-    if os.geteuid() != 0:
-        return False
-    try:
-        with Link():
-            return True
-    except (OSError, subprocess.CalledProcessError):
-        return False
 
 
 @pytest.fixture(scope="module")
 def link() -> Iterator[Link]:
-    if not _namespaces_work():
+    if not namespaces_work():
         pytest.skip("needs root and `ip netns` (iproute2) to build a network namespace")
     with Link() as made:
         yield made
@@ -95,14 +42,7 @@ async def deployment(
     root = tmp_path_factory.mktemp("partition")
     port = free_port()
     server = EmbeddedNats(store_dir=root / "nats", host="0.0.0.0", port=port).start()
-    agents = {
-        "node-a": Agent(address=HOST_IP),
-        "node-b": Agent(
-            within=("ip", "netns", "exec", link.namespace),
-            nats_url=f"nats://{HOST_IP}:{port}",
-            address=NODE_IP,
-        ),
-    }
+    agents = behind(link, port)
     async with deployed(root, server, agents, heartbeat_ttl=TTL, collective_timeout=4.0) as built:
         yield built
     server.stop()
