@@ -17,6 +17,7 @@ named `slow_rank` (`pace`), until it is back in line.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -381,6 +382,7 @@ def diagnose(
     thresholds: Thresholds = Thresholds(),
     outage: tuple[FindingKind, str, str] | None = None,
     instances: Iterable[InstanceCreated] | None = None,
+    unsettled: Mapping[str, float] | None = None,
 ) -> dict[str, Incident]:
     """The open incident of every live instance that has one, by instance id; during an
     outage of NATS or JetStream, that outage (under the empty id) and the incidents open
@@ -398,6 +400,10 @@ def diagnose(
             meanwhile.
         instances: the instances judged, as they are now (all by default; one released
             since is not).
+        unsettled: when each instance last had an incident other than `slow_rank` open
+            (monotonic). Its pace is not judged for a slow window after: a rank stopped or
+            restarted, and its peers with it, step unevenly for a while once going again
+            (catching up, chats sent again), which is no rank being slow.
     """
     if outage is not None:
         kind, since, why = outage
@@ -431,7 +437,11 @@ def diagnose(
                 and not _sharpens(previous, verdict)
             ):
                 verdict = judge.kept(previous)
-        if verdict is None:
+        if (
+            verdict is None
+            and now - (unsettled or {}).get(instance.instanceId, -math.inf)
+            >= thresholds.slow.window
+        ):
             verdict = judge.slow(previous)
         if verdict is None:
             continue

@@ -104,6 +104,8 @@ class Findings:
         self.incidents: dict[str, Incident] = {}
         """The open incident of each instance (`""`: of the installation)."""
         self._swept = -math.inf
+        self._unsettled: dict[str, float] = {}
+        """When each instance last had an incident other than `slow_rank` open."""
         """When the diagnosis last judged every instance."""
         self._evidence: dict[tuple[str, str], dict[str, RunnerEvidence]] = {}
         """What the agents captured of each open incident's ranks, by (instance, since)."""
@@ -187,6 +189,7 @@ class Findings:
             thresholds=self._thresholds,
             outage=outage,
             instances=instances,
+            unsettled=self._unsettled,
         )
 
     async def evaluate(self) -> tuple[list[Finding], list[Finding]]:
@@ -236,6 +239,11 @@ class Findings:
             if key not in found or found[key].finding.since != i.finding.since
         ]
         self.incidents = found
+        moment, settling = self._clock(), self._thresholds.slow.window
+        self._unsettled = {i: at for i, at in self._unsettled.items() if moment - at < settling}
+        for key, incident in found.items():
+            if incident.finding.kind is not FindingKind.SLOW_RANK:
+                self._unsettled[key] = moment
         live = {(i.finding.instanceId, i.finding.since) for i in found.values()}
         for gone in set(self._evidence) - live:
             del self._evidence[gone]

@@ -106,7 +106,11 @@ def instances_by_partition(count: int, per: int) -> dict[int, list[str]]:
 
 
 def judged(
-    state: ClusterState, now: float, incidents: dict[str, Incident], thresholds: Thresholds
+    state: ClusterState,
+    now: float,
+    incidents: dict[str, Incident],
+    thresholds: Thresholds,
+    unsettled: dict[str, float] | None = None,
 ) -> dict[str, Incident]:
     """The diagnosis of `state` at `now` on the aggregator's clock (the wall clock `now -
     1000` seconds after T0), every instance placed at 1000."""
@@ -117,4 +121,5 @@ def judged(
         incidents=incidents,
         placed_at=lambda _: 1000.0,
         thresholds=thresholds,
+        unsettled=unsettled,
     )

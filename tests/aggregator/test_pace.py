@@ -49,6 +49,8 @@ class Job:
         self.seqs = [0] * len(usual)
         self.noise = random.Random(seed)
         self.incidents: dict[str, Incident] = {}
+        self.unsettled: dict[str, float] = {}
+        """As the aggregator keeps it: when an incident other than slow_rank was open."""
         for r, ref in enumerate(self.ranks):
             self.state.apply_telemetry(
                 entries(ref, (self._seq(r), 0, Phase.DECODE_STREAM, 1)), stored_ns=self._ns()
@@ -85,8 +87,31 @@ class Job:
                 stored_ns=self._ns(),
             )
 
+    def freeze(self, frozen: int, seconds: int) -> None:
+        """Rank `frozen` stops altogether for `seconds`: only its peers are heard, taking no
+        step (they wait for it)."""
+        for _ in range(seconds):
+            self.now += 1.0
+            for r, ref in enumerate(self.ranks):
+                if r == frozen:
+                    continue
+                self.state.apply_telemetry(
+                    entries(ref, (self._seq(r), self.now - 1000, Phase.DECODE_STREAM, 3)),
+                    stored_ns=self._ns(),
+                )
+                snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
+                self.state.apply_telemetry(
+                    MemorySampled(runner=ref, seq=self._seq(r), snapshot=snapshot),
+                    stored_ns=self._ns(),
+                )
+
     def judge(self) -> list[Finding]:
-        self.incidents = judged(self.state, self.now, self.incidents, Thresholds())
+        self.incidents = judged(
+            self.state, self.now, self.incidents, Thresholds(), unsettled=self.unsettled
+        )
+        for key, incident in self.incidents.items():
+            if incident.finding.kind is not FindingKind.SLOW_RANK:
+                self.unsettled[key] = self.now
         return [i.finding for i in self.incidents.values()]
 
     def run(self, seconds: int) -> list[list[Finding]]:
@@ -157,20 +182,23 @@ def test_a_frozen_rank_is_stalled_not_slow() -> None:
     job.run(120)
     job.slowdown[1] = 3.0
     job.run(20)
-    ranks = job.ranks
-    for _ in range(8):  # rank 1 stops altogether: only rank 0 is heard
-        job.now += 1.0
-        job.state.apply_telemetry(
-            entries(ranks[0], (job._seq(0), job.now - 1000, Phase.DECODE_STREAM, 3)),
-            stored_ns=job._ns(),
-        )
-        snapshot = MlxMemorySnapshot(generatedAt=at(job.now - 1000), source="mlx.core")
-        job.state.apply_telemetry(
-            MemorySampled(runner=ranks[0], seq=job._seq(0), snapshot=snapshot),
-            stored_ns=job._ns(),
-        )
+    job.freeze(1, 8)
     (finding,) = job.judge()
     assert (finding.kind, finding.culpritRanks) == (FindingKind.STALLED_RANK, [1])
+
+
+def test_the_uneven_steps_after_a_stall_are_not_slowness_for_a_window() -> None:
+    job = Job([0.001, 0.001])
+    job.run(120)
+    job.freeze(1, 8)
+    assert [f.kind for f in job.judge()] == [FindingKind.STALLED_RANK]
+    job.slowdown[1] = 2.0  # going again, unevenly at first (or truly slower: seen later)
+    settling = job.run(int(Thresholds().slow.window) - 1)
+    assert not any(settling)
+    later = job.run(15)
+    assert {(f.kind, tuple(f.culpritRanks)) for found in later for f in found} == {
+        (FindingKind.SLOW_RANK, (1,))
+    }
 
 
 def test_a_restart_from_a_snapshot_keeps_the_pace_and_the_finding() -> None:
