@@ -16,6 +16,7 @@ named `slow_rank` (`pace`), until it is back in line.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -46,6 +47,9 @@ PHASE_ORDER = {phase: index for index, phase in enumerate(Phase)}
 
 WAIT_NOTED_S = 1.0
 """How long a recorded rank waits in a collective before it says so."""
+STEPPING_S = 1.2
+"""Seconds since a rank's newest sampled step (it samples every second) after which it
+counts as not stepping (idle, or held by a peer), unless it steps that slowly."""
 _RESTING = frozenset({Phase.IDLE, Phase.CREATED, Phase.SHUTDOWN_CLEANUP, Phase.ERROR})
 _LONG = frozenset({Phase.CONNECT_GROUP, Phase.LOAD_MODEL, Phase.WARMUP})
 _GONE = frozenset({RunnerStatusKind.SHUTDOWN, RunnerStatusKind.SHUTTING_DOWN})
@@ -117,13 +121,27 @@ class _Judge:
             self._paces = paces_of(histories, self.pace_now, limits.window, limits)
         return self._paces[self.views.index(view)]
 
+    def stepping(self) -> bool:
+        """Whether every rank took a step in its newest samples (a second apart): pace is
+        judged while work flows, not while the ranks idle or wait on one that stopped (the
+        span judged then only loses its oldest samples, and with them its evenness)."""
+        return all(
+            v.pace is not None and v.pace.stepping(self.pace_now, STEPPING_S) for v in self.views
+        )
+
     def slow(self, previous: Incident | None) -> _Verdict | None:
-        """The ranks working out of line with their usual pace and their peers'."""
+        """The ranks working out of line with their usual pace and their peers'; while
+        they do not step, what was found before."""
+        was_slow = previous is not None and previous.finding.kind is FindingKind.SLOW_RANK
+        if not self.stepping():
+            if previous is None or not was_slow:
+                return None
+            return dataclasses.replace(self.kept(previous), words=previous.finding.summary)
         named = frozenset(
             i
             for i, v in enumerate(self.views)
-            if previous is not None
-            and previous.finding.kind is FindingKind.SLOW_RANK
+            if was_slow
+            and previous is not None
             and v.ref.runnerId in previous.finding.culpritRunnerIds
         )
         histories = [v.pace for v in self.views]

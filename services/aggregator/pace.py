@@ -118,6 +118,20 @@ class PaceHistory:
             steps, work, wait = self._totals
             self._totals = (steps + pace.steps, work + pace.workSeconds, wait + pace.waitSeconds)
 
+    def stepping(self, now: float, within: float) -> bool:
+        """Whether, as of `now`, its newest sampled step is at most `within` seconds old,
+        or at most twice as old as the gap before it (a job stepping slowly)."""
+        newest: float | None = None
+        for at, count, _, _ in reversed(self.samples):
+            if not count or at > now:
+                continue
+            if newest is not None:
+                return now - newest <= 2 * (newest - at)
+            if now - at <= within:
+                return True
+            newest = at
+        return False
+
     def recent(
         self, now: float, span: float, limits: PaceLimits
     ) -> tuple[float, int, float, float]:

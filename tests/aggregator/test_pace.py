@@ -187,6 +187,19 @@ def test_a_frozen_rank_is_stalled_not_slow() -> None:
     assert (finding.kind, finding.culpritRanks) == (FindingKind.STALLED_RANK, [1])
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_rank_that_stops_is_not_named_slow_while_its_peers_wait(seed: int) -> None:
+    """Its last steps were slower (it was being stopped); the span judged, losing its
+    oldest samples while nobody steps, would show them ever larger."""
+    job = Job([0.001, 0.001], seed=seed)
+    job.run(120)
+    job.slowdown[1] = 1.7
+    assert not any(job.run(4))
+    for _ in range(4):
+        job.freeze(1, 1)
+        assert job.judge() == []
+
+
 def test_the_uneven_steps_after_a_stall_are_not_slowness_for_a_window() -> None:
     job = Job([0.001, 0.001])
     job.run(120)
