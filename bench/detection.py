@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import random
 import signal
@@ -65,6 +66,9 @@ started again, or the job placed again once the node is back)."""
 NAMED_WITHIN_S = {"linkcut": 45.0}
 """Longest wait for the first finding, if not 20 s (a lost node is known after up to two
 heartbeat TTLs)."""
+SPACING_S = {"sigkill": 31.0}
+"""Least time between two injections, if any: the agent gives a rank up after 3 crashes
+in 60 s (a crash loop), which a kill every 20 s would be."""
 SETTLE_S = 60.0
 """Longest wait for no finding before the next injection."""
 
@@ -177,8 +181,11 @@ def _on_demo(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
         with chatting(gateway):
             time.sleep(75)  # a minute of load: every rank's usual pace is known
             for kind, count in faults:
+                last = -math.inf
                 for _ in range(count):
                     _until_ready(gateway)
+                    time.sleep(max(0.0, last + SPACING_S.get(kind, 0.0) - time.monotonic()))
+                    last = time.monotonic()
                     rank = random.choice((0, 1))
                     inject(gateway, kind, rank, _fault(kind, rank, nats_pid), tallies[kind])
 
