@@ -18,6 +18,8 @@ __all__ = [
     "Subjects",
     "TelemetryKind",
     "kv_key",
+    "replies",
+    "reply",
     "service_discovery",
     "token",
     "untoken",
@@ -291,6 +293,16 @@ def service_discovery(name: str | None = None) -> tuple[str, ...]:
     if name is None:
         return ("$SRV.>",)
     return ("$SRV.*", f"$SRV.*.{name}", f"$SRV.*.{name}.*")
+
+
+def reply(inbox: str, token: str) -> str:
+    """The reply subject `token` under `inbox` (one of a client's own inboxes)."""
+    return f"{inbox}.{token}"
+
+
+def replies(inbox: str) -> str:
+    """Every reply subject under `inbox`."""
+    return f"{inbox}.*"
 
 
 def kv_key(bucket: str, key: str = ">") -> str:

@@ -20,6 +20,12 @@ from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import Subjects
 
+# A test process runs gRPC (the rank-table service) and starts nats-servers. grpcio's
+# post-fork handler starts a poller in the child that dies on the descriptors Popen closes
+# before exec (grpc/grpc#43055), and the child exits -6 instead of running nats-server.
+# Read by gRPC when it starts, after this.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

@@ -17,6 +17,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError
 
+from rankscope.shared.subjects import replies, reply
+
 __all__ = ["AckInbox"]
 
 _NO_RESPONDERS = "503"
@@ -46,7 +48,7 @@ class AckInbox:
     def __init__(self, nc: Client, *, patience: float) -> None:
         self._nc = nc
         self._patience = patience
-        self._prefix: str | None = None
+        self._inbox: str | None = None
         self._tokens = itertools.count()
         self._waiting: dict[str, asyncio.Future[None]] = {}
 
@@ -57,15 +59,15 @@ class AckInbox:
             TimeoutError: no ack within `patience` seconds.
             nats.errors.Error: the client could not send it, or JetStream refused it.
         """
-        if self._prefix is None:
-            prefix = self._nc.new_inbox()
-            await self._nc.subscribe(f"{prefix}.*", cb=self._answered)
-            self._prefix = prefix
+        if self._inbox is None:
+            inbox = self._nc.new_inbox()
+            await self._nc.subscribe(replies(inbox), cb=self._answered)
+            self._inbox = inbox
         token = str(next(self._tokens))
         acked = self._waiting[token] = asyncio.get_running_loop().create_future()
         try:
             await self._nc.publish(
-                subject, payload, reply=f"{self._prefix}.{token}", headers=headers
+                subject, payload, reply=reply(self._inbox, token), headers=headers
             )
             await asyncio.wait_for(acked, self._patience)
         finally:
