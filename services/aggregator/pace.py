@@ -56,6 +56,10 @@ class PaceLimits:
     times its peers' ratio: a rank much slower is named sooner."""
     sharp_apart: float = 1.3
     glance: float = 8.0
+    beside: float = 1.3
+    """A rank out of line is named beside the worst one only if its ratio is within this
+    factor of the worst's: while one rank is much slower its peers wait on it, and some of
+    that wait shows as their work (a collective's input waiting on the last one)."""
     clear: float = 1.1
     """A rank named slow stays named until its ratio falls under this (or under
     `clear_apart` times its peers')."""
@@ -278,6 +282,8 @@ def judge_pace(
             if _slow(pace, peers[i], limits, (bar, apart), named=i in named)
         ]
         if slow and verdict is None:
+            worst = max(ratios[i] for i in slow)
+            slow = [i for i in slow if ratios[i] * limits.beside >= worst]
             verdict = SlowVerdict(slow=slow, paces=judged, peers_ratio=peers)
     return verdict
 

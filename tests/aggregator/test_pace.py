@@ -159,6 +159,14 @@ def test_a_slowed_rank_is_named_within_its_bound_its_peers_never(
     assert _first([[] if f else ["back"] for f in after]) <= 60  # type: ignore[list-item]
 
 
+def test_the_wait_a_much_slower_rank_leaks_into_its_peers_work_names_only_it() -> None:
+    job = Job([0.001, 0.0012, 0.001, 0.0011])
+    job.run(120)
+    job.slowdown[2], job.slowdown[3] = 2.0, 1.25
+    named = {tuple(f.culpritRanks) for found in job.run(60) for f in found}
+    assert named == {(2,)}
+
+
 def test_a_healthy_job_names_nobody_for_half_an_hour() -> None:
     job = Job([0.001, 0.003], seed=11)  # ranks differ by design: layers, the head
     assert not any(job.run(1800))
