@@ -58,6 +58,16 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _deviations(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 100:
+        raise ValueError(f"expected a number of deviations from 0 to 100 such as 5, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -239,6 +249,13 @@ class Settings:
     )
     slow_window: float = _setting(
         25.0, _duration, "Seconds of each rank's newest pace samples judged for slowness."
+    )
+    slow_noise: float = _setting(
+        5.0,
+        _deviations,
+        "How many of its own deviations (how far its work per step strays over a span when "
+        "nothing is wrong) a rank's work must also exceed its usual by to be named slow; "
+        "0 judges by the ratios alone.",
     )
     record_give_up: float = _setting(
         60.0,

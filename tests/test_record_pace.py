@@ -4,6 +4,8 @@ work, the collective as wait, and computes what it would have computed anyway.""
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import pytest
 
@@ -40,6 +42,7 @@ def test_a_sampled_step_is_timed_in_parts_and_computes_the_same() -> None:
 
 def test_steps_are_sampled_one_in_so_many(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hook, "SAMPLE_GAP_S", 0.0)  # no least time: only the count holds
+    monkeypatch.setattr(hook, "SAMPLE_ANYWAY_S", 60.0)
     recorder = _recorder()
     due = []
     for _ in range(SAMPLE_EVERY * 3):
@@ -52,6 +55,20 @@ def test_steps_are_sampled_one_in_so_many(monkeypatch: pytest.MonkeyPatch) -> No
         recorder.evaluated(0.0)
     assert sum(due) == 3
     assert recorder.take_pace()["steps"] == 3
+
+
+def test_steps_of_a_quarter_second_are_each_sampled() -> None:
+    """Where steps are long, a few a second are timed however few steps that is: a
+    rank's pace needs enough of them to tell a slowdown from its neighbours' turns."""
+    recorder = _recorder()
+    due = []
+    for _ in range(4):
+        result = _issue(recorder)
+        due.append(recorder.due("eval"))
+        recorder.sampled(lambda result=result: mx.eval(result))  # type: ignore[misc]
+        recorder.evaluated(0.0)
+        time.sleep(0.3)
+    assert due == [True] * 4
 
 
 def test_point_to_point_async_and_collective_free_evaluations_are_not_sampled() -> None:

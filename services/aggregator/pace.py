@@ -15,6 +15,7 @@ Pure: samples come in with the time NATS stored them, and the rules take the tim
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ lasting more than half of it becomes its usual."""
 _CHUNK_STEPS = 3
 _LEARN_CHUNKS = 5
 """Sampled steps a stretch of time needs to count towards a rank's usual."""
+_MAD_TO_SD = 1.4826
+"""The median absolute deviation of normal values, times this, is their deviation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,11 @@ class PaceLimits:
     excess: float = 0.0001
     """Seconds a step a slow rank's work must exceed its usual by, besides the ratio: at a
     millisecond a step, the scheduler's jitter alone moves the ratio."""
+    noise: float = 5.0
+    """...and by this many times its own spread over spans as long: how far its work per
+    step strays from its usual when nothing is wrong (1.4826 times the median absolute
+    deviation of its means over every such span it holds). A rank sharing its core with
+    others strays far, and only a slowdown beyond that names it."""
 
 
 class PaceImage(msgspec.Struct, array_like=True):
@@ -102,6 +110,8 @@ class PaceHistory:
         self._totals = (0, 0.0, 0.0)
         self._usual: tuple[float, float | None] = (-1e18, None)
         """When the usual was worked out (sample time), and what it was."""
+        self._spreads: dict[float, tuple[float, float | None]] = {}
+        """Per span: when its spread was worked out (sample time), and what it was."""
 
     def add(self, at: float, pace: StepPace) -> None:
         """A sample stored at `at` (seconds since the epoch); one older than the newest
@@ -172,6 +182,35 @@ class PaceHistory:
         self._usual = (before, value)
         return value
 
+    def spread(self, before: float, span: float, limits: PaceLimits) -> float | None:
+        """How far its work per step over `span` seconds strays from its usual, from its
+        samples before `before`: 1.4826 times the median absolute deviation of its means
+        over every `span` ending at one of them. Over shorter spans (down to a `glance`)
+        while it holds fewer than five spans' worth, as those stray further; None while it
+        has no usual or holds fewer than five glances' worth (too few to tell by)."""
+        asked = span
+        worked_out, value = self._spreads.get(asked, (-1e18, None))
+        if abs(before - worked_out) < _USUAL_EVERY_S:
+            return value
+        usual, value = self.usual(before, limits), None
+        held = [sample for sample in self.samples if sample[0] < before]
+        seconds = held[-1][0] - held[0][0] if held else 0.0
+        if seconds < _LEARN_CHUNKS * limits.glance:
+            held = []
+        span = max(limits.glance, min(span, seconds / _LEARN_CHUNKS))
+        means: list[float] = []
+        steps, work, first = 0, 0.0, 0
+        for at, count, worked, _ in held:
+            steps, work = steps + count, work + worked
+            while held[first][0] <= at - span:
+                steps, work, first = steps - held[first][1], work - held[first][2], first + 1
+            if first and steps >= _CHUNK_STEPS:  # a whole span: one began before it
+                means.append(work / steps)
+        if usual is not None and means:
+            value = _MAD_TO_SD * statistics.median(abs(mean - usual) for mean in means)
+        self._spreads[asked] = (before, value)
+        return value
+
     def histogram(self) -> PaceHistogram | None:
         """Its work and wait per step as histograms, None before its first step."""
         steps, work, wait = self._totals
@@ -234,7 +273,15 @@ def paces_of(
 ) -> list[RankPace | None]:
     """Each rank's pace over its newest `span` seconds (None: it keeps none or took no
     step)."""
-    out: list[RankPace | None] = []
+    return [found[0] if found else None for found in _spans(histories, now, span, limits)]
+
+
+def _spans(
+    histories: Sequence[PaceHistory | None], now: float, span: float, limits: PaceLimits
+) -> list[tuple[RankPace, float] | None]:
+    """Each rank's pace over its newest `span` seconds, and the ratio to its usual that
+    its own spread over such spans reaches (`PaceLimits.noise`)."""
+    out: list[tuple[RankPace, float] | None] = []
     for history in histories:
         found = history.recent(now, span, limits) if history is not None else None
         if history is None or found is None or not found[1]:
@@ -242,15 +289,16 @@ def paces_of(
             continue
         since, steps, work, wait = found
         usual = history.usual(since, limits)
-        out.append(
-            RankPace(
-                steps=steps,
-                workMs=round(1000 * work, 3),
-                waitMs=round(1000 * wait, 3),
-                usualWorkMs=round(1000 * usual, 3) if usual else None,
-                ratio=round(work / usual, 3) if usual else None,
-            )
+        spread = history.spread(since, span, limits)
+        strays = 1 + limits.noise * spread / usual if usual and spread is not None else math.inf
+        pace = RankPace(
+            steps=steps,
+            workMs=round(1000 * work, 3),
+            waitMs=round(1000 * wait, 3),
+            usualWorkMs=round(1000 * usual, 3) if usual else None,
+            ratio=round(work / usual, 3) if usual else None,
         )
+        out.append((pace, strays))
     return out
 
 
@@ -270,16 +318,20 @@ def judge_pace(
         (limits.window, limits.ratio, limits.apart),
         (limits.glance, limits.sharp, limits.sharp_apart),
     ):
-        paces = paces_of(histories, now, span, limits)
-        judged = [p for p in paces if p is not None and p.ratio and p.steps >= limits.steps]
-        if len(judged) < len(histories):
+        found = [
+            f
+            for f in _spans(histories, now, span, limits)
+            if f is not None and f[0].ratio and f[0].steps >= limits.steps
+        ]
+        if len(found) < len(histories):
             continue
+        judged = [pace for pace, _ in found]
         ratios = [p.ratio or 0.0 for p in judged]
         peers = [statistics.median(ratios[:i] + ratios[i + 1 :]) for i in range(len(ratios))]
         slow = [
             i
-            for i, pace in enumerate(judged)
-            if _slow(pace, peers[i], limits, (bar, apart), named=i in named)
+            for i, (pace, strays) in enumerate(found)
+            if _slow(pace, peers[i], limits, (max(bar, strays), apart), named=i in named)
         ]
         if slow and verdict is None:
             worst = max(ratios[i] for i in slow)

@@ -70,9 +70,10 @@ SAMPLE_EVERY = 16
 collective)."""
 SAMPLE_GAP_S = 0.1
 """Least time between two sampled steps."""
-SAMPLE_ANYWAY_S = 1.0
-"""Time after a sampled step when the next is sampled, however few steps came between
-(steps that long make two synchronisations cheap)."""
+SAMPLE_ANYWAY_S = 0.15
+"""Time after `SAMPLE_GAP_S` when the next step is sampled, however few steps came between:
+steps of a ten-plus milliseconds make two synchronisations cheap, and four samples a
+second tell a slow rank from one its neighbours on the core took turns from."""
 STACK_SIGNAL = signal.SIGUSR1
 """Makes a recorded rank write its stacks, as a runner does."""
 WAIT_NOTE_S = 1.0

@@ -40,7 +40,9 @@ class Job:
     """A placed instance whose ranks decode steadily, each sampling its pace every second:
     rank r's step takes `usual[r]` seconds of work times its slowdown, with noise."""
 
-    def __init__(self, usual: list[float], seed: int = 7) -> None:
+    def __init__(
+        self, usual: list[float], seed: int = 7, wobbly: frozenset[int] = frozenset()
+    ) -> None:
         self.now = 1000.0
         self.state = ClusterState(store=EntryStore(), clock=lambda: self.now)
         self.state.apply_placement(placed(world=len(usual)), stored_ns=self._ns())
@@ -48,6 +50,9 @@ class Job:
         self.ranks = [rank(r, world=len(usual)) for r in range(len(usual))]
         self.seqs = [0] * len(usual)
         self.noise = random.Random(seed)
+        self.wobbly = wobbly
+        """Ranks sharing their core: their work strays for seconds at a time."""
+        self.strays = [1.0] * len(usual)
         self.incidents: dict[str, Incident] = {}
         self.unsettled: dict[str, float] = {}
         """As the aggregator keeps it: when an incident other than slow_rank was open."""
@@ -66,9 +71,12 @@ class Job:
     def second(self) -> None:
         """A second of decoding: every rank samples; a rank waits for the slowest peer."""
         self.now += 1.0
+        for r in self.wobbly:
+            if int(self.now) % 5 == 0:
+                self.strays[r] = self.noise.uniform(0.7, 1.6)
         works = [
-            u * s * self.noise.uniform(0.85, 1.2)
-            for u, s in zip(self.usual, self.slowdown, strict=False)
+            u * s * w * self.noise.uniform(0.85, 1.2)
+            for u, s, w in zip(self.usual, self.slowdown, self.strays, strict=False)
         ]
         step = max(works)
         for r, work in enumerate(works):
@@ -170,6 +178,14 @@ def test_the_wait_a_much_slower_rank_leaks_into_its_peers_work_names_only_it() -
 def test_a_healthy_job_names_nobody_for_half_an_hour() -> None:
     job = Job([0.001, 0.003], seed=11)  # ranks differ by design: layers, the head
     assert not any(job.run(1800))
+
+
+def test_a_rank_whose_work_strays_by_nature_is_named_only_beyond_its_own_spread() -> None:
+    job = Job([0.001, 0.001, 0.001, 0.001], seed=3, wobbly=frozenset({1, 3}))
+    assert not any(job.run(900))
+    job.slowdown[1] = 2.0
+    named = {tuple(f.culpritRanks) for found in job.run(30) for f in found}
+    assert named == {(1,)}
 
 
 def test_a_machine_wide_slowdown_names_nobody() -> None:
