@@ -28,11 +28,16 @@ class BadInputError(ValueError):
         self.kind = kind
 
 
+_token = functools.lru_cache(maxsize=1 << 14)(token)
+"""`token`, remembering the ids it took (ingest checks three a message; errors are not
+remembered)."""
+
+
 def _named(*ids: str) -> None:
     """Refuse ids that cannot name a subject (the aggregator publishes and probes by them)."""
     try:
         for value in ids:
-            token(value)
+            _token(value)
     except IdTooLongError as exc:
         raise BadInputError("id_too_long", str(exc)) from None
     except ValueError as exc:

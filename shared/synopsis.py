@@ -3,7 +3,6 @@ per entry) and the aggregator (per batch, from the stream) both make."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,34 +42,39 @@ def advance(
     entries = [e for e in entries if e.seq > synopsis.seq]
     if not entries:
         return synopsis
-
-    def clamp(at: str) -> str:
-        return at if received is None else min(at, received)
-
     last = entries[-1]
     run = len(entries) - 1  # the trailing run of the last phase starts here
     while run > 0 and entries[run - 1].phase is last.phase:
         run -= 1
     since = synopsis.phase_since
     if run > 0 or last.phase is not synopsis.phase:
-        since = clamp(entries[run].at)
-    task = synopsis.task_id, synopsis.command_id
-    for entry in reversed(entries):
-        if entry.phase is Phase.IDLE:
+        since = entries[run].at
+    task: tuple[str | None, str | None] | None = None
+    step: int | None = None
+    memory: MlxMemorySnapshot | None = None
+    for entry in reversed(entries):  # one pass, newest first: ingest folds a batch a message
+        if task is None and entry.phase is Phase.IDLE:
             task = None, None
-            break
-        if entry.taskId is not None:
+        elif task is None and entry.taskId is not None:
             task = entry.taskId, entry.commandId
+        if step is None and entry.attrs:
+            found = entry.attrs.get("step")
+            step = found if isinstance(found, int) and not isinstance(found, bool) else None
+        if memory is None:
+            memory = entry.mlxMemory
+        if task is not None and step is not None and memory is not None:
             break
-    steps = (e.attrs.get("step") for e in reversed(entries))
-    step = next((s for s in steps if isinstance(s, int) and not isinstance(s, bool)), None)
-    memory = next((e.mlxMemory for e in reversed(entries) if e.mlxMemory is not None), None)
-    return dataclasses.replace(
-        synopsis,
+    if task is None:
+        task = synopsis.task_id, synopsis.command_id
+    last_at = last.at
+    if received is not None:  # no entry counts as later than its arrival
+        since = min(since, received) if since is not None else None
+        last_at = min(last_at, received)
+    return Synopsis(  # not `dataclasses.replace`: ingest folds one batch a message
         phase=last.phase,
         phase_since=since,
         detail=last.detail,
-        last_at=clamp(last.at),
+        last_at=last_at,
         task_id=task[0],
         command_id=task[1],
         step=synopsis.step if step is None else step,

@@ -19,17 +19,13 @@ def format_ts(moment: datetime) -> str:
 
 
 _second: list[tuple[int, str]] = [(-1, "")]
-"""The last whole second `now` formatted, and how (formatting is most of its cost)."""
+"""The last whole second formatted, and how (formatting is most of the cost of `now`, and
+ingest writes one timestamp a message)."""
 
 
 def now() -> str:
     """The current time as a wire timestamp."""
-    seconds, micros = divmod(time.time_ns() // 1000, 1_000_000)
-    second, text = _second[0]
-    if second != seconds:
-        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-        _second[0] = (seconds, text)
-    return f"{text}.{micros:06d}Z"
+    return from_micros(time.time_ns() // 1000)
 
 
 def later(seconds: float) -> str:
@@ -98,4 +94,8 @@ def micros(at: str) -> int:
 def from_micros(value: int) -> str:
     """The wire timestamp of microseconds since the epoch."""
     seconds, fraction = divmod(value, 1_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{fraction:06d}Z"
+    second, text = _second[0]
+    if second != seconds:
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+        _second[0] = (seconds, text)
+    return f"{text}.{fraction:06d}Z"

@@ -94,19 +94,25 @@ class Ingest:
             self._reject(msg, exc)
             return
         stored = stored_ns(msg.reply)
-        self._apply_telemetry(Parked(msg.subject, msg.data, event, stored, self._clock()))
+        try:
+            self._state.apply_telemetry(event, msg.data, stored)
+        except BadInputError as exc:  # only now is it worth a `Parked`
+            self._refused(Parked(msg.subject, msg.data, event, stored, self._clock()), exc)
 
     def _apply_telemetry(self, item: Parked) -> None:
-        """Apply a message, park it while no placement read so far names its runner, or
-        refuse it."""
+        """Apply a parked message, or park it again or refuse it."""
         try:
             self._state.apply_telemetry(item.event, item.data, item.stored_ns)
         except BadInputError as exc:
-            if exc.kind != UNPLACED:
-                self._dead_letters.reject(item.subject, item.data, exc.kind, exc)
-                return
-            for late in self._parking.park(item):
-                self._dead_letters.reject(late.subject, late.data, UNPLACED, "parked too long")
+            self._refused(item, exc)
+
+    def _refused(self, item: Parked, error: BadInputError) -> None:
+        """Park a message while no placement read so far names its runner, else refuse it."""
+        if error.kind != UNPLACED:
+            self._dead_letters.reject(item.subject, item.data, error.kind, error)
+            return
+        for late in self._parking.park(item):
+            self._dead_letters.reject(late.subject, late.data, UNPLACED, "parked too long")
 
     async def unpark_forever(self, stop: asyncio.Event) -> None:
         """Refuse what no placement claimed in time."""

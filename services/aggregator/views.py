@@ -16,7 +16,7 @@ from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.shared.inputs import BadInputError
 from rankscope.shared.synopsis import advance
-from rankscope.shared.timestamps import from_micros, micros
+from rankscope.shared.timestamps import from_micros
 from rankscope.shared.wire import (
     Breadcrumb,
     FlightEntry,
@@ -120,8 +120,9 @@ class ClusterState:
             view.stored_ns = stored_ns
         if isinstance(event, PhaseEntries):
             fresh = view.seqs.fresh(event.entries)
-            received = from_micros(int(self.wall() * 1e6))
-            self.store.add(view.ref.runnerId, raw or encode(event), fresh, micros(received))
+            arrived = int(self.wall() * 1e6)
+            received = from_micros(arrived)
+            self.store.add(view.ref.runnerId, raw or encode(event), fresh, arrived)
             newer = [e for _, e in fresh if e.seq > view.synopsis.seq]
             self._progress(view, newer, received)
             self.duplicates += len(event.entries) - len(fresh)
