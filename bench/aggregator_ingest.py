@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -29,6 +25,7 @@ from pathlib import Path
 import nats
 from common import placements, publish_placements, runner_ref, token_entry
 from nats.js.api import DeliverPolicy
+from processes import aggregator_until_ready, bare_follower
 
 from rankscope.services.aggregator import answers
 from rankscope.services.aggregator.service import AggregatorService
@@ -37,11 +34,9 @@ from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.jetstream import Layout, ensure
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.wire import (
-    AggregatorHealth,
     PhaseEntries,
     RunnerTelemetry,
     TimelineQuery,
-    WireError,
     decode,
     encode,
 )
@@ -130,74 +125,6 @@ async def _aggregator(url: str, layout: Layout) -> tuple[float, int]:
     return elapsed, state.store.size
 
 
-BARE_PROCESS = """
-import asyncio, sys, nats
-from nats.js.api import DeliverPolicy
-from rankscope.shared.wire import RunnerTelemetry, decode
-
-async def main(url, subject, count):
-    nc, done, seen = await nats.connect(url), asyncio.Event(), 0
-    async def decode_only(msg):
-        nonlocal seen
-        decode(msg.data, RunnerTelemetry)
-        seen += 1
-        if seen == count:
-            done.set()
-    await nc.jetstream().subscribe(
-        subject, cb=decode_only, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
-    )
-    await done.wait()
-    await nc.close()
-
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
-"""
-
-
-def _bare_process(url: str, layout: Layout, count: int) -> float:
-    """Seconds from the start of a process that only follows and decodes to its end."""
-    started = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-c", BARE_PROCESS, url, layout.subjects.runner_all(), str(count)],
-        check=True,
-    )
-    return time.perf_counter() - started
-
-
-async def _aggregator_process(url: str, entries: int) -> float:
-    """Seconds from the start of a `rankscope aggregator` process until its health counts
-    `entries` entries."""
-    env = {
-        **os.environ,
-        "RANKSCOPE_NATS_URL": url,
-        "RANKSCOPE_DATA_DIR": tempfile.mkdtemp(),
-        "RANKSCOPE_RETENTION_TOTAL": str(10 * entries),
-        "RANKSCOPE_RETENTION_PER_RUNNER": str(10 * entries),
-        "RANKSCOPE_LOG_LEVEL": "warning",
-    }
-    nc = await nats.connect(url)
-    started = time.perf_counter()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rankscope.services.cli", "aggregator", "--node-id", "bench",
-        env=env,
-    )  # fmt: skip
-    try:
-        while True:
-            try:
-                reply = await nc.request(Layout().subjects.query("health"), b"{}", timeout=1)
-                health = decode(reply.data, AggregatorHealth)
-            except (nats.errors.Error, TimeoutError, WireError):
-                health = None
-            if health is not None and health.ready and health.entries >= entries:
-                took = time.perf_counter() - started
-                assert health.entries == entries, f"aggregator holds {health.entries:,}"
-                return took
-            await asyncio.sleep(0.02)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        await process.wait()
-        await nc.close()
-
-
 def _ingest(entries: int, per_batch: int) -> None:
     entries -= entries % RUNNERS
     messages = _batches(entries, per_batch)
@@ -205,8 +132,17 @@ def _ingest(entries: int, per_batch: int) -> None:
         layout = asyncio.run(_fill(server.url, messages))
         bare = asyncio.run(_bare(server.url, layout, len(messages)))
         took, stored = asyncio.run(_aggregator(server.url, layout))
-        bare_process = _bare_process(server.url, layout, len(messages))
-        shipped = asyncio.run(_aggregator_process(server.url, entries))
+        subject = layout.subjects.runner_all()
+        bare_process = bare_follower(server.url, subject, len(messages), decode_each=True)
+        shipped, _ = asyncio.run(
+            aggregator_until_ready(
+                server.url,
+                entries,
+                Path(tempfile.mkdtemp()),
+                retention_total=str(10 * entries),
+                retention_per_runner=str(10 * entries),
+            )
+        )
     assert stored == entries, f"aggregator stored {stored} of {entries}"
     print(
         f"ingest, {per_batch:>2}-entry batches: bare decode {entries / bare:>9,.0f} entries/s "

@@ -1,10 +1,12 @@
-"""Cold replay of single-entry telemetry messages, next to a bare consumer of the same
-stream, and restarts from a snapshot.
+"""Cold replay of single-entry telemetry messages through a `rankscope aggregator`
+process, next to a bare follower process of the same stream, and restarts from a snapshot.
 
 1. Cold replay: the stream holds `--replay` single-entry phase batches (the worst case:
-   one message per entry). A bare follower that only counts reads it, then the real
-   aggregator rebuilds from it; messages/s of both, their ratio, time to ready and the
-   process's peak RSS (target: 1.2M ready in <= 60 s). It snapshots on the way out.
+   one message per entry). A bare follower process that only counts reads it, then a
+   `rankscope aggregator` process rebuilds from it; seconds from each one's start until it
+   has every message (the aggregator: ready, its health counting every entry), their
+   ratio (target >= 0.5, ready <= 30 s at 1.2M) and the aggregator's peak RSS. It
+   snapshots on the way out.
 2. Catch-up: the stream grows to `--restart` messages while no aggregator runs; a new one
    restores the snapshot and replays only what came after it.
 3. Restart: the aggregator restarts at `--restart` stored messages, as after any stop
@@ -22,20 +24,14 @@ import argparse
 import asyncio
 import resource
 import tempfile
-import time
 from pathlib import Path
 
 import nats
 from common import publish_placements, runner_ref, token_entry
-from nats.aio.msg import Msg
+from processes import aggregator_until_ready, bare_follower
 
-from rankscope.services.aggregator.service import AggregatorService
-from rankscope.services.aggregator.snapshot import SnapshotFile
-from rankscope.services.aggregator.store import EntryStore
-from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.jetstream import Layout, ensure
 from rankscope.shared.nats_server import EmbeddedNats
-from rankscope.shared.replay import follow
 from rankscope.shared.wire import PhaseEntries, encode
 
 RUNNERS = 16
@@ -65,52 +61,23 @@ async def _fill(url: str, first: int, last: int) -> None:
     await nc.close()
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _peak_rss_mib() -> float:
+    """The largest peak RSS of the processes this one has waited for."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
-async def _bare(url: str, count: int) -> float:
-    """Seconds for a follower that only counts to see `count` messages."""
-    nc = await nats.connect(url)
-    seen, done = 0, asyncio.Event()
-
-    async def count_only(msg: Msg) -> None:
-        nonlocal seen
-        seen += 1
-        if seen == count:
-            done.set()
-
-    started = time.perf_counter()
-    follower = await follow(nc.jetstream(), LAYOUT.subjects.runner_all(), count_only)
-    await done.wait()
-    elapsed = time.perf_counter() - started
-    await follower.stop()
-    await nc.close()
-    return elapsed
-
-
-async def _aggregator(
-    url: str, snapshots: SnapshotFile | None, expected: int
-) -> tuple[float, float]:
-    """Seconds until a new aggregator is ready holding all `expected` entries, and the
-    seconds its snapshot on the way out took."""
-    nc = await nats.connect(url)
-    state = ClusterState(store=EntryStore(total=10_000_000, per_runner=10_000_000))
-    service = AggregatorService(
-        nc=nc, js=nc.jetstream(), layout=LAYOUT, state=state, node_id="bench", snapshots=snapshots
+def _aggregator(url: str, data: Path, expected: int) -> tuple[float, float]:
+    """A `rankscope aggregator` keeping its snapshot in `data`: seconds until ready with
+    `expected` entries, and seconds it took to stop."""
+    return asyncio.run(
+        aggregator_until_ready(
+            url,
+            expected,
+            data,
+            telemetry_max_bytes=str(LAYOUT.telemetry_max_bytes),
+            telemetry_max_msgs_per_subject=str(LAYOUT.telemetry_max_msgs_per_subject),
+        )
     )
-    stop = asyncio.Event()
-    started = time.perf_counter()
-    running = asyncio.create_task(service.run(stop))
-    await service.ready.wait()
-    elapsed = time.perf_counter() - started
-    stop.set()
-    stopping = time.perf_counter()
-    await running
-    snapshot_s = time.perf_counter() - stopping
-    await nc.close()
-    assert state.store.size == expected, f"aggregator held {state.store.size:,} of {expected:,}"
-    return elapsed, snapshot_s
 
 
 def main() -> None:
@@ -119,29 +86,31 @@ def main() -> None:
     parser.add_argument("--restart", type=int, default=2_000_000)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp())
-    snapshots = SnapshotFile(root / "aggregator.snapshot")
+    data = root / "aggregator"
     with EmbeddedNats(store_dir=root / "nats") as server:
         asyncio.run(_fill(server.url, 0, args.replay))
-        bare = asyncio.run(_bare(server.url, args.replay))
-        took, _ = asyncio.run(_aggregator(server.url, snapshots, args.replay))
+        subject = LAYOUT.subjects.runner_all()
+        bare = bare_follower(server.url, subject, args.replay, decode_each=False)
+        took, _ = _aggregator(server.url, data, args.replay)
         print(
-            f"cold replay of {args.replay:,} single-entry messages: bare follower "
-            f"{args.replay / bare:,.0f} msgs/s | aggregator {args.replay / took:,.0f} msgs/s "
-            f"| ratio {bare / took:.2f} | ready in {took:.1f} s | peak RSS {_rss_mib():,.0f} MiB"
+            f"cold replay of {args.replay:,} single-entry messages, processes from their start: "
+            f"bare follower {bare:.1f} s | rankscope aggregator ready in {took:.1f} s "
+            f"| ratio {bare / took:.2f} | peak RSS {_peak_rss_mib():,.0f} MiB"
         )
         asyncio.run(_fill(server.url, args.replay, args.restart))
-        took, _ = asyncio.run(_aggregator(server.url, snapshots, args.restart))
+        took, _ = _aggregator(server.url, data, args.restart)
         print(
             f"catch-up from a snapshot of {args.replay:,} with {args.restart - args.replay:,} "
             f"messages after it: ready in {took:.1f} s"
         )
-        full, _ = asyncio.run(_aggregator(server.url, None, args.restart))
-        took, snapshot_s = asyncio.run(_aggregator(server.url, snapshots, args.restart))
+        full, _ = _aggregator(server.url, root / "fresh", args.restart)
+        took, snapshot_s = _aggregator(server.url, data, args.restart)
+        size = sum(f.stat().st_size for f in data.glob("*.snapshot"))
         print(
-            f"restart at {args.restart:,} stored messages: from the snapshot ready in "
+            f"restart at {args.restart:,} stored messages: from its snapshot ready in "
             f"{took:.1f} s | full replay {full:.1f} s | ratio {full / took:.1f}x | snapshot "
-            f"{snapshots.path.stat().st_size / 2**20:,.0f} MiB written in {snapshot_s:.1f} s "
-            f"| peak RSS {_rss_mib():,.0f} MiB"
+            f"{size / 2**20:,.0f} MiB written in {snapshot_s:.1f} s on the way out "
+            f"| peak RSS {_peak_rss_mib():,.0f} MiB"
         )
 
 
