@@ -50,9 +50,20 @@ def test_any_rfc_3339_offset_is_taken_and_given_back_as_utc() -> None:
     assert check_ts("2026-11-21T14:00:00.5+02:00") == "2026-11-21T12:00:00.500000Z"
     assert check_ts("2026-11-21T12:00:00+00:00") == "2026-11-21T12:00:00.000000Z"
     assert check_ts("2026-11-21T12:00:00.123456Z") == "2026-11-21T12:00:00.123456Z"
-    for bad in ("2026-11-21T12:00:00", "yesterday", "", "2026-02-30T10:00:00.000000Z"):
+    for bad in (
+        "2026-11-21T12:00:00",
+        "yesterday",
+        "",
+        "2026-02-30T10:00:00.000000Z",
+        "2026-11-21T12:00:00.12345xZ",
+        "2026-11-21T12:00:00.12345\u0663Z",  # an Arabic-Indic digit: a digit, not ASCII
+        "2026-11-21T24:00:00.000000Z",
+    ):
         with pytest.raises(ValueError, match="timestamp"):
             check_ts(bad)
+    check_ts("2026-11-21T12:00:00.000000Z")  # its second now remembered, the fraction still counts
+    with pytest.raises(ValueError, match="six digits"):
+        check_ts("2026-11-21T12:00:00.-00000Z")
 
 
 def test_an_entry_stamped_with_an_offset_is_stored_in_utc() -> None:
