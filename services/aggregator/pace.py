@@ -310,10 +310,11 @@ def judge_pace(
 ) -> SlowVerdict | None:
     """The ranks working slower than usual while their peers do not, judged at `now`;
     None when any rank cannot be judged (no pace kept, too few steps, too little history)
-    or none is slow. `named`: ranks an open finding names, held to the `clear` bars."""
+    or none is slow. `named`: ranks an open finding names, held to the `clear` bars. Of the
+    two spans judged, the one that shows its slowest rank slowest is the evidence."""
     if len(histories) < 2:
         return None
-    verdict = None
+    verdict: tuple[float, SlowVerdict] | None = None
     for span, bar, apart in (
         (limits.window, limits.ratio, limits.apart),
         (limits.glance, limits.sharp, limits.sharp_apart),
@@ -333,11 +334,13 @@ def judge_pace(
             for i, (pace, strays) in enumerate(found)
             if _slow(pace, peers[i], limits, (max(bar, strays), apart), named=i in named)
         ]
-        if slow and verdict is None:
-            worst = max(ratios[i] for i in slow)
+        if not slow:
+            continue
+        worst = max(ratios[i] for i in slow)
+        if verdict is None or worst > verdict[0]:  # the evidence: the span showing it most
             slow = [i for i in slow if ratios[i] * limits.beside >= worst]
-            verdict = SlowVerdict(slow=slow, paces=judged, peers_ratio=peers)
-    return verdict
+            verdict = worst, SlowVerdict(slow=slow, paces=judged, peers_ratio=peers)
+    return verdict[1] if verdict else None
 
 
 def _slow(

@@ -149,6 +149,8 @@ def test_a_slowed_rank_is_named_within_its_bound_its_peers_never(
         (FindingKind.SLOW_RANK, (2,), (0, 1, 3))
     }
     assert len({f.incidentId for f in named}) == 1  # one incident while it lasts
+    shown = [next(e.pace for e in f.evidence if e.deviceRank == 2) for f in named]
+    assert min(p.ratio or 0.0 for p in shown if p is not None) >= 1 + (factor - 1) / 2
     finding = named[-1]
     assert re.search(
         r"rank 2 \(node-2\) works [\d.]+x slower than usual: [\d.]+ ms a step", finding.summary
