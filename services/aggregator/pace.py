@@ -278,10 +278,10 @@ def paces_of(
 
 def _spans(
     histories: Sequence[PaceHistory | None], now: float, span: float, limits: PaceLimits
-) -> list[tuple[RankPace, float] | None]:
-    """Each rank's pace over its newest `span` seconds, and the ratio to its usual that
-    its own spread over such spans reaches (`PaceLimits.noise`)."""
-    out: list[tuple[RankPace, float] | None] = []
+) -> list[tuple[RankPace, PaceHistory, float] | None]:
+    """Each rank's pace over its newest `span` seconds, with its history and when the
+    span began."""
+    out: list[tuple[RankPace, PaceHistory, float] | None] = []
     for history in histories:
         found = history.recent(now, span, limits) if history is not None else None
         if history is None or found is None or not found[1]:
@@ -289,8 +289,6 @@ def _spans(
             continue
         since, steps, work, wait = found
         usual = history.usual(since, limits)
-        spread = history.spread(since, span, limits)
-        strays = 1 + limits.noise * spread / usual if usual and spread is not None else math.inf
         pace = RankPace(
             steps=steps,
             workMs=round(1000 * work, 3),
@@ -298,8 +296,15 @@ def _spans(
             usualWorkMs=round(1000 * usual, 3) if usual else None,
             ratio=round(work / usual, 3) if usual else None,
         )
-        out.append((pace, strays))
+        out.append((pace, history, since))
     return out
+
+
+def _strays(history: PaceHistory, since: float, span: float, limits: PaceLimits) -> float:
+    """The ratio to its usual that a rank's own spread over spans of `span` seconds reaches
+    (`PaceLimits.noise` deviations); infinite while it is not known."""
+    usual, spread = history.usual(since, limits), history.spread(since, span, limits)
+    return 1 + limits.noise * spread / usual if usual and spread is not None else math.inf
 
 
 def judge_pace(
@@ -326,13 +331,14 @@ def judge_pace(
         ]
         if len(found) < len(histories):
             continue
-        judged = [pace for pace, _ in found]
+        judged = [pace for pace, _, _ in found]
         ratios = [p.ratio or 0.0 for p in judged]
         peers = [statistics.median(ratios[:i] + ratios[i + 1 :]) for i in range(len(ratios))]
-        slow = [
+        slow = [  # its spread worked out only for a rank over the bars (it reads the history)
             i
-            for i, (pace, strays) in enumerate(found)
-            if _slow(pace, peers[i], limits, (max(bar, strays), apart), named=i in named)
+            for i, (pace, history, since) in enumerate(found)
+            if _slow(pace, peers[i], limits, (bar, apart), named=i in named)
+            and (i in named or ratios[i] >= _strays(history, since, span, limits))
         ]
         if not slow:
             continue
