@@ -65,6 +65,9 @@ BUFFERED_LINES = 10_000
 """Lines of the rank held while NATS or the rank-table service is away."""
 EXIT_FILE_WAIT_S = 1.0
 """How long to wait for `rankscope record` to say how a rank it started ended."""
+LET_GO_S = 5.0
+"""How long, once its rank's end is told, the watcher waits for what its libraries left
+running to take their cancellation before it exits regardless."""
 _REGISTER_TIMEOUT_S = 2.0
 _POLL_S = 0.5
 _GATHER_POLL_S = 0.2
@@ -393,6 +396,37 @@ async def watch(settings: Settings) -> None:
                 os.remove(hello.stackFile)
 
 
+async def let_go(seconds: float) -> list[asyncio.Task[object]]:
+    """Cancel every other task and wait up to `seconds` for them to end; the ones that did
+    not (a task that swallows its cancellation would hold `asyncio.run` forever)."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    if not others:
+        return []
+    _, pending = await asyncio.wait(others, timeout=seconds)
+    return list(pending)
+
+
+async def _watch_and_exit(settings: Settings) -> None:
+    """`watch`, then exit even if a task will not end: nats.py's reconnect loop can swallow
+    a cancellation (nats-io/nats.py#981), and a watcher whose NATS went away with its job
+    would otherwise outlive the job for good."""
+    failed = False
+    try:
+        await watch(settings)
+    except Exception:
+        failed = True
+        log.exception("watching the rank failed")
+    stuck = await let_go(LET_GO_S)
+    if stuck:
+        log.warning("exiting with %d task(s) that ignored cancellation: %s", len(stuck), stuck)
+        logging.shutdown()
+        os._exit(1 if failed else 0)
+    if failed:
+        raise SystemExit(1)
+
+
 def main() -> int:
     """The watcher's entry point; settings come from `RANKSCOPE_*` variables."""
     try:
@@ -402,7 +436,7 @@ def main() -> int:
         return 2
     logs.configure(settings.log_format, settings.log_level)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(watch(settings))
+        asyncio.run(_watch_and_exit(settings))
     return 0
 
 
