@@ -213,7 +213,9 @@ def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(tmp_path: Pat
         try:
             gateway.until(lambda: len(_ranks(gateway, "dp-1")) == 4, 60)
             gateway.quiet_for("dp-1", HEALTHY_S)
-            with slowed(_rank_pid(str(script), 2), 2.0):
+            # its steps take ~60 ms: a 20-ms cycle is short beside them, and a 4-ms one would
+            # make the stopping thread a neighbour of its own on two cores
+            with slowed(_rank_pid(str(script), 2), 2.0, period=0.02):
                 gateway.named_slow("dp-1", culprit=2, within=15, then=10)
             gateway.until(lambda: not gateway.findings("dp-1"), 60)
         finally:
