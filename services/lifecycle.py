@@ -16,7 +16,7 @@ import uvloop
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from rankscope.shared.connection import ConnectionLostError, Lifeline, close, connect
+from rankscope.shared.connection import ConnectionLostError, Lifeline, connect
 from rankscope.shared.jetstream import Layout, LayoutError, ensure
 from rankscope.shared.settings import Settings
 
@@ -78,7 +78,7 @@ async def connected(
     closes for good) and make sure the installation's streams and buckets are there."""
     lifeline = stack.enter_context(Lifeline(stop))
     nc = await connect(settings, name, on_lost=lifeline)
-    stack.push_async_callback(close, nc)
+    stack.push_async_callback(lifeline.close, nc)
     js = nc.jetstream()
     layout = Layout.from_settings(settings)
     await ensure(js, layout)

@@ -116,6 +116,18 @@ class Lifeline:
         if self.reason is not None:
             raise ConnectionLostError(self.reason) from exc
 
+    async def close(self, nc: Client) -> None:
+        """Close `nc` as the service stops. A client closed already, not by `close`, was
+        lost (whatever a call on it raised before nats-py's closed callback ran)."""
+        if self.reason is None and nc.is_closed and nc not in _closing:
+            self.reason = _lost(nc)
+            log.error("%s; stopping so that this service is restarted", self.reason)
+        await close(nc)
+
+
+def _lost(nc: Client) -> str:
+    return f"the NATS connection closed for good: {nc.last_error or 'by the server'}"
+
 
 _closing: weakref.WeakSet[Client] = weakref.WeakSet()
 """Clients being closed by `close`, whose closing is no loss."""
@@ -145,7 +157,7 @@ async def connect(
     async def closed() -> None:
         if on_lost is None or not connected or nc in _closing:
             return  # a first connect that failed raises instead
-        reason = f"the NATS connection closed for good: {nc.last_error or 'by the server'}"
+        reason = _lost(nc)
         log.error("%s; stopping so that this service is restarted", reason)
         on_lost(reason)
 

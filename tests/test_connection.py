@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -136,11 +137,35 @@ async def test_a_call_that_finds_the_client_closed_fails_the_lifeline_before_its
     assert "closed for good" in caplog.text
 
 
+async def test_an_error_on_a_client_the_server_closed_fails_the_lifeline_as_it_stops(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    lifeline = Lifeline(asyncio.Event())
+    nc = await connect(Settings(nats_url=nats_url), "dropped")  # no callback tells the lifeline
+    await nc.publish("x" * 5000, b"")
+    deadline = time.monotonic() + WAIT
+    while not nc.is_closed:
+        assert time.monotonic() < deadline, "the server did not drop the client"
+        await asyncio.sleep(0.05)
+
+    async def serve() -> None:
+        async with contextlib.AsyncExitStack() as stack:  # as `lifecycle.connected` stacks them
+            stack.enter_context(lifeline)
+            stack.push_async_callback(lifeline.close, nc)
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    with pytest.raises(ConnectionLostError, match=r"(?i)maximum control line"):
+        await serve()
+    assert "closed for good" in caplog.text
+
+
 async def test_closing_a_connection_on_purpose_is_no_loss(nats_url: str) -> None:
     stop = asyncio.Event()
     with Lifeline(stop) as lifeline:
         nc = await connect(Settings(nats_url=nats_url), "closed", on_lost=lifeline)
         await close(nc)
+        other = await connect(Settings(nats_url=nats_url), "stopping", on_lost=lifeline)
+        await lifeline.close(other)
         await asyncio.sleep(0.2)
     assert not stop.is_set()
     assert lifeline.reason is None
