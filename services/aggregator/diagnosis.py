@@ -131,22 +131,24 @@ class _Judge:
 
     def slow(self, previous: Incident | None) -> _Verdict | None:
         """The ranks working out of line with their usual pace and their peers'; while
-        they do not step, what was found before."""
+        they do not step, or their pace cannot be judged, what was found before."""
         was_slow = previous is not None and previous.finding.kind is FindingKind.SLOW_RANK
-        if not self.stepping():
+        found = None
+        if self.stepping():
+            named = frozenset(
+                i
+                for i, v in enumerate(self.views)
+                if was_slow
+                and previous is not None
+                and v.ref.runnerId in previous.finding.culpritRunnerIds
+            )
+            histories = [v.pace for v in self.views]
+            found = judge_pace(histories, self.pace_now, self.limits.slow, named)
+        if found is None:
             if previous is None or not was_slow:
                 return None
             return dataclasses.replace(self.kept(previous), words=previous.finding.summary)
-        named = frozenset(
-            i
-            for i, v in enumerate(self.views)
-            if was_slow
-            and previous is not None
-            and v.ref.runnerId in previous.finding.culpritRunnerIds
-        )
-        histories = [v.pace for v in self.views]
-        found = judge_pace(histories, self.pace_now, self.limits.slow, named)
-        if found is None:
+        if not found.slow:
             return None
         self._paces = list(found.paces)  # the evidence: the span that showed it
         culprits = [self.views[i] for i in found.slow]

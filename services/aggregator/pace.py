@@ -313,13 +313,15 @@ def judge_pace(
     limits: PaceLimits,
     named: frozenset[int] = frozenset(),
 ) -> SlowVerdict | None:
-    """The ranks working slower than usual while their peers do not, judged at `now`;
-    None when any rank cannot be judged (no pace kept, too few steps, too little history)
-    or none is slow. `named`: ranks an open finding names, held to the `clear` bars. Of the
-    two spans judged, the one that shows its slowest rank slowest is the evidence."""
+    """The ranks working slower than usual while their peers do not, judged at `now`
+    (`slow` empty: none is); None when no span can be judged (fewer than two ranks, or one
+    with no pace kept, too few steps or too little history). `named`: ranks an open finding
+    names, held to the `clear` bars. Of the two spans judged, the one that shows its
+    slowest rank slowest is the evidence."""
     if len(histories) < 2:
         return None
     verdict: tuple[float, SlowVerdict] | None = None
+    judged_none: SlowVerdict | None = None
     for span, bar, apart in (
         (limits.window, limits.ratio, limits.apart),
         (limits.glance, limits.sharp, limits.sharp_apart),
@@ -341,12 +343,13 @@ def judge_pace(
             and (i in named or ratios[i] >= _strays(history, since, span, limits))
         ]
         if not slow:
+            judged_none = judged_none or SlowVerdict(slow=[], paces=judged, peers_ratio=peers)
             continue
         worst = max(ratios[i] for i in slow)
         if verdict is None or worst > verdict[0]:  # the evidence: the span showing it most
             slow = [i for i in slow if ratios[i] * limits.beside >= worst]
             verdict = worst, SlowVerdict(slow=slow, paces=judged, peers_ratio=peers)
-    return verdict[1] if verdict else None
+    return verdict[1] if verdict else judged_none
 
 
 def _slow(

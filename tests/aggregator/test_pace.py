@@ -53,6 +53,9 @@ class Job:
         self.wobbly = wobbly
         """Ranks sharing their core: their work strays for seconds at a time."""
         self.strays = [1.0] * len(usual)
+        self.step_every = 1
+        """Seconds between steps: past 1, each rank samples one step, then none until the
+        next."""
         self.incidents: dict[str, Incident] = {}
         self.unsettled: dict[str, float] = {}
         """As the aggregator keeps it: when an incident other than slow_rank was open."""
@@ -79,11 +82,12 @@ class Job:
             for u, s, w in zip(self.usual, self.slowdown, self.strays, strict=False)
         ]
         step = max(works)
+        steps = STEPS_A_SECOND if self.step_every == 1 else int(self.now % self.step_every == 0)
         for r, work in enumerate(works):
             pace = StepPace(
-                steps=STEPS_A_SECOND,
-                workSeconds=work * STEPS_A_SECOND,
-                waitSeconds=(step - work + 0.0002) * STEPS_A_SECOND,
+                steps=steps,
+                workSeconds=work * steps,
+                waitSeconds=(step - work + 0.0002) * steps,
             )
             snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
             sample = MemorySampled(
@@ -188,6 +192,17 @@ def test_a_rank_whose_work_strays_by_nature_is_named_only_beyond_its_own_spread(
     job.slowdown[1] = 2.0
     named = {tuple(f.culpritRanks) for found in job.run(30) for f in found}
     assert named == {(1,)}
+
+
+def test_a_rank_named_slow_stays_named_while_steps_are_too_sparse_to_judge() -> None:
+    job = Job([0.001, 0.001, 0.001])
+    job.run(120)
+    job.slowdown[1] = 2.0
+    (finding,) = job.run(15)[-1]
+    job.step_every = 10  # a step every 10 s: too few in a span to judge by
+    sparse = job.run(150)  # past `reach`: no span holds enough steps
+    assert {f.incidentId for found in sparse for f in found} == {finding.incidentId}
+    assert all(sparse)
 
 
 def test_a_machine_wide_slowdown_names_nobody() -> None:
