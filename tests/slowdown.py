@@ -21,10 +21,10 @@ time."""
 
 
 @contextlib.contextmanager
-def slowed(pid: int, factor: float, period: float = PERIOD_S) -> Iterator[None]:
+def slowed(pid: int, factor: float) -> Iterator[None]:
     """Process `pid` runs `1 / factor` of the time while the block lasts; continued after
     (also when the block raises)."""
-    stopped_for = period * (1 - 1 / factor)
+    stopped_for = PERIOD_S * (1 - 1 / factor)
     done = threading.Event()
 
     def cycle() -> None:
@@ -33,7 +33,7 @@ def slowed(pid: int, factor: float, period: float = PERIOD_S) -> Iterator[None]:
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(stopped_for)
                 os.kill(pid, signal.SIGCONT)
-            time.sleep(period - stopped_for)
+            time.sleep(PERIOD_S - stopped_for)
 
     thread = threading.Thread(target=cycle, name=f"slowing {pid}", daemon=True)
     thread.start()
