@@ -250,6 +250,11 @@ class Settings:
     slow_window: float = _setting(
         25.0, _duration, "Seconds of each rank's newest pace samples judged for slowness."
     )
+    slow_hold: float = _setting(
+        10.0,
+        _duration,
+        "Seconds a rank named slow must stay back in line before its finding clears.",
+    )
     slow_noise: float = _setting(
         5.0,
         _deviations,

@@ -74,10 +74,13 @@ class Thresholds:
 
 @dataclass(frozen=True, slots=True)
 class Incident:
-    """An open finding, and the aggregator's monotonic clock when it opened."""
+    """An open finding, and the aggregator's monotonic clock when it opened and when its
+    rules last found it (a `slow_rank` is held a while after)."""
 
     finding: Finding
     opened: float
+    found: float | None = None
+    """None: when it opened."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,9 @@ class _Verdict:
     waiting: list[RunnerView]
     words: str | None = None
     """The summary, when the rules that found it wrote one."""
+    held: bool = False
+    """The incident before, kept though not found now (the rules cannot tell, or it is
+    held)."""
 
 
 class _Judge:
@@ -131,7 +137,8 @@ class _Judge:
 
     def slow(self, previous: Incident | None) -> _Verdict | None:
         """The ranks working out of line with their usual pace and their peers'; while
-        they do not step, or their pace cannot be judged, what was found before."""
+        they do not step or their pace cannot be judged, and for `hold` seconds after it
+        was last found, what was found before."""
         was_slow = previous is not None and previous.finding.kind is FindingKind.SLOW_RANK
         found = None
         if self.stepping():
@@ -144,11 +151,12 @@ class _Judge:
             )
             histories = [v.pace for v in self.views]
             found = judge_pace(histories, self.pace_now, self.limits.slow, named)
-        if found is None:
-            if previous is None or not was_slow:
-                return None
-            return dataclasses.replace(self.kept(previous), words=previous.finding.summary)
-        if not found.slow:
+        if previous is not None and was_slow and (found is None or not found.slow):
+            found_last = previous.opened if previous.found is None else previous.found
+            if found is None or self.now - found_last < self.limits.slow.hold:
+                kept = self.kept(previous)
+                return dataclasses.replace(kept, words=previous.finding.summary, held=True)
+        if found is None or not found.slow:
             return None
         self._paces = list(found.paces)  # the evidence: the span that showed it
         culprits = [self.views[i] for i in found.slow]
@@ -519,4 +527,7 @@ def _incident(
         evidence=[_evidence(judge, v, v.ref.runnerId in culprits) for v in judge.views],
         incidentId=incident_id(instance.instanceId, since),
     )
-    return Incident(finding=finding, opened=previous.opened if same and previous else judge.now)
+    if same and previous is not None:
+        found = previous.found if verdict.held else judge.now
+        return Incident(finding=finding, opened=previous.opened, found=found)
+    return Incident(finding=finding, opened=judge.now)

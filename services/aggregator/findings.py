@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -305,7 +306,7 @@ class Findings:
             for rank in incident.finding.evidence
         ]
         finding = msgspec.structs.replace(incident.finding, evidence=ranks)
-        return Incident(finding=finding, opened=incident.opened)
+        return dataclasses.replace(incident, finding=finding)
 
     async def publish_forever(self, stop: asyncio.Event) -> None:
         """Judge every `ROUND_S`; log, alert and publish what opened, changed or cleared."""

@@ -41,6 +41,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
                     ratio=settings.slow_ratio,
                     clear=min(settings.slow_clear, settings.slow_ratio),
                     window=settings.slow_window,
+                    hold=settings.slow_hold,
                     noise=settings.slow_noise,
                 ),
             ),

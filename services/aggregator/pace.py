@@ -67,6 +67,9 @@ class PaceLimits:
     """A rank named slow stays named until its ratio falls under this (or under
     `clear_apart` times its peers')."""
     clear_apart: float = 1.0
+    hold: float = 10.0
+    """Seconds a named rank must stay back in line before its finding clears: a pace
+    hovering at the bars keeps one incident (and one page), not one each time it crosses."""
     reach: float = 90.0
     """How far back a span reaches for `steps` sampled steps when steps are sparse."""
     steps: int = 12

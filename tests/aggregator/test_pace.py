@@ -53,6 +53,7 @@ class Job:
         self.wobbly = wobbly
         """Ranks sharing their core: their work strays for seconds at a time."""
         self.strays = [1.0] * len(usual)
+        self.thresholds = Thresholds()
         self.step_every = 1
         """Seconds between steps: past 1, each rank samples one step, then none until the
         next."""
@@ -119,7 +120,7 @@ class Job:
 
     def judge(self) -> list[Finding]:
         self.incidents = judged(
-            self.state, self.now, self.incidents, Thresholds(), unsettled=self.unsettled
+            self.state, self.now, self.incidents, self.thresholds, unsettled=self.unsettled
         )
         for key, incident in self.incidents.items():
             if incident.finding.kind is not FindingKind.SLOW_RANK:
@@ -171,6 +172,27 @@ def test_a_slowed_rank_is_named_within_its_bound_its_peers_never(
     after = job.run(60)
     assert not after[-1]
     assert _first([[] if f else ["back"] for f in after]) <= 60  # type: ignore[list-item]
+
+
+def test_a_rank_back_in_line_is_cleared_only_after_the_hold_and_a_relapse_is_one_incident() -> None:
+    def job(hold: float) -> Job:
+        made = Job([0.001, 0.0012, 0.001])
+        made.thresholds = Thresholds(slow=PaceLimits(hold=hold))
+        made.run(120)
+        made.slowdown[1] = 2.0
+        assert any(made.run(30)[-1])
+        made.slowdown[1] = 1.0
+        return made
+
+    unheld, held = job(0.0), job(10.0)
+    named = _first([[] if found else ["cleared"] for found in unheld.run(60)]) - 1  # type: ignore[list-item]
+    assert all(held.run(named + 9))  # the same pace: held until 10 s after it was last slow
+    assert held.run(1) == [[]]
+    relapsing = job(10.0)
+    back = relapsing.run(named + 5)
+    relapsing.slowdown[1] = 2.0
+    incidents = {f.incidentId for found in back + relapsing.run(30) for f in found}
+    assert len(incidents) == 1
 
 
 def test_the_wait_a_much_slower_rank_leaks_into_its_peers_work_names_only_it() -> None:
