@@ -82,6 +82,8 @@ class Tally:
     right: int = 0
     samples: int = 0
     wrong: list[str] = field(default_factory=list)
+    why: dict[str, str] = field(default_factory=dict)
+    """The first summary of each wrong finding."""
     cleared: list[float] = field(default_factory=list)
 
 
@@ -144,7 +146,9 @@ def inject(
                 if right(finding):
                     first = first if first is not None else time.monotonic() - started
                 elif finding["kind"] != "gateway unanswered":
-                    tally.wrong.append(f"{finding['kind']} {finding['culpritRanks']}")
+                    wrong = f"{finding['kind']} {finding['culpritRanks']}"
+                    tally.wrong.append(wrong)
+                    tally.why.setdefault(wrong, finding["summary"])
             if first is not None:
                 tally.samples += 1
                 tally.right += any(right(f) for f in found)
@@ -261,7 +265,7 @@ def main() -> None:
             f"{statistics.median(tally.cleared):8.1f}s {max(tally.cleared):5.1f}s"
         )
         for wrong in sorted(set(tally.wrong)):
-            print(f"    wrong: {wrong} ({tally.wrong.count(wrong)} samples)")
+            print(f"    wrong: {wrong} ({tally.wrong.count(wrong)} samples): {tally.why[wrong]}")
 
 
 def _until_ready(gateway: Gateway) -> None:
