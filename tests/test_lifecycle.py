@@ -15,7 +15,7 @@ import pytest
 
 from rankscope.services.gateway.deps import NOT_YET
 from rankscope.shared.nats_server import EmbeddedNats
-from tests.gateway.conftest import free_port
+from tests.stack_up import free_port
 
 pytestmark = pytest.mark.nats
 

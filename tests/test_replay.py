@@ -21,7 +21,7 @@ from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.replay import follow, follow_bucket, stored_ns
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import Subjects
-from tests.gateway.conftest import free_port
+from tests.stack_up import free_port
 
 pytestmark = pytest.mark.nats
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from rankscope.services.stack.supervisor import ChildSpec, Supervisor
-from tests.gateway.conftest import free_port
+from tests.stack_up import free_port
 
 
 async def test_a_crash_looping_child_is_unsteady_and_a_running_one_is_not() -> None:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -54,6 +53,7 @@ from rankscope.shared.wire import (
     decode,
     encode,
 )
+from tests.stack_up import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.asyncio(loop_scope="module")]
 
@@ -63,12 +63,6 @@ PROMPT = "Which node holds layer seven?"
 RANKS = ("i-a0-r0", "i-a0-r1")
 SPEAKER = "node-b"
 """The node of the last rank, which sends the output."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass
@@ -185,7 +179,7 @@ class Cluster:
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
     model = write_tiny_model(root / "model", TinyModelSpec(layers=LAYERS, hidden=64))
-    port, store = _free_port(), root / "nats"
+    port, store = free_port(), root / "nats"
     server = EmbeddedNats(store_dir=store, port=port).start()
     layout = Layout()
     nc = await connect(Settings(nats_url=server.url), "cluster-test")
@@ -206,7 +200,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
         )
         for node, stop in zip(("node-a", "node-b"), stops, strict=True)
     ]
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     assignments = [
         RunnerAssignment(
             runnerId=RANKS[0],
@@ -571,7 +565,7 @@ async def test_a_runner_that_cannot_load_fails_with_the_reason_and_is_not_restar
         endLayer=LAYERS,
         nLayers=LAYERS,
         host="127.0.0.1",
-        port=_free_port(),
+        port=free_port(),
     )
     placed = InstanceCreated(
         at=now(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.settings import Settings
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, decode
+from tests.stack_up import free_port
 
 pytestmark = pytest.mark.nats
 
@@ -127,12 +127,6 @@ async def test_a_quiet_runner_is_flushed_within_the_window(nc: Client, ready: La
         assert [e.seq for e in batch.entries] == [0]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     ("entries", "outage"),
     [(100, 0.0), (2000, 3.0)],
@@ -143,7 +137,7 @@ async def test_nothing_is_lost_across_a_nats_restart(
 ) -> None:
     """The backlog case once wedged the publisher for good: its sends, failing while the
     client's outbound buffer (4 KiB here) was full, used up nats-py's publish slots."""
-    port, store = _free_port(), tmp_path / "nats"
+    port, store = free_port(), tmp_path / "nats"
     server = EmbeddedNats(store_dir=store, port=port).start()
     settings = Settings(nats_url=server.url, subject_prefix=layout.subjects.prefix)
     nc = await connect(settings, "publisher-test", pending_size=4096)

@@ -22,7 +22,7 @@ from rankscope.services.agent.runner.pipeline import split_layers
 from rankscope.services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from rankscope.shared.tiny_model import ARCHITECTURES, TinyModelSpec, write_tiny_model
 from rankscope.shared.wire import RunnerAssignment
-from tests.gateway.conftest import free_port
+from tests.stack_up import free_port
 
 pytestmark = pytest.mark.mlx
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,12 +22,7 @@ from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import token
 from rankscope.shared.wire import encode
 from tests.ranktable.builders import node_info
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.stack_up import free_port
 
 
 @dataclass

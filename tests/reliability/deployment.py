@@ -43,7 +43,7 @@ from rankscope.shared.wire import (
     decode,
     encode,
 )
-from tests.gateway.conftest import free_port
+from tests.stack_up import free_port
 
 __all__ = [
     "FAULT_TEST_MARKS",

@@ -26,7 +26,7 @@ from rankscope.shared.settings import Settings, to_environ
 from rankscope.shared.wire import ClusterTimeline, Phase, decode, encode
 from tests.aggregator.builders import entries, placed, rank
 from tests.aggregator.builders import instances_by_partition as by_partition
-from tests.gateway.conftest import free_port
+from tests.stack_up import free_port
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(180)]
 

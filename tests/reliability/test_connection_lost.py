@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import urllib.request
@@ -22,6 +21,7 @@ from rankscope.shared.jetstream import Layout, ensure
 from rankscope.shared.nats_auth import OPERATOR, ROLES, agent_user, render
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.settings import Settings, to_environ
+from tests.stack_up import free_port
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -29,12 +29,6 @@ LAYOUT = Layout()
 NODES = ("node-a",)
 PASSWORDS = {user: f"pw-{user}" for user in (*ROLES, OPERATOR, *(agent_user(n) for n in NODES))}
 EXIT_WITHIN_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture
@@ -80,8 +74,8 @@ async def test_a_service_whose_connection_is_closed_for_good_exits_non_zero(
         nats_password=PASSWORDS[user],
         node_id="node-a",
         data_dir=tmp_path / "data",
-        gateway_port=_free_port(),
-        grpc_port=_free_port(),
+        gateway_port=free_port(),
+        grpc_port=free_port(),
     )
     service = await asyncio.create_subprocess_exec(
         sys.executable,

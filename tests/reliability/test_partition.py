@@ -18,9 +18,9 @@ import pytest_asyncio
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.timestamps import format_ts, to_epoch
 from rankscope.shared.wire import ClusterTimeline, Phase, decode
-from tests.gateway.conftest import free_port
 from tests.reliability.deployment import FAULT_TEST_MARKS, Deployment, deployed, node_loss_seen
 from tests.reliability.netns import Link, behind, namespaces_work
+from tests.stack_up import free_port
 
 pytestmark = FAULT_TEST_MARKS
 
