@@ -45,14 +45,11 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 
 from rankscope.shared.nats_server import EmbeddedNats  # noqa: E402
+from tests.gateway.conftest import free_port  # noqa: E402
 from tests.reliability.deployment import Deployment, deployed  # noqa: E402
 from tests.reliability.netns import Link, behind  # noqa: E402
 from tests.slowdown import slowed  # noqa: E402
-from tests.stack_up import (  # noqa: E402
-    free_port,
-    free_ports,
-    running_up,
-)
+from tests.stack_up import free_ports, running_up  # noqa: E402
 from tests.test_slow_rank import Gateway, chatting  # noqa: E402
 
 EXPECTED = {
@@ -186,7 +183,7 @@ def _on_demo(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
         nats_pid = _nats_pid(data)
         gateway.until(lambda: _ready(gateway), 180)
         with chatting(gateway):
-            time.sleep(180)  # three minutes of load: every rank's usual pace is known
+            time.sleep(75)  # a minute of load: every rank's usual pace is known
             for kind, count in faults:
                 last = -math.inf
                 for _ in range(count):

@@ -30,13 +30,13 @@ pytestmark = [
     pytest.mark.mlx,
     pytest.mark.nats,
     pytest.mark.solo,  # other tests on the same cores would make ranks slow too
-    pytest.mark.timeout(480),
+    pytest.mark.timeout(420),
 ]
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
-HEALTHY_S = 180
-"""Load before the slowdown: a rank's usual pace needs two minutes of it, and the last of
-these are judged; no finding meanwhile (the healthy soak, scaled down)."""
+HEALTHY_S = 75
+"""Load before the slowdown: a rank's usual pace needs a minute of it; no finding meanwhile
+(the healthy soak, scaled down)."""
 
 DATA_PARALLEL = """
 import os, pathlib, time

@@ -74,10 +74,9 @@ class PaceLimits:
     """How far back a span reaches for `steps` sampled steps when steps are sparse."""
     steps: int = 12
     """Sampled steps each rank needs in a span to be judged."""
-    learn: float = 120.0
+    learn: float = 60.0
     """Seconds of samples a rank needs before its usual counts (and `glance`s of them
-    with steps: at least five). Its own spread, worked out from a minute, was too narrow:
-    a healthy demo rank was named 1.5x slow over 8 s, 11 s after its usual was known."""
+    with steps: at least five)."""
     excess: float = 0.0001
     """Seconds a step a slow rank's work must exceed its usual by, besides the ratio: at a
     millisecond a step, the scheduler's jitter alone moves the ratio."""
@@ -138,13 +137,13 @@ class PaceHistory:
 
     def stepping(self, now: float, within: float) -> bool:
         """Whether, as of `now`, its newest sampled step is at most `within` seconds old,
-        or, where the gap before it is longer (a job stepping slowly), at most twice that."""
+        or at most twice as old as the gap before it (a job stepping slowly)."""
         newest: float | None = None
         for at, count, _, _ in reversed(self.samples):
             if not count or at > now:
                 continue
             if newest is not None:
-                return newest - at > within and now - newest <= 2 * (newest - at)
+                return now - newest <= 2 * (newest - at)
             if now - at <= within:
                 return True
             newest = at
@@ -320,12 +319,12 @@ def judge_pace(
     """The ranks working slower than usual while their peers do not, judged at `now`
     (`slow` empty: none is); None when no span can be judged (fewer than two ranks, or one
     with no pace kept, too few steps or too little history). `named`: ranks an open finding
-    names, held to the `clear` bars. The evidence: of the two spans, the one that shows
-    the slow ranks slowest (the span that names them first may dilute it)."""
+    names, held to the `clear` bars. Of the two spans judged, the one that shows its
+    slowest rank slowest is the evidence."""
     if len(histories) < 2:
         return None
-    verdict: tuple[float, list[int]] | None = None
-    shown: list[tuple[list[RankPace], list[float]]] = []
+    verdict: tuple[float, SlowVerdict] | None = None
+    judged_none: SlowVerdict | None = None
     for span, bar, apart in (
         (limits.window, limits.ratio, limits.apart),
         (limits.glance, limits.sharp, limits.sharp_apart),
@@ -340,7 +339,6 @@ def judge_pace(
         judged = [pace for pace, _, _ in found]
         ratios = [p.ratio or 0.0 for p in judged]
         peers = [statistics.median(ratios[:i] + ratios[i + 1 :]) for i in range(len(ratios))]
-        shown.append((judged, peers))
         slow = [  # its spread worked out only for a rank over the bars (it reads the history)
             i
             for i, (pace, history, since) in enumerate(found)
@@ -348,15 +346,13 @@ def judge_pace(
             and (i in named or ratios[i] >= _strays(history, since, span, limits))
         ]
         if not slow:
+            judged_none = judged_none or SlowVerdict(slow=[], paces=judged, peers_ratio=peers)
             continue
         worst = max(ratios[i] for i in slow)
-        if verdict is None or worst > verdict[0]:  # the span naming them most
-            verdict = worst, [i for i in slow if ratios[i] * limits.beside >= worst]
-    if not shown:
-        return None
-    slow = verdict[1] if verdict else []
-    paces, peers = max(shown, key=lambda s: max((s[0][i].ratio or 0.0 for i in slow), default=0))
-    return SlowVerdict(slow=slow, paces=paces, peers_ratio=peers)
+        if verdict is None or worst > verdict[0]:  # the evidence: the span showing it most
+            slow = [i for i in slow if ratios[i] * limits.beside >= worst]
+            verdict = worst, SlowVerdict(slow=slow, paces=judged, peers_ratio=peers)
+    return verdict[1] if verdict else judged_none
 
 
 def _slow(
