@@ -45,11 +45,10 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 
 from rankscope.shared.nats_server import EmbeddedNats  # noqa: E402
-from tests.gateway.conftest import free_port  # noqa: E402
 from tests.reliability.deployment import Deployment, deployed  # noqa: E402
 from tests.reliability.netns import Link, behind  # noqa: E402
 from tests.slowdown import slowed  # noqa: E402
-from tests.stack_up import free_ports, running_up  # noqa: E402
+from tests.stack_up import free_port, free_ports, running_up  # noqa: E402
 from tests.test_slow_rank import Gateway, chatting  # noqa: E402
 
 EXPECTED = {
