@@ -37,6 +37,10 @@ LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 HEALTHY_S = 75
 """Load before the slowdown: a rank's usual pace needs a minute of it; no finding meanwhile
 (the healthy soak, scaled down)."""
+NAMED_WITHIN_S = 30
+"""How long a test waits for the slow rank to be named: the 1.3x target, a bound a loaded
+CI machine keeps. How soon it is named (2x: 15 s, p90) is `bench/detection.py`'s to
+measure, over many injections; one run here is one sample of it."""
 
 DATA_PARALLEL = """
 import os, pathlib, time
@@ -71,13 +75,19 @@ class Gateway:
             f for f in self.get("/v1/cluster/diagnosis")["findings"] if f["instanceId"] == instance
         ]
 
-    def until(self, check: Callable[[], Any], seconds: float) -> Any:
+    def until(self, check: Callable[[], Any], seconds: float, why: str = "") -> Any:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if found := check():
                 return found
             time.sleep(0.5)
-        raise AssertionError(f"not reached within {seconds:g}s")
+        raise AssertionError(f"not reached within {seconds:g}s{why}")
+
+    def paces(self, instance: str, seconds: int) -> list[list[float]]:
+        """Each rank's work per step (ms) a second over the last `seconds`."""
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - seconds))
+        found = self.get(f"/v1/cluster/pace?instanceId={instance}&since={since}&points={seconds}")
+        return [[round(p["workMs"], 2) for p in r["points"]] for r in found["runners"]]
 
     def quiet_for(self, instance: str, seconds: float) -> None:
         """No finding of `instance` in any sample for `seconds`."""
@@ -91,7 +101,10 @@ class Gateway:
         `then` more that every sample names it alone (or, in its first seconds, nothing);
         never a peer, never another kind."""
         started = time.monotonic()
-        (finding,) = self.until(lambda: self.findings(instance), within)
+        try:
+            (finding,) = self.until(lambda: self.findings(instance), within)
+        except AssertionError as missed:  # what each rank's work read meanwhile
+            raise AssertionError(f"{missed}; work ms/step: {self.paces(instance, 40)}") from None
         named = time.monotonic() - started
         print(f"named after {named:.1f}s: {finding['summary']}")  # shown when the test fails
         samples = [finding]
@@ -170,14 +183,12 @@ def _runner_pid(rank: int) -> int:
     raise AssertionError(f"no runner of rank {rank}")
 
 
-def test_a_pipeline_rank_slowed_twice_over_is_named_within_15s_and_cleared(
-    tmp_path: Path,
-) -> None:
+def test_a_pipeline_rank_slowed_twice_over_is_named_and_cleared(tmp_path: Path) -> None:
     ring = ("--ring-port-base", str(free_ports(2)))
     with stack(tmp_path / ".rankscope", "--demo", *ring) as gateway, chatting(gateway):
         gateway.quiet_for("demo-0", HEALTHY_S)
         with slowed(_runner_pid(1), 2.0):
-            gateway.named_slow("demo-0", culprit=1, within=15, then=15)
+            gateway.named_slow("demo-0", culprit=1, within=NAMED_WITHIN_S, then=15)
         gateway.until(lambda: not gateway.findings("demo-0"), 60)
         history = gateway.get("/v1/cluster/diagnosis/history?instanceId=demo-0")["findings"]
         assert [(f["kind"], f["culpritRanks"], f["open"]) for f in history] == [
@@ -222,7 +233,7 @@ def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(tmp_path: Pat
             # three times the work of rank 2 reads as twice its time: its neighbour on the
             # core (rank 0) computes beside its first third
             with more_work(script, rank=2, factor=3):
-                gateway.named_slow("dp-1", culprit=2, within=15, then=10)
+                gateway.named_slow("dp-1", culprit=2, within=NAMED_WITHIN_S, then=10)
             gateway.until(lambda: not gateway.findings("dp-1"), 60)
         finally:
             for process in psutil.process_iter(["cmdline"]):
