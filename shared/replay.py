@@ -93,6 +93,9 @@ class Follower:
         subjects: filter subjects (interleaved in stream order).
         handle: called once per message, in order; it should not raise (an exception is
             logged and the message skipped).
+        settle: called before the follower lets other tasks run (and so before
+            `caught_up` wakes anyone): what `handle` left to do once for many messages
+            must be done by then.
         deliver_policy: where the first consumer starts.
         start_time: with `DeliverPolicy.BY_START_TIME`, the first message's earliest time.
         batch: messages asked for per pull.
@@ -106,6 +109,7 @@ class Follower:
         stream: str,
         subjects: Sequence[str],
         handle: Callable[[Msg], Awaitable[None]],
+        settle: Callable[[], None] = lambda: None,
         deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
         start_time: datetime | None = None,
         batch: int = BATCH,
@@ -123,6 +127,7 @@ class Follower:
         self._stream = stream
         self._subjects = list(subjects)
         self._handle = handle
+        self._settle = settle
         self._deliver_policy = deliver_policy
         self._start_time = start_time
         self._batch = batch
@@ -278,33 +283,45 @@ class Follower:
         """Keep between half a batch and a batch and a half asked for, so the next batch is
         on its way while this one is handled."""
         self._requested = 0
-        await self._pull()
-        while True:
-            if self._refiltered:
-                raise _RefilteredError
-            if not self._arrived:
-                self._wake.clear()
-                try:
-                    # not `wait_for`: on Python 3.11 it can swallow a cancellation that
-                    # arrives as the wait ends, and `stop` would wait forever
-                    async with asyncio.timeout(self._heartbeat * STALL_HEARTBEATS):
-                        await self._wake.wait()
-                except TimeoutError:
-                    raise _RestartError("no heartbeat from the server") from None
-                continue
-            msg = self._arrived.popleft()
-            status = msg.headers.get(_STATUS) if msg.headers else None
-            if status is None:
-                await self._take(msg)
-                self._requested -= 1
-            elif status in (_EXPIRED, _NO_MESSAGES):
-                owed = (msg.headers or {}).get("Nats-Pending-Messages")
-                self._requested = max(self._requested - int(owed), 0) if owed else 0
-            elif status != _HEARTBEAT:
-                description = msg.headers.get("Description", "") if msg.headers else ""
-                raise _RestartError(f"pull answered {status} {description}".strip())
-            if self._requested <= self._batch // 2:
-                await self._pull()
+        try:
+            await self._pull()
+            while True:
+                if self._refiltered:
+                    raise _RefilteredError
+                if not self._arrived:
+                    self._settled()
+                    self._wake.clear()
+                    try:
+                        # not `wait_for`: on Python 3.11 it can swallow a cancellation that
+                        # arrives as the wait ends, and `stop` would wait forever
+                        async with asyncio.timeout(self._heartbeat * STALL_HEARTBEATS):
+                            await self._wake.wait()
+                    except TimeoutError:
+                        raise _RestartError("no heartbeat from the server") from None
+                    continue
+                msg = self._arrived.popleft()
+                status = msg.headers.get(_STATUS) if msg.headers else None
+                if status is None:
+                    await self._take(msg)
+                    self._requested -= 1
+                elif status in (_EXPIRED, _NO_MESSAGES):
+                    owed = (msg.headers or {}).get("Nats-Pending-Messages")
+                    self._requested = max(self._requested - int(owed), 0) if owed else 0
+                elif status != _HEARTBEAT:
+                    description = msg.headers.get("Description", "") if msg.headers else ""
+                    raise _RestartError(f"pull answered {status} {description}".strip())
+                if self._requested <= self._batch // 2:
+                    self._settled()
+                    await self._pull()
+        finally:
+            self._settled()
+
+    def _settled(self) -> None:
+        """`settle`, before other tasks run."""
+        try:
+            self._settle()
+        except Exception:
+            log.exception("settling %s after seq %d failed", self._stream, self.last_seq)
 
     async def _take(self, msg: Msg) -> None:
         """Handle one delivery, or restart on a gap in the consumer's sequence."""
@@ -322,6 +339,7 @@ class Follower:
             if not self.caught_up.is_set() and (consumer_seq >= self._target or pending == 0):
                 self.caught_up.set()
         if consumer_seq % YIELD_EVERY == 0:
+            self._settled()
             await asyncio.sleep(0)
 
     async def _again(self, msg: Msg, stream_seq: int) -> None:
@@ -347,6 +365,7 @@ async def follow(
     subject: str,
     handle: Callable[[Msg], Awaitable[None]],
     *,
+    settle: Callable[[], None] = lambda: None,
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
     start_time: datetime | None = None,
     also: Sequence[str] = (),
@@ -355,7 +374,8 @@ async def follow(
     heartbeat: float = HEARTBEAT_S,
 ) -> Follower:
     """Follow `subject` (and the subjects `also`, of the same stream, interleaved in stream
-    order), calling `handle` for each message in order; from stream sequence `after` + 1
+    order), calling `handle` for each message in order (and `settle` before other tasks
+    run, see `Follower`); from stream sequence `after` + 1
     when given (what a snapshot already holds is not read again), else from the first
     message stored at or after `start_time` when given.
 
@@ -367,6 +387,7 @@ async def follow(
         stream=await js.find_stream_name_by_subject(subject),
         subjects=[subject, *also],
         handle=handle,
+        settle=settle,
         deliver_policy=DeliverPolicy.BY_START_TIME if start_time else deliver_policy,
         start_time=start_time,
         batch=batch,

@@ -152,6 +152,50 @@ async def test_a_backlog_far_bigger_than_the_client_buffer_is_handled_whole(
     await nc.close()
 
 
+async def test_what_handling_leaves_to_settle_is_done_before_any_other_task_runs(
+    nc: Client, layout: Layout
+) -> None:
+    """A handler may leave work of many messages to `settle` (ingest moves a runner's
+    synopsis once per run): no other task (a query, a snapshot, whoever `caught_up` wakes)
+    ever finds it undone, through a backlog, a lost consumer and live messages."""
+    js = nc.jetstream()
+    await ensure(js, layout)
+    subject = layout.subjects.tasks("i")
+    await _publish(js, subject, 0, 5_000)
+    held: list[int] = []
+    settled: list[int] = []
+    undone: list[int] = []  # what other tasks found held
+
+    async def hold(msg: Msg) -> None:
+        held.append(int(msg.data))
+
+    all_settled = asyncio.Event()
+
+    def settle() -> None:
+        settled.extend(held)
+        held.clear()
+        if len(settled) == 6_000:
+            all_settled.set()
+
+    async def look() -> None:
+        while True:
+            undone.extend(held)
+            await asyncio.sleep(0)
+
+    looking = asyncio.create_task(look())
+    follower = await follow(js, subject, hold, settle=settle, batch=50, heartbeat=0.2)
+    await asyncio.wait_for(follower.caught_up.wait(), WAIT)
+    assert settled == list(range(5_000))
+    stream = layout.tasks_stream.name
+    for consumer in await js.consumers_info(stream):
+        await js.delete_consumer(stream, consumer.name)
+    await _publish(js, subject, 5_000, 1_000)
+    await asyncio.wait_for(all_settled.wait(), WAIT)
+    looking.cancel()
+    assert (settled, undone) == (list(range(6_000)), [])
+    await follower.stop()
+
+
 async def test_a_consumer_lost_mid_replay_resumes_after_the_last_handled_message(
     nc: Client, layout: Layout
 ) -> None:

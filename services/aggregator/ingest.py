@@ -94,8 +94,8 @@ class Ingest:
             self._reject(msg, exc)
             return
         stored = stored_ns(msg.reply)
-        try:
-            self._state.apply_telemetry(event, msg.data, stored)
+        try:  # settled by the follower: each runner's synopsis moves once per run of messages
+            self._state.apply_telemetry(event, msg.data, stored, settle=False)
         except BadInputError as exc:  # only now is it worth a `Parked`
             self._refused(Parked(msg.subject, msg.data, event, stored, self._clock()), exc)
 
@@ -187,7 +187,12 @@ class Ingest:
             layout.runner_stream.name: (runner, self.on_telemetry),
         }.items():
             self.folding[name] = await follow(
-                self._js, filters[0], handle, also=filters[1:], after=after.get(name, 0)
+                self._js,
+                filters[0],
+                handle,
+                also=filters[1:],
+                after=after.get(name, 0),
+                settle=self._state.settle,
             )
 
     def _filters(self, ids: list[str | None]) -> tuple[list[str], list[str]]:

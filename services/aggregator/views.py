@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from rankscope.services.aggregator.pace import PaceHistory
 from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
@@ -54,6 +55,16 @@ def _site(entry: FlightEntry) -> str:
     return site if isinstance(site, str) else entry.phase.value
 
 
+@dataclass(slots=True)
+class _Unsettled:
+    """A runner's entries newer than its synopsis, in seq order, and when the last of
+    them arrived (µs since the epoch)."""
+
+    view: RunnerView
+    entries: list[FlightEntry]
+    arrived: int
+
+
 class ClusterState:
     """Runners, entries, placements, tasks and nodes.
 
@@ -88,16 +99,25 @@ class ClusterState:
         self.touched: set[str] = set()
         """Instances whose ranks, placement, tasks or nodes changed since the diagnosis
         last took this set (`take_touched`)."""
+        self._unsettled: dict[str, _Unsettled] = {}
+        """Per runner, entries newer than its synopsis that `settle` has yet to fold in."""
 
     def _runner(self, ref: RunnerRef) -> RunnerView:
         view = self.runners.get(ref.runnerId)
         return self.runners.add(RunnerView(ref=ref)) if view is None else view
 
     def apply_telemetry(
-        self, event: RunnerTelemetry, raw: bytes | None = None, stored_ns: int | None = None
+        self,
+        event: RunnerTelemetry,
+        raw: bytes | None = None,
+        stored_ns: int | None = None,
+        *,
+        settle: bool = True,
     ) -> int:
         """Apply one telemetry message (`raw`: its JSON as received, kept as is for entry
         batches; `stored_ns`: when NATS stored it); returns how many of its items were new.
+        With `settle` False, its entries move the runner's synopsis only at the next
+        `settle()`: ingest folds what one pull brought so, each synopsis once.
 
         A runner's newest state is its highest seq, whatever its clock says; an entry's
         time counts as no later than its arrival here, so a clock ahead cannot hold the
@@ -107,26 +127,21 @@ class ClusterState:
             BadInputError: its seq jumps further past the runner's last than it could.
         """
         view = self._placed(event.runner, stored_ns)
-        last = view.seqs.last
         if isinstance(event, PhaseEntries):
-            highest = max((e.seq for e in event.entries), default=-1)
-        else:
-            highest = event.seq
-        self._check_jump(view, last, highest, stored_ns)
-        self.version += 1
-        self.touched.add(view.ref.instanceId)
-        view.heard = self._clock()
-        if stored_ns is not None:
-            view.stored_ns = stored_ns
-        if isinstance(event, PhaseEntries):
-            fresh = view.seqs.fresh(event.entries)
+            seqs = [e.seq for e in event.entries]
+            self._check_jump(view, view.seqs.last, max(seqs, default=-1), stored_ns)
+            self._heard(view, stored_ns)
+            fresh = view.seqs.fresh(event.entries, seqs)
             arrived = int(self.wall() * 1e6)
-            received = from_micros(arrived)
             self.store.add(view.ref.runnerId, raw or encode(event), fresh, arrived)
-            newer = [e for _, e in fresh if e.seq > view.synopsis.seq]
-            self._progress(view, newer, received)
-            self.duplicates += len(event.entries) - len(fresh)
+            self.duplicates += len(seqs) - len(fresh)
+            self._unsettle(view, fresh, arrived)
+            if settle:
+                self.settle()
             return len(fresh)
+        self._check_jump(view, view.seqs.last, event.seq, stored_ns)
+        self._heard(view, stored_ns)
+        self._settle(view.ref.runnerId)  # its status after its entries, as they came
         if not view.seqs.add(event.seq):
             self.duplicates += 1
             return 0
@@ -143,6 +158,14 @@ class ClusterState:
             if event.statusKind is RunnerStatusKind.FAILED:
                 view.failure = event
         return 1
+
+    def _heard(self, view: RunnerView, stored_ns: int | None) -> None:
+        """Note that the runner of `view` spoke, in a message NATS stored at `stored_ns`."""
+        self.version += 1
+        self.touched.add(view.ref.instanceId)
+        view.heard = self._clock()
+        if stored_ns is not None:
+            view.stored_ns = stored_ns
 
     def _placed(self, ref: RunnerRef, stored_ns: int | None) -> RunnerView:
         """The view of the runner `ref` names, if a placement made that runner where `ref`
@@ -196,11 +219,35 @@ class ClusterState:
                 f"{after} after {quiet:.0f}s: more than it could have used",
             )
 
+    def _unsettle(
+        self, view: RunnerView, fresh: list[tuple[int, FlightEntry]], arrived: int
+    ) -> None:
+        """Hold the entries of `fresh` newer than any the runner's synopsis shows or holds
+        for it, arrived at `arrived`, for `settle`."""
+        unsettled = self._unsettled.get(view.ref.runnerId)
+        if unsettled is None:
+            newer = [e for _, e in fresh if e.seq > view.synopsis.seq]
+            if newer:
+                self._unsettled[view.ref.runnerId] = _Unsettled(view, newer, arrived)
+            return
+        top = unsettled.entries[-1].seq
+        unsettled.entries += [e for _, e in fresh if e.seq > top]
+        unsettled.arrived = arrived
+
+    def settle(self) -> None:
+        """Move every runner's synopsis by the entries applied since the last call."""
+        for runner_id in list(self._unsettled):
+            self._settle(runner_id)
+
+    def _settle(self, runner_id: str) -> None:
+        unsettled = self._unsettled.pop(runner_id, None)
+        if unsettled is not None:
+            received = from_micros(unsettled.arrived)
+            self._progress(unsettled.view, unsettled.entries, received)
+
     def _progress(self, view: RunnerView, entries: list[FlightEntry], received: str) -> None:
         """Move the runner's synopsis to the last of `entries` (newer than what it had),
         received at `received` (no entry counts as later than that)."""
-        if not entries:
-            return
         view.synopsis = advance(view.synopsis, entries, received=received)
         last = entries[-1]
         view.waiting_in = _site(last) if last.event == Breadcrumb.COLLECTIVE_WAIT else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -41,7 +43,7 @@ def test_seq_tracker_agrees_with_a_set_in_any_order(arrivals: list[int]) -> None
 def test_a_history_trimmed_at_its_start_costs_one_run_not_a_set_of_seqs() -> None:
     seqs = SeqTracker()
     batch = entries(rank(0), *[(s, 0, Phase.DECODE_STREAM, s) for s in range(5_000, 6_000)])
-    assert len(seqs.fresh(batch.entries)) == 1_000
+    assert len(seqs.fresh(batch.entries, [e.seq for e in batch.entries])) == 1_000
     for seq in range(6_000, 1_000_000):
         seqs.add(seq)
     assert (seqs.starts, seqs.ends) == ([5_000], [1_000_000])
@@ -50,7 +52,7 @@ def test_a_history_trimmed_at_its_start_costs_one_run_not_a_set_of_seqs() -> Non
 
 def _fill(store: EntryStore, runner: int, times: list[float]) -> None:
     batch = entries(rank(runner), *[(i, t, Phase.DECODE_STREAM, i) for i, t in enumerate(times)])
-    store.add(batch.runner.runnerId, encode(batch), enumerate(batch.entries))
+    store.add(batch.runner.runnerId, encode(batch), list(enumerate(batch.entries)))
 
 
 def test_a_runner_sending_every_other_seq_costs_a_bound_and_its_gaps_stay_counted() -> None:
@@ -90,6 +92,37 @@ def test_late_entries_are_put_in_time_order() -> None:
     assert [e.at for _, _, e in store.newest(["i-r0"], limit=10)] == [at(1), at(5), at(6)]
 
 
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(min_value=0, max_value=3_000), min_size=1, max_size=6),
+            st.integers(min_value=0, max_value=3_000),
+        ),
+        max_size=12,
+    )
+)
+def test_every_entry_is_filed_at_its_time_or_its_arrival_in_time_order(
+    batches: list[tuple[list[int], int]],
+) -> None:
+    """Batches in order or not, within one second or across, some late, some ahead of
+    their arrival (ms after T0): each entry filed where its time belongs, at its arrival
+    when later, after the entries of the same time filed before it."""
+    store, model = EntryStore(), list[tuple[int, int, int]]()
+    for batch, (millis, arrived_ms) in enumerate(batches):
+        sent = entries(
+            rank(0), *[(i, t / 1000, Phase.DECODE_STREAM, i) for i, t in enumerate(millis)]
+        )
+        arrived = micros(at(arrived_ms / 1000))
+        store.add("i-r0", encode(sent), list(enumerate(sent.entries)), arrived)
+        for position, entry in enumerate(sent.entries):
+            filed = min(micros(entry.at), arrived)
+            index = bisect.bisect_right([time for time, _, _ in model], filed)
+            model.insert(index, (filed, batch, position))
+    log = store._logs.get("i-r0")
+    held = list(zip(log.times, log.batches, log.positions, strict=True)) if log else []
+    assert held == model
+
+
 def test_micros_reads_any_rfc3339_form_alike() -> None:
     assert micros("2026-11-21T12:00:01.000002Z") == micros("2026-11-21T13:00:01.000002+01:00")
     assert micros("2026-11-21T12:00:01.000002Z") - micros("2026-11-21T12:00:00Z") == 1_000_002
@@ -117,7 +150,7 @@ def test_retention_per_runner_and_in_total() -> None:
 def test_entries_come_back_as_they_went_in() -> None:
     store = EntryStore()
     batch = entries(rank(0), (0, 1.5, Phase.PREFILL_PIPELINE, 7))
-    store.add("i-r0", encode(batch), enumerate(batch.entries))
+    store.add("i-r0", encode(batch), list(enumerate(batch.entries)))
     ((_, _, stored),) = store.newest(["i-r0"], limit=1)
     original = batch.entries[0]
     assert stored == original

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import random
+
 from rankscope.services.aggregator import answers
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.wire import (
+    Breadcrumb,
+    FlightEntry,
     GenerationRequest,
     InstanceReleased,
     Phase,
+    PhaseEntries,
     ReleaseCause,
+    RunnerRef,
     RunnerStatusKind,
+    RunnerTelemetry,
     TaskCreated,
     TaskKind,
     TaskStatus,
@@ -244,3 +251,56 @@ def test_a_rank_heard_after_its_node_was_found_unreachable_is_not_lost() -> None
     assert [r.lost for r in answers.instance_states(state)[0].ranks] == [False, True]
     state.apply_telemetry(status(rank(1), 2, RunnerStatusKind.READY), stored_ns=3_000)
     assert [r.lost for r in answers.instance_states(state)[0].ranks] == [False, False]
+
+
+def _stream(seed: int) -> list[RunnerTelemetry]:
+    """Two ranks' telemetry in an order a stream may hold: batches out of order and
+    redelivered, a rank giving up then ready again, a failure after it was ready."""
+    gave_up, ready = Breadcrumb.COLLECTIVE_TIMEOUT.value, Breadcrumb.RUNNER_READY.value
+
+    def one(
+        ref: RunnerRef, seq: int, event: str, phase: Phase = Phase.DECODE_STREAM
+    ) -> PhaseEntries:
+        entry = FlightEntry(seq=seq, at=at(seq), phase=phase, event=event, attrs={"step": seq})
+        return PhaseEntries(runner=ref, entries=[entry])
+
+    shuffle = random.Random(seed).shuffle
+    out: list[RunnerTelemetry] = []
+    for r in (rank(0), rank(1)):
+        batches: list[RunnerTelemetry] = [
+            entries(r, *[(s, s, Phase.PREFILL_PIPELINE, s) for s in range(first, first + 3)])
+            for first in range(0, 30, 3)
+        ]
+        shuffle(batches)
+        out += [*batches, batches[2], one(r, 30, gave_up), one(r, 31, ready, Phase.IDLE)]
+        out += [status(r, 32, RunnerStatusKind.FAILED, alive=False), one(r, 33, "e")]
+    return out
+
+
+def test_a_run_of_messages_settled_at_once_leaves_what_one_at_a_time_leaves() -> None:
+    """Ingest moves each runner's synopsis once per run of messages (`settle`): every view
+    ends as if each message had been folded on its own, in the order they came."""
+    for seed in range(20):
+        one_by_one, settled_later = (
+            ClusterState(store=EntryStore(), clock=Clock(), wall=lambda: 1.8e9) for _ in "ab"
+        )
+        for state in (one_by_one, settled_later):
+            state.apply_placement(placed())
+        for event in _stream(seed):
+            one_by_one.apply_telemetry(event)
+            settled_later.apply_telemetry(event, settle=False)
+        settled_later.settle()
+        for ref in (rank(0), rank(1)):
+            alone, later = one_by_one.runners[ref.runnerId], settled_later.runners[ref.runnerId]
+            assert later.synopsis == alone.synopsis
+            assert (later.gave_up, later.failure, later.waiting_in) == (
+                alone.gave_up,
+                alone.failure,
+                alone.waiting_in,
+            )
+            assert alone.failure is not None  # ready at 31, failed at 32
+            assert alone.synopsis.seq == 33
+        query = TimelineQuery()
+        assert answers.timeline(settled_later, query, local_node_id="a") == answers.timeline(
+            one_by_one, query, local_node_id="a"
+        )
