@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -73,6 +74,9 @@ class Bus:
         self.lost: str | None = None
         """Why the connection closed for good, once it has (the gateway is exiting)."""
         self._kv: dict[str, KeyValue] = {}
+        self._asking: dict[tuple[str, bytes], asyncio.Task[bytes]] = {}
+        """Queries in flight by subject and body: an identical one joins the one in flight
+        (a roomful of browsers polling one timeline costs one request, one answer's bytes)."""
 
     @property
     def connected(self) -> bool:
@@ -151,8 +155,24 @@ class Bus:
         raise refused[0]
 
     async def _ask(self, subject: str, body: dict[str, Any], who: str) -> bytes:
+        """The answer to a query, shared with every identical query asked while it is in
+        flight; a caller that goes away leaves it to the others."""
+        key = (subject, encode(body))
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = self._asking[key] = asyncio.create_task(self._request(*key, who))
+            asking.add_done_callback(functools.partial(self._answered, key))
+        return await asyncio.shield(asking)
+
+    def _answered(self, key: tuple[str, bytes], task: asyncio.Task[bytes]) -> None:
+        if self._asking.get(key) is task:
+            del self._asking[key]
+        if not task.cancelled():
+            task.exception()  # seen: every caller may have gone
+
+    async def _request(self, subject: str, body: bytes, who: str) -> bytes:
         try:
-            reply = await self.nc.request(subject, encode(body), timeout=self.timeout)
+            reply = await self.nc.request(subject, body, timeout=self.timeout)
         except NoRespondersError:
             raise BusError(503, f"{who} is not running, or still rebuilding its views") from None
         except (NatsError, TimeoutError):
