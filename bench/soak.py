@@ -31,26 +31,24 @@ def main() -> None:
     ring = ("--ring-port-base", str(free_ports(2)))
     with running_up(work / ".rankscope", "--demo", *ring, env=env) as (_, shown):
         gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
-        job = recorded(gateway, "soak", work / "train.py")
         seen: collections.Counter[str] = collections.Counter()
         samples = 0
-        try:
+        with recorded(gateway, "soak", work / "train.py"):
             started = time.monotonic()
             while time.monotonic() - started < args.minutes * 60:
                 with contextlib.suppress(OSError):
                     for finding in gateway.get("/v1/cluster/diagnosis")["findings"]:
-                        seen[f"{finding['kind']} {finding['summary'][:120]}"] += 1
+                        seen[f"{finding['instanceId']} {finding['kind']}"] += 1
                     samples += 1
                 time.sleep(1)
             history = gateway.get("/v1/cluster/diagnosis/history")["findings"]
-        finally:
-            job.terminate()
-            job.wait(timeout=60)
     print(f"{args.minutes:g} minutes, demo chats every 5 s and a recorded 4-rank job")
     print(f"diagnosis samples: {samples}, with a finding: {sum(seen.values())}")
+    for what, count in seen.most_common():
+        print(f"  {count:5d} samples: {what}")
     print(f"incidents in the history: {len(history)}")
-    for said, count in seen.most_common():
-        print(f"  {count:5d} samples: {said}")
+    for incident in history:
+        print(f"  {incident['since']} .. {incident['clearedAt']}: {incident['summary'][:160]}")
 
 
 if __name__ == "__main__":

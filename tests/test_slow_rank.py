@@ -196,12 +196,14 @@ def test_a_pipeline_rank_slowed_twice_over_is_named_and_cleared(tmp_path: Path) 
         ], [(f["since"], f["clearedAt"], f["summary"]) for f in history]
 
 
-def recorded(gateway: Gateway, job: str, script: Path) -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def recorded(gateway: Gateway, job: str, script: Path) -> Iterator[None]:
     """`DATA_PARALLEL` written to `script` and run on 4 ring ranks under `rankscope record`
-    as `job`, into the stack of `gateway`."""
+    as `job`, into the stack of `gateway`, while the block lasts. Its ranks are killed
+    after: `mlx.launch` ends on SIGTERM without its ranks, as it does unrecorded."""
     script.write_text(DATA_PARALLEL)
     hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "4", "-p", str(free_ports(4))]
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-m", "rankscope.services.cli", "record", "--job", job, "--",
          LAUNCH, *hosts, "--", sys.executable, str(script)],
         stdout=subprocess.DEVNULL,
@@ -209,6 +211,14 @@ def recorded(gateway: Gateway, job: str, script: Path) -> subprocess.Popen[str]:
         text=True,
         env={**os.environ, "RANKSCOPE_NATS_URL": gateway.nats},
     )  # fmt: skip
+    try:
+        yield
+    finally:
+        for found in psutil.process_iter(["cmdline"]):
+            if str(script) in (found.info["cmdline"] or []):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    found.kill()
+        process.communicate(timeout=60)
 
 
 @contextlib.contextmanager
@@ -225,22 +235,14 @@ def more_work(script: Path, rank: int, factor: int) -> Iterator[None]:
 
 def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    with stack(tmp_path / ".rankscope") as gateway:
-        job = recorded(gateway, "dp-1", script)
-        try:
-            gateway.until(lambda: len(_ranks(gateway, "dp-1")) == 4, 60)
-            gateway.quiet_for("dp-1", HEALTHY_S)
-            # three times the work of rank 2 reads as twice its time: its neighbour on the
-            # core (rank 0) computes beside its first third
-            with more_work(script, rank=2, factor=3):
-                gateway.named_slow("dp-1", culprit=2, within=NAMED_WITHIN_S, then=10)
-            gateway.until(lambda: not gateway.findings("dp-1"), 60)
-        finally:
-            for process in psutil.process_iter(["cmdline"]):
-                if str(script) in (process.info["cmdline"] or []):
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        process.kill()
-            job.communicate(timeout=60)
+    with stack(tmp_path / ".rankscope") as gateway, recorded(gateway, "dp-1", script):
+        gateway.until(lambda: len(_ranks(gateway, "dp-1")) == 4, 60)
+        gateway.quiet_for("dp-1", HEALTHY_S)
+        # three times the work of rank 2 reads as twice its time: its neighbour on the
+        # core (rank 0) computes beside its first third
+        with more_work(script, rank=2, factor=3):
+            gateway.named_slow("dp-1", culprit=2, within=NAMED_WITHIN_S, then=10)
+        gateway.until(lambda: not gateway.findings("dp-1"), 60)
 
 
 def _ranks(gateway: Gateway, instance: str) -> list[dict[str, Any]]:
