@@ -1,5 +1,5 @@
 """`GET /v1/cluster/timeline?limit=1000` through the gateway, next to a bare Starlette
-endpoint that serves the same bytes, in the same run (target: >= 0.5 of bare).
+endpoint that serves the same bytes, in the same run (target: >= 0.8 of bare).
 
 Aggregator, gateway and the bare endpoint each run in their own process, as deployed;
 the same client makes the same requests with the same concurrency to both, alternating.

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ log = logging.getLogger(__name__)
 BATCH = 512
 """Messages asked for in one pull: enough to hide the round trip, few enough to hold."""
 
-YIELD_EVERY = 16
-"""Messages handled back to back before other tasks (queries) get a turn."""
+YIELD_AFTER_S = 0.002
+"""How long messages are handled back to back before other tasks (queries) get a turn:
+long enough that a runner's messages in a row are settled together (see `Follower`),
+short beside a query's answer."""
 
 HEARTBEAT_S = 2.0
 """The server's idle heartbeat while a pull waits for messages."""
@@ -144,6 +147,8 @@ class Follower:
         self._stopping = False
         self._refiltered = False
         self._rewinds: list[_Rewind] = []
+        self._turn = 0.0
+        """When other tasks last had a turn (`time.perf_counter`)."""
 
     async def start(self) -> None:
         """Create the first consumer (errors reach the caller) and start pulling."""
@@ -338,9 +343,10 @@ class Follower:
             self.handled += 1
             if not self.caught_up.is_set() and (consumer_seq >= self._target or pending == 0):
                 self.caught_up.set()
-        if consumer_seq % YIELD_EVERY == 0:
+        if time.perf_counter() - self._turn >= YIELD_AFTER_S:
             self._settled()
             await asyncio.sleep(0)
+            self._turn = time.perf_counter()
 
     async def _again(self, msg: Msg, stream_seq: int) -> None:
         """A message handled before: handled now only if it is of subjects added since
