@@ -182,7 +182,7 @@ def _on_demo(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
         nats_pid = _nats_pid(data)
         gateway.until(lambda: _ready(gateway), 180)
         with chatting(gateway):
-            time.sleep(75)  # a minute of load: every rank's usual pace is known
+            time.sleep(100)  # load until every rank's usual pace is known (`RANKSCOPE_SLOW_LEARN`)
             for kind, count in faults:
                 last = -math.inf
                 for _ in range(count):

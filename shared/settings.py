@@ -262,6 +262,12 @@ class Settings:
         "nothing is wrong) a rank's work must also exceed its usual by to be named slow; "
         "0 judges by the ratios alone.",
     )
+    slow_learn: float = _setting(
+        90.0,
+        _duration,
+        "Seconds of a rank's pace samples the aggregator needs before it can name the rank "
+        "slow: its usual work per step and how far that strays are learnt from them.",
+    )
     record_give_up: float = _setting(
         60.0,
         _duration,

@@ -43,6 +43,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
                     window=settings.slow_window,
                     hold=settings.slow_hold,
                     noise=settings.slow_noise,
+                    learn=settings.slow_learn,
                 ),
             ),
             # a silent node is reported well before the rank-table service, one TTL after

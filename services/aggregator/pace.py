@@ -74,17 +74,18 @@ class PaceLimits:
     """How far back a span reaches for `steps` sampled steps when steps are sparse."""
     steps: int = 12
     """Sampled steps each rank needs in a span to be judged."""
-    learn: float = 60.0
+    learn: float = 90.0
     """Seconds of samples a rank needs before its usual counts (and `glance`s of them
-    with steps: at least five)."""
+    with steps: at least five): sooner, its usual and its own spread rest on too few
+    spans, and a healthy rank strays past them."""
     excess: float = 0.0001
     """Seconds a step a slow rank's work must exceed its usual by, besides the ratio: at a
     millisecond a step, the scheduler's jitter alone moves the ratio."""
     noise: float = 5.0
     """...and by this many times its own spread over spans as long: how far its work per
     step strays from its usual when nothing is wrong (1.4826 times the median absolute
-    deviation of its means over every such span it holds). A rank sharing its core with
-    others strays far, and only a slowdown beyond that names it."""
+    deviation of its `typical` work per step over every such span it holds). A rank
+    sharing its core with others strays far, and only a slowdown beyond that names it."""
 
 
 class PaceImage(msgspec.Struct, array_like=True):
@@ -152,45 +153,53 @@ class PaceHistory:
     def recent(
         self, now: float, span: float, limits: PaceLimits
     ) -> tuple[float, int, float, float]:
-        """(since when, steps, work per step, wait per step) of the newest samples, back
-        `span` seconds from `now`, further (up to `reach`) until they hold `steps` steps."""
-        steps, work, wait, since = 0, 0.0, 0.0, now
-        for at, count, worked, waited in reversed(self.samples):
+        """(since when, steps, work per step, wait per step: their `typical`) of the newest
+        samples, back `span` seconds from `now`, further (up to `reach`) until they hold
+        `steps` steps."""
+        taken: list[tuple[float, int, float, float]] = []
+        steps, since = 0, now
+        for sample in reversed(self.samples):
+            at, count = sample[0], sample[1]
             if at > now:
                 continue
             if now - at > limits.reach or (now - at > span and steps >= limits.steps):
                 break
-            steps, work, wait, since = steps + count, work + worked, wait + waited, at
-        return since, steps, work / steps if steps else 0.0, wait / steps if steps else 0.0
+            taken.append(sample)
+            steps, since = steps + count, at
+        return since, steps, typical(taken, 2), typical(taken, 3)
 
     def usual(self, before: float, limits: PaceLimits) -> float | None:
         """Its usual work per step, from its samples before `before`: the median of its
-        work per step in each `glance` of time; None until `learn` seconds are held."""
+        `typical` work per step in each `glance` of time; None until `learn` seconds are
+        held."""
         worked_out, value = self._usual
         if abs(before - worked_out) < _USUAL_EVERY_S:
             return value
-        chunks: dict[int, tuple[int, float]] = {}
+        chunks: dict[int, list[tuple[float, int, float, float]]] = {}
         first: float | None = None
-        for at, count, worked, _ in self.samples:
-            if at >= before or not count:
+        for sample in self.samples:
+            if sample[0] >= before or not sample[1]:
                 continue
-            first = at if first is None else first
-            key = int(at // limits.glance)
-            steps, work = chunks.get(key, (0, 0.0))
-            chunks[key] = (steps + count, work + worked)
-        means = [work / steps for steps, work in chunks.values() if steps >= _CHUNK_STEPS]
+            first = sample[0] if first is None else first
+            chunks.setdefault(int(sample[0] // limits.glance), []).append(sample)
+        typicals = [
+            typical(chunk, 2)
+            for chunk in chunks.values()
+            if sum(sample[1] for sample in chunk) >= _CHUNK_STEPS
+        ]
         value = None
-        if len(means) >= _LEARN_CHUNKS and first is not None and before - first >= limits.learn:
-            value = statistics.median(means)
+        if len(typicals) >= _LEARN_CHUNKS and first is not None and before - first >= limits.learn:
+            value = statistics.median(typicals)
         self._usual = (before, value)
         return value
 
     def spread(self, before: float, span: float, limits: PaceLimits) -> float | None:
         """How far its work per step over `span` seconds strays from its usual, from its
-        samples before `before`: 1.4826 times the median absolute deviation of its means
-        over every `span` ending at one of them. Over shorter spans (down to a `glance`)
-        while it holds fewer than five spans' worth, as those stray further; None while it
-        has no usual or holds fewer than five glances' worth (too few to tell by)."""
+        samples before `before`: 1.4826 times the median absolute deviation of its
+        `typical` work per step over every `span` ending at one of them. Over shorter spans
+        (down to a `glance`) while it holds fewer than five spans' worth, as those stray
+        further; None while it has no usual or holds fewer than five glances' worth (too
+        few to tell by)."""
         asked = span
         worked_out, value = self._spreads.get(asked, (-1e18, None))
         if abs(before - worked_out) < _USUAL_EVERY_S:
@@ -201,16 +210,16 @@ class PaceHistory:
         if seconds < _LEARN_CHUNKS * limits.glance:
             held = []
         span = max(limits.glance, min(span, seconds / _LEARN_CHUNKS))
-        means: list[float] = []
-        steps, work, first = 0, 0.0, 0
-        for at, count, worked, _ in held:
-            steps, work = steps + count, work + worked
+        typicals: list[float] = []
+        steps, first = 0, 0
+        for last, (at, count, _, _) in enumerate(held):
+            steps += count
             while held[first][0] <= at - span:
-                steps, work, first = steps - held[first][1], work - held[first][2], first + 1
+                steps, first = steps - held[first][1], first + 1
             if first and steps >= _CHUNK_STEPS:  # a whole span: one began before it
-                means.append(work / steps)
-        if usual is not None and means:
-            value = _MAD_TO_SD * statistics.median(abs(mean - usual) for mean in means)
+                typicals.append(typical(held[first : last + 1], 2))
+        if usual is not None and typicals:
+            value = _MAD_TO_SD * statistics.median(abs(found - usual) for found in typicals)
         self._spreads[asked] = (before, value)
         return value
 
@@ -251,6 +260,24 @@ class PaceHistory:
         history._work_counts, history._wait_counts = image.work_counts, image.wait_counts
         history._totals = image.totals
         return history
+
+
+def typical(samples: Sequence[tuple[float, int, float, float]], field: int) -> float:
+    """The interquartile mean per step of the seconds at `field` (2: work, 3: wait) of
+    `samples`: the mean of the middle half of their values per step, each sample weighing
+    its steps (0.0 when they hold none). A sampled step preempted on a busy core (ten times
+    its usual work, now and then) moves a plain mean over a span of them; a slowdown moves
+    the middle half."""
+    values = sorted((sample[field] / sample[1], sample[1]) for sample in samples if sample[1])
+    total = sum(count for _, count in values)
+    low, high = total / 4, 3 * total / 4
+    passed, kept, summed = 0, 0.0, 0.0
+    for value, count in values:
+        inside = min(passed + count, high) - max(passed, low)
+        if inside > 0:
+            kept, summed = kept + inside, summed + inside * value
+        passed += count
+    return summed / kept if kept else 0.0
 
 
 def _cumulative(counts: Sequence[int]) -> list[int]:

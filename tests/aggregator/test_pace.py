@@ -41,7 +41,12 @@ class Job:
     rank r's step takes `usual[r]` seconds of work times its slowdown, with noise."""
 
     def __init__(
-        self, usual: list[float], seed: int = 7, wobbly: frozenset[int] = frozenset()
+        self,
+        usual: list[float],
+        seed: int = 7,
+        wobbly: frozenset[int] = frozenset(),
+        sampled: int = STEPS_A_SECOND,
+        preempted: float = 0.0,
     ) -> None:
         self.now = 1000.0
         self.state = ClusterState(store=EntryStore(), clock=lambda: self.now)
@@ -53,6 +58,11 @@ class Job:
         self.wobbly = wobbly
         """Ranks sharing their core: their work strays for seconds at a time."""
         self.strays = [1.0] * len(usual)
+        self.sampled = sampled
+        """Steps each rank samples a second."""
+        self.preempted = preempted
+        """The chance that one of a second's sampled steps of a rank is preempted (a busy
+        core): it works ten times as long."""
         self.thresholds = Thresholds()
         self.step_every = 1
         """Seconds between steps: past 1, each rank samples one step, then none until the
@@ -83,11 +93,13 @@ class Job:
             for u, s, w in zip(self.usual, self.slowdown, self.strays, strict=False)
         ]
         step = max(works)
-        steps = STEPS_A_SECOND if self.step_every == 1 else int(self.now % self.step_every == 0)
+        steps = self.sampled if self.step_every == 1 else int(self.now % self.step_every == 0)
         for r, work in enumerate(works):
+            preempted = self.preempted and steps and self.noise.random() < self.preempted
+            late = 9 * work if preempted else 0.0
             pace = StepPace(
                 steps=steps,
-                workSeconds=work * steps,
+                workSeconds=work * steps + late,
                 waitSeconds=(step - work + 0.0002) * steps,
             )
             snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
@@ -214,6 +226,17 @@ def test_a_rank_whose_work_strays_by_nature_is_named_only_beyond_its_own_spread(
     job.slowdown[1] = 2.0
     named = {tuple(f.culpritRanks) for found in job.run(30) for f in found}
     assert named == {(1,)}
+
+
+def test_a_step_preempted_now_and_then_names_nobody_a_slowdown_still_named() -> None:
+    """Three sampled steps a second, and one second's in fifty with a step ten times as
+    long (a busy core preempted it): a mean over 8 s of them doubles now and then."""
+    job = Job([0.005, 0.005, 0.005, 0.005], seed=5, sampled=3, preempted=0.02)
+    assert not any(job.run(1800))
+    job.slowdown[2] = 2.0
+    slowed = job.run(30)
+    assert _first(slowed) <= 15
+    assert {tuple(f.culpritRanks) for found in slowed for f in found} == {(2,)}
 
 
 def test_a_rank_named_slow_stays_named_while_steps_are_too_sparse_to_judge() -> None:
