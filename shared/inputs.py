@@ -51,11 +51,11 @@ _KIND: dict[type, TelemetryKind] = {
 }
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _subject(
-    subjects: Subjects, node_id: str, instance_id: str, rank: int, kind: TelemetryKind
-) -> str:
-    return subjects.runner(node_id, instance_id, rank, kind)
+_SAID: dict[str, tuple[str, str, str, str, int, TelemetryKind]] = {}
+"""Each telemetry subject a message passed on, with its prefix and the runner and kind the
+message said: a runner's next message saying the same needs no ids checked again (most
+of what telemetry costs to check)."""
+_SAID_MOST = 1 << 16
 
 
 FIELD_LIMIT = 16 << 10
@@ -112,12 +112,19 @@ def parse_telemetry(data: bytes, subject: str, subjects: Subjects) -> RunnerTele
     if len(data) > FIELD_LIMIT:  # a message no larger holds no field past the limits
         _bounded(event)
     ref = event.runner
+    kind = _KIND[type(event)]
+    said = (subjects.prefix, ref.nodeId, ref.instanceId, ref.runnerId, ref.deviceRank, kind)
+    if _SAID.get(subject) == said:
+        return event
     _named(ref.nodeId, ref.instanceId, ref.runnerId)
-    named = _subject(subjects, ref.nodeId, ref.instanceId, ref.deviceRank, _KIND[type(event)])
+    named = subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, kind)
     if subject != named:
         raise BadInputError(
             "telemetry_identity", f"received on {subject!r}, but its runner's subject is {named!r}"
         )
+    if len(_SAID) >= _SAID_MOST:
+        _SAID.clear()
+    _SAID[subject] = said
     return event
 
 

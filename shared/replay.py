@@ -20,10 +20,10 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import cast
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -94,8 +94,9 @@ class Follower:
         js: JetStream context.
         stream: the stream followed.
         subjects: filter subjects (interleaved in stream order).
-        handle: called once per message, in order; it should not raise (an exception is
-            logged and the message skipped).
+        handle: called once per message, in order, plain or async (a plain one costs no
+            coroutine a message); it should not raise (an exception is logged and the
+            message skipped).
         settle: called before the follower lets other tasks run (and so before
             `caught_up` wakes anyone): what `handle` left to do once for many messages
             must be done by then.
@@ -111,7 +112,7 @@ class Follower:
         js: JetStreamContext,
         stream: str,
         subjects: Sequence[str],
-        handle: Callable[[Msg], Awaitable[None]],
+        handle: Callable[[Msg], Awaitable[None] | None],
         settle: Callable[[], None] = lambda: None,
         deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
         start_time: datetime | None = None,
@@ -141,8 +142,8 @@ class Follower:
         self._consumer = ""
         self._inbox = ""
         self._subscription: Subscription | None = None
-        self._arrived: deque[Msg] = deque()
-        self._wake = asyncio.Event()
+        self._arrived: asyncio.Queue[Msg | None] | None = None
+        """The subscription's own queue of deliveries (None: a nudge)."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._refiltered = False
@@ -176,7 +177,7 @@ class Follower:
         if first and first <= self.last_seq:
             self._rewinds.append(_Rewind(added=added, done=first - 1, until=self.last_seq))
         self._refiltered = True
-        self._wake.set()
+        self._nudge()
 
     def narrow(self, subjects: Sequence[str]) -> None:
         """Stop following `subjects` from the next message on.
@@ -190,7 +191,7 @@ class Follower:
         if kept != self._subjects:
             self._subjects = kept
             self._refiltered = True
-            self._wake.set()
+            self._nudge()
 
     async def stop(self) -> None:
         """Stop following and remove the consumer."""
@@ -208,12 +209,14 @@ class Follower:
             start = min((r.done + 1 for r in self._rewinds), default=self.last_seq + 1)
             policy = DeliverPolicy.BY_START_SEQUENCE
         inbox = self._nc.new_inbox()
-        self._arrived.clear()
         # the client holds what the pulls asked for (at most 2.5 batches when an expired
-        # pull did not say what it owed) and a few statuses, never more
+        # pull did not say what it owed) and a few statuses, never more; no callback:
+        # deliveries are taken off the subscription's queue as they are handled, not
+        # handed on by a task and a coroutine each (a tenth of what following costs)
         self._subscription = await self._nc.subscribe(
-            inbox, cb=self._arrive, pending_msgs_limit=3 * self._batch + 64, pending_bytes_limit=0
+            inbox, pending_msgs_limit=3 * self._batch + 64, pending_bytes_limit=0
         )
+        self._arrived = cast("asyncio.Queue[Msg | None]", self._subscription._pending_queue)
         config = ConsumerConfig(
             name=self._nc._nuid.next().decode(),
             deliver_policy=policy,
@@ -245,9 +248,11 @@ class Follower:
                 await self._js.delete_consumer(self._stream, self._consumer)
             self._consumer = ""
 
-    async def _arrive(self, msg: Msg) -> None:
-        self._arrived.append(msg)
-        self._wake.set()
+    def _nudge(self) -> None:
+        """Wake the consumer should it wait for deliveries (its subjects changed)."""
+        if self._arrived is not None:
+            with contextlib.suppress(asyncio.QueueFull):  # full: it is not waiting
+                self._arrived.put_nowait(None)
 
     async def _pull(self) -> None:
         """Ask for another batch; the server ends a pull after `batch` messages, or with a
@@ -288,27 +293,35 @@ class Follower:
         """Keep between half a batch and a batch and a half asked for, so the next batch is
         on its way while this one is handled."""
         self._requested = 0
+        arrived = self._arrived
+        assert arrived is not None, "a consumer follows after `_open`"
         try:
             await self._pull()
             while True:
                 if self._refiltered:
                     raise _RefilteredError
-                if not self._arrived:
+                if arrived.empty():
                     self._settled()
-                    self._wake.clear()
                     try:
                         # not `wait_for`: on Python 3.11 it can swallow a cancellation that
                         # arrives as the wait ends, and `stop` would wait forever
                         async with asyncio.timeout(self._heartbeat * STALL_HEARTBEATS):
-                            await self._wake.wait()
+                            msg = await arrived.get()
                     except TimeoutError:
                         raise _RestartError("no heartbeat from the server") from None
+                else:
+                    msg = arrived.get_nowait()
+                if msg is None:
                     continue
-                msg = self._arrived.popleft()
                 status = msg.headers.get(_STATUS) if msg.headers else None
                 if status is None:
-                    await self._take(msg)
+                    if (left := self._take(msg)) is not None:
+                        await left
                     self._requested -= 1
+                    if time.perf_counter() - self._turn >= YIELD_AFTER_S:
+                        self._settled()
+                        await asyncio.sleep(0)
+                        self._turn = time.perf_counter()
                 elif status in (_EXPIRED, _NO_MESSAGES):
                     owed = (msg.headers or {}).get("Nats-Pending-Messages")
                     self._requested = max(self._requested - int(owed), 0) if owed else 0
@@ -328,48 +341,72 @@ class Follower:
         except Exception:
             log.exception("settling %s after seq %d failed", self._stream, self.last_seq)
 
-    async def _take(self, msg: Msg) -> None:
-        """Handle one delivery, or restart on a gap in the consumer's sequence."""
+    def _take(self, msg: Msg) -> Awaitable[None] | None:
+        """Handle one delivery, or restart on a gap in the consumer's sequence; what is
+        left to await of an async `handle` (a plain one leaves nothing: no coroutine a
+        message)."""
         stream_seq, consumer_seq, pending = _positions(msg.reply)
         if consumer_seq != self._delivered + 1:
             raise _RestartError(f"delivery {consumer_seq} after {self._delivered}")
         self._delivered = consumer_seq
         if stream_seq <= self.last_seq:
-            await self._again(msg, stream_seq)
-        else:
-            self._rewinds.clear()
-            await self._apply(msg, stream_seq)
-            self.last_seq = stream_seq
-            self.handled += 1
-            if not self.caught_up.is_set() and (consumer_seq >= self._target or pending == 0):
-                self.caught_up.set()
-        if time.perf_counter() - self._turn >= YIELD_AFTER_S:
-            self._settled()
-            await asyncio.sleep(0)
-            self._turn = time.perf_counter()
+            return self._again(msg, stream_seq)
+        self._rewinds.clear()
+        handling = self._call(msg, stream_seq)
+        if handling is not None:
+            return self._then(handling, msg, stream_seq, consumer_seq, pending)
+        self._handled(stream_seq, consumer_seq, pending)
+        return None
+
+    async def _then(
+        self, handling: Awaitable[None], msg: Msg, stream_seq: int, consumer_seq: int, pending: int
+    ) -> None:
+        await self._finish(handling, msg, stream_seq)
+        self._handled(stream_seq, consumer_seq, pending)
+
+    def _handled(self, stream_seq: int, consumer_seq: int, pending: int) -> None:
+        self.last_seq = stream_seq
+        self.handled += 1
+        if not self.caught_up.is_set() and (consumer_seq >= self._target or pending == 0):
+            self.caught_up.set()
 
     async def _again(self, msg: Msg, stream_seq: int) -> None:
         """A message handled before: handled now only if it is of subjects added since
         and not yet gone over for them."""
         due = [r for r in self._rewinds if r.done < stream_seq <= r.until]
         if any(r.added(msg.subject) for r in due):
-            await self._apply(msg, stream_seq)
+            handling = self._call(msg, stream_seq)
+            if handling is not None:
+                await self._finish(handling, msg, stream_seq)
             self.handled += 1
         for rewind in due:
             rewind.done = stream_seq
         self._rewinds = [r for r in self._rewinds if r.done < r.until]
 
-    async def _apply(self, msg: Msg, stream_seq: int) -> None:
+    def _call(self, msg: Msg, stream_seq: int) -> Awaitable[None] | None:
         try:
-            await self._handle(msg)
+            return self._handle(msg)
         except Exception:
-            log.exception("handling %s seq %d failed; skipped", msg.subject, stream_seq)
+            _skipped(msg, stream_seq)
+            return None
+
+    @staticmethod
+    async def _finish(handling: Awaitable[None], msg: Msg, stream_seq: int) -> None:
+        try:
+            await handling
+        except Exception:
+            _skipped(msg, stream_seq)
+
+
+def _skipped(msg: Msg, stream_seq: int) -> None:
+    """Log the exception a handler raised for `msg` (it is skipped)."""
+    log.exception("handling %s seq %d failed; skipped", msg.subject, stream_seq)
 
 
 async def follow(
     js: JetStreamContext,
     subject: str,
-    handle: Callable[[Msg], Awaitable[None]],
+    handle: Callable[[Msg], Awaitable[None] | None],
     *,
     settle: Callable[[], None] = lambda: None,
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL,

@@ -97,6 +97,38 @@ async def test_several_subjects_interleave_in_stream_order(nc: Client, layout: L
     await follower.stop()
 
 
+@pytest.mark.parametrize("plain", [True, False], ids=["plain handler", "async handler"])
+async def test_a_handler_plain_or_async_that_fails_loses_only_its_message(
+    nc: Client, layout: Layout, plain: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    js = nc.jetstream()
+    await ensure(js, layout)
+    subject = layout.subjects.tasks("i")
+    await _publish(js, subject, 0, 300)
+    seen: list[int] = []
+    all_taken = asyncio.Event()
+
+    def keep(msg: Msg) -> None:
+        if int(msg.data) == 399:
+            all_taken.set()
+        if int(msg.data) % 7 == 3:
+            raise RuntimeError(f"cannot take {msg.data!r}")
+        seen.append(int(msg.data))
+
+    async def keep_async(msg: Msg) -> None:
+        await asyncio.sleep(0)
+        keep(msg)
+
+    follower = await follow(js, subject, keep if plain else keep_async, batch=64)
+    await asyncio.wait_for(follower.caught_up.wait(), WAIT)
+    await _publish(js, subject, 300, 100)  # and live ones after
+    await asyncio.wait_for(all_taken.wait(), WAIT)
+    assert seen == [n for n in range(400) if n % 7 != 3]
+    assert (follower.handled, follower.restarts) == (400, 0)
+    assert sum("failed; skipped" in r.getMessage() for r in caplog.records) == 57
+    await follower.stop()
+
+
 async def _publish(js: JetStreamContext, subject: str, first: int, count: int) -> None:
     for start in range(first, first + count, 1000):
         acks = [

@@ -85,7 +85,7 @@ class Ingest:
         """Whether the message is of an instance of another partition (not decoded)."""
         return not self._partition.owns_subject(msg.subject, self._layout.subjects)
 
-    async def on_telemetry(self, msg: Msg) -> None:
+    def on_telemetry(self, msg: Msg) -> None:
         if self._foreign(msg):
             return
         try:
@@ -151,7 +151,7 @@ class Ingest:
                 for item in self._parking.take(assignment.runnerId):
                     self._apply_telemetry(item)
 
-    async def on_task(self, msg: Msg) -> None:
+    def on_task(self, msg: Msg) -> None:
         if self._foreign(msg):
             return
         try:
