@@ -11,6 +11,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import uvloop
 from nats.aio.client import Client
@@ -20,7 +21,13 @@ from rankscope.shared.connection import ConnectionLostError, Lifeline, connect
 from rankscope.shared.jetstream import Layout, LayoutError, ensure
 from rankscope.shared.settings import Settings
 
-__all__ = ["SHUTDOWN_GRACE_S", "Connected", "connected", "run_until_signalled"]
+__all__ = [
+    "SHUTDOWN_GRACE_S",
+    "Connected",
+    "connected",
+    "quiet_closed_writes",
+    "run_until_signalled",
+]
 
 log = logging.getLogger("rankscope")
 
@@ -37,6 +44,7 @@ def run_until_signalled(
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(quiet_closed_writes)
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         serving = asyncio.ensure_future(serve_until(settings, stop))
@@ -60,6 +68,19 @@ def run_until_signalled(
         log.error("%s", exc)
         return 1
     return 0
+
+
+def quiet_closed_writes(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's handler of errors no task retrieved: a write to a connection already
+    closed is one debug line (the NATS client flushes what it still holds as it closes a
+    connection the server dropped; uvloop raises where asyncio's own loop lets it pass,
+    MagicStack/uvloop#506), not a traceback on a service's way out; the rest as asyncio
+    reports them."""
+    error = context.get("exception")
+    if isinstance(error, RuntimeError) and str(error).endswith("the handler is closed"):
+        log.debug("a write after its connection closed: %s", error)
+        return
+    loop.default_exception_handler(context)
 
 
 @dataclass(frozen=True, slots=True)

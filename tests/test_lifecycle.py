@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -12,8 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvloop
 
 from rankscope.services.gateway.deps import NOT_YET
+from rankscope.services.lifecycle import quiet_closed_writes
 from rankscope.shared.nats_server import EmbeddedNats
 from tests.stack_up import free_port
 
@@ -87,3 +91,37 @@ def test_a_gateway_that_cannot_reach_nats_serves_not_ready_and_stops_when_asked(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+async def _write_after_close() -> RuntimeError:
+    """What uvloop raises for a write to a connection it closed (asyncio's loop would let
+    it pass)."""
+    server = await asyncio.start_server(lambda _, writer: writer.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.transport.close()
+    await asyncio.sleep(0.05)
+    try:
+        writer.transport.writelines([b"PUB late 0\r\n\r\n"])
+    except RuntimeError as late:
+        return late
+    finally:
+        server.close()
+    raise AssertionError("the write after close passed")
+
+
+def test_a_write_after_the_connection_closed_is_no_traceback_other_errors_are(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    late = uvloop.run(_write_after_close())
+    loop = uvloop.new_event_loop()
+    with caplog.at_level(logging.DEBUG):
+        for error in (late, RuntimeError("something else")):
+            quiet_closed_writes(
+                loop, {"message": "Task exception was never retrieved", "exception": error}
+            )
+    loop.close()
+    assert [(r.name, r.levelno, r.exc_info is not None) for r in caplog.records] == [
+        ("rankscope", logging.DEBUG, False),
+        ("asyncio", logging.ERROR, True),
+    ]

@@ -35,6 +35,7 @@ from rankscope.services.gateway.routes import (
     skulk,
 )
 from rankscope.services.gateway.scatter import MissingPartitions
+from rankscope.services.lifecycle import quiet_closed_writes
 from rankscope.shared.connection import close, connect
 from rankscope.shared.host import hostname
 from rankscope.shared.jetstream import Layout, LayoutError, ensure
@@ -101,6 +102,8 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        asyncio.get_running_loop().set_exception_handler(quiet_closed_writes)
+
         def lost(reason: str) -> None:
             if app.state.bus is not None:
                 app.state.bus.lost = reason
