@@ -53,8 +53,8 @@ _KIND: dict[type, TelemetryKind] = {
 
 _SAID: dict[str, tuple[str, str, str, str, int, TelemetryKind]] = {}
 """Each telemetry subject a message passed on, with its prefix and the runner and kind the
-message said: a runner's next message saying the same needs no ids checked again (most
-of what telemetry costs to check)."""
+message said: a runner's next message saying the same needs no ids checked again (three
+ids escaped and its subject built, a message)."""
 _SAID_MOST = 1 << 16
 
 

@@ -212,7 +212,7 @@ class Follower:
         # the client holds what the pulls asked for (at most 2.5 batches when an expired
         # pull did not say what it owed) and a few statuses, never more; no callback:
         # deliveries are taken off the subscription's queue as they are handled, not
-        # handed on by a task and a coroutine each (a tenth of what following costs)
+        # handed on by a task and a coroutine each
         self._subscription = await self._nc.subscribe(
             inbox, pending_msgs_limit=3 * self._batch + 64, pending_bytes_limit=0
         )
