@@ -64,8 +64,10 @@ class PaceLimits:
     factor of the worst's: while one rank is much slower its peers wait on it, and some of
     that wait shows as their work (a collective's input waiting on the last one)."""
     clear: float = 1.1
-    """A rank named slow stays named until its ratio falls under this (or under
-    `clear_apart` times its peers')."""
+    """A rank named slow stays named until its ratio over `window` falls under this (or
+    under `clear_apart` times its peers'); over a `glance`, only while it is over the
+    bars that name a rank: a glance strays further, and a rank back in line whose pace
+    wobbles after would stay named glance after glance."""
     clear_apart: float = 1.0
     hold: float = 10.0
     """Seconds a named rank must stay back in line before its finding clears: a pace
@@ -366,11 +368,12 @@ def judge_pace(
         judged = [pace for pace, _, _ in found]
         ratios = [p.ratio or 0.0 for p in judged]
         peers = [statistics.median(ratios[:i] + ratios[i + 1 :]) for i in range(len(ratios))]
+        held = [i in named and span == limits.window for i in range(len(found))]
         slow = [  # its spread worked out only for a rank over the bars (it reads the history)
             i
             for i, (pace, history, since) in enumerate(found)
-            if _slow(pace, peers[i], limits, (bar, apart), named=i in named)
-            and (i in named or ratios[i] >= _strays(history, since, span, limits))
+            if _slow(pace, peers[i], limits, (bar, apart), named=held[i])
+            and (held[i] or ratios[i] >= _strays(history, since, span, limits))
         ]
         if not slow:
             judged_none = judged_none or SlowVerdict(slow=[], paces=judged, peers_ratio=peers)

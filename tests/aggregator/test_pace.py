@@ -4,8 +4,10 @@ ranks that differ by design name nobody."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -34,6 +36,7 @@ from rankscope.shared.wire import (
 from tests.aggregator.builders import at, entries, judged, placed, rank
 
 STEPS_A_SECOND = 40
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "pace"
 
 
 class Job:
@@ -102,15 +105,31 @@ class Job:
                 workSeconds=work * steps + late,
                 waitSeconds=(step - work + 0.0002) * steps,
             )
-            snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
-            sample = MemorySampled(
-                runner=self.ranks[r], seq=self._seq(r), snapshot=snapshot, pace=pace
-            )
-            self.state.apply_telemetry(sample, stored_ns=self._ns())
-            self.state.apply_telemetry(
-                entries(self.ranks[r], (self._seq(r), self.now - 1000, Phase.DECODE_STREAM, 2)),
-                stored_ns=self._ns(),
-            )
+            self._sample(r, pace, self.now)
+
+    def _sample(self, r: int, pace: StepPace, stored: float) -> None:
+        """Rank `r`'s memory sample carrying `pace` and a decode entry, as NATS stored them
+        at `stored` (seconds)."""
+        snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
+        sample = MemorySampled(runner=self.ranks[r], seq=self._seq(r), snapshot=snapshot, pace=pace)
+        self.state.apply_telemetry(sample, stored_ns=int(stored * 1e9))
+        self.state.apply_telemetry(
+            entries(self.ranks[r], (self._seq(r), self.now - 1000, Phase.DECODE_STREAM, 2)),
+            stored_ns=int(stored * 1e9),
+        )
+
+    def replay(self, samples: list[list[float]]) -> list[list[Finding]]:
+        """Recorded samples, each [seconds after the first, rank, steps, work and wait
+        seconds], applied as NATS stored them; judged each second."""
+        start, found, left = self.now, [], list(samples)
+        while left:
+            self.now += 1.0
+            while left and start + left[0][0] <= self.now:
+                when, r, steps, work, wait = left.pop(0)
+                pace = StepPace(steps=int(steps), workSeconds=work, waitSeconds=wait)
+                self._sample(int(r), pace, start + when)
+            found.append(self.judge())
+        return found
 
     def freeze(self, frozen: int, seconds: int) -> None:
         """Rank `frozen` stops altogether for `seconds`: only its peers are heard, taking no
@@ -237,6 +256,20 @@ def test_a_step_preempted_now_and_then_names_nobody_a_slowdown_still_named() -> 
     slowed = job.run(30)
     assert _first(slowed) <= 15
     assert {tuple(f.culpritRanks) for found in slowed for f in found} == {(2,)}
+
+
+def test_a_rank_back_in_line_whose_pace_wobbles_after_is_cleared() -> None:
+    """Recorded: a 4-rank data-parallel job two ranks to a core, rank 2 given three times
+    its work from about 100 s to 116.5 s. After it, its work per step over 8 s wobbled
+    1.1-1.5x its usual while its peers' stayed nearer theirs; over 25 s it was back."""
+    recorded = json.loads((FIXTURES / "data_parallel_aftermath.json").read_text())
+    job = Job([0.005] * 4)
+    found = job.replay(recorded["samples"])
+    named = [f for findings in found for f in findings]
+    assert {(f.kind, tuple(f.culpritRanks)) for f in named} == {(FindingKind.SLOW_RANK, (2,))}
+    assert len({f.incidentId for f in named}) == 1
+    assert any(found[110])  # named while slowed
+    assert not any(findings for findings in found[116 + 40 :])  # cleared within 40 s after
 
 
 def test_a_rank_named_slow_stays_named_while_steps_are_too_sparse_to_judge() -> None:
