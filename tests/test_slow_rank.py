@@ -41,6 +41,10 @@ NAMED_WITHIN_S = 30
 """How long a test waits for the slow rank to be named: the 1.3x target, a bound a loaded
 CI machine keeps. How soon it is named (2x: 15 s, p90) is `bench/detection.py`'s to
 measure, over many injections; one run here is one sample of it."""
+CLEARED_WITHIN_S = 120
+"""How long a test waits for the finding to clear once the slowdown ends: twice the 60-s
+target, which a rank's pace wobbling for a minute after its slowdown on a loaded 2-core
+machine misses now and then; how soon it clears is `bench/detection.py`'s to measure."""
 
 DATA_PARALLEL = """
 import os, pathlib, time
@@ -189,7 +193,7 @@ def test_a_pipeline_rank_slowed_twice_over_is_named_and_cleared(tmp_path: Path) 
         gateway.quiet_for("demo-0", HEALTHY_S)
         with slowed(_runner_pid(1), 2.0):
             gateway.named_slow("demo-0", culprit=1, within=NAMED_WITHIN_S, then=15)
-        gateway.until(lambda: not gateway.findings("demo-0"), 60)
+        gateway.until(lambda: not gateway.findings("demo-0"), CLEARED_WITHIN_S)
         history = gateway.get("/v1/cluster/diagnosis/history?instanceId=demo-0")["findings"]
         assert [(f["kind"], f["culpritRanks"], f["open"]) for f in history] == [
             ("slow_rank", [1], False)
@@ -242,7 +246,7 @@ def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(tmp_path: Pat
         # core (rank 0) computes beside its first third
         with more_work(script, rank=2, factor=3):
             gateway.named_slow("dp-1", culprit=2, within=NAMED_WITHIN_S, then=10)
-        gateway.until(lambda: not gateway.findings("dp-1"), 60)
+        gateway.until(lambda: not gateway.findings("dp-1"), CLEARED_WITHIN_S)
 
 
 def _ranks(gateway: Gateway, instance: str) -> list[dict[str, Any]]:
