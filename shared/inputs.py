@@ -5,19 +5,21 @@ from __future__ import annotations
 import functools
 
 from rankscope.shared.subjects import IdTooLongError, Subjects, TelemetryKind, token
+from rankscope.shared.timestamps import micros, second_micros
 from rankscope.shared.wire import (
+    FlightRecord,
     InstanceCreated,
     MemorySampled,
-    PhaseEntries,
+    PhaseRecords,
     PlacementEvent,
+    ReceivedTelemetry,
     RunnerStatusChanged,
-    RunnerTelemetry,
     TaskEvent,
     WireError,
     decode,
 )
 
-__all__ = ["BadInputError", "parse_placement", "parse_task", "parse_telemetry"]
+__all__ = ["BadInputError", "entry_times", "parse_placement", "parse_task", "parse_telemetry"]
 
 
 class BadInputError(ValueError):
@@ -45,7 +47,7 @@ def _named(*ids: str) -> None:
 
 
 _KIND: dict[type, TelemetryKind] = {
-    PhaseEntries: "phase",
+    PhaseRecords: "phase",
     MemorySampled: "memory",
     RunnerStatusChanged: "status",
 }
@@ -64,11 +66,11 @@ ATTRS_LIMIT = 64
 """The most attributes one entry of a large message may carry."""
 
 
-def _bounded(event: RunnerTelemetry) -> None:
+def _bounded(event: ReceivedTelemetry) -> None:
     """Refuse telemetry whose fields are past the limits: one huge field would make every
     timeline that shows it huge, and the aggregator hold it."""
     texts: list[tuple[str, str]] = []
-    if isinstance(event, PhaseEntries):
+    if isinstance(event, PhaseRecords):
         for index, entry in enumerate(event.entries):
             where = f"entries[{index}]"
             if len(entry.attrs) > ATTRS_LIMIT:
@@ -92,8 +94,31 @@ def _bounded(event: RunnerTelemetry) -> None:
             )
 
 
-def parse_telemetry(data: bytes, subject: str, subjects: Subjects) -> RunnerTelemetry:
-    """A runner telemetry message received on `subject`.
+def entry_times(entries: list[FlightRecord]) -> list[int]:
+    """Each entry's time in µs since the epoch, checked as decoding `FlightEntry`s checks
+    them one by one (one given with an offset is put in the wire's form), but a batch
+    within one second at once: the most of what decoding a batch cost.
+
+    Raises:
+        BadInputError: one is no RFC 3339 date-time with an offset.
+    """
+    times = second_micros([entry.at for entry in entries])
+    if times is not None:
+        return times
+    times = []
+    for index, entry in enumerate(entries):
+        try:
+            entry.check_time()
+        except ValueError as exc:
+            where = f"{exc} - at `$.entries[{index}]`"
+            raise BadInputError("telemetry_undecodable", where) from None
+        times.append(micros(entry.at))
+    return times
+
+
+def parse_telemetry(data: bytes, subject: str, subjects: Subjects) -> ReceivedTelemetry:
+    """A runner telemetry message received on `subject` (a batch's times are checked
+    where they are filed: `entry_times`).
 
     Raises:
         BadInputError: it does not decode, names a rank outside its world, or names a
@@ -101,7 +126,7 @@ def parse_telemetry(data: bytes, subject: str, subjects: Subjects) -> RunnerTele
             its own node's subjects, so a payload naming another node's runner is a lie).
     """
     try:
-        event: RunnerTelemetry = decode(data, RunnerTelemetry)
+        event: ReceivedTelemetry = decode(data, ReceivedTelemetry)
     except WireError as exc:
         raise BadInputError("telemetry_undecodable", str(exc)) from None
     if event.runner.deviceRank >= event.runner.worldSize:

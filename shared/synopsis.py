@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rankscope.shared.wire import FlightEntry, MlxMemorySnapshot, Phase
+from rankscope.shared.wire import FlightRecord, MlxMemorySnapshot, Phase
 
 __all__ = ["Synopsis", "advance"]
 
@@ -33,7 +33,7 @@ class Synopsis:
 
 
 def advance(
-    synopsis: Synopsis, entries: Sequence[FlightEntry], *, received: str | None = None
+    synopsis: Synopsis, entries: Sequence[FlightRecord], *, received: str | None = None
 ) -> Synopsis:
     """`synopsis` moved on by `entries` (in seq order); those no newer than the newest
     folded are skipped, so a batch that arrives after a later one moves nothing back. With

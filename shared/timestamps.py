@@ -6,7 +6,17 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-__all__ = ["check_ts", "format_ts", "from_micros", "later", "micros", "now", "parse_ts", "to_epoch"]
+__all__ = [
+    "check_ts",
+    "format_ts",
+    "from_micros",
+    "later",
+    "micros",
+    "now",
+    "parse_ts",
+    "second_micros",
+    "to_epoch",
+]
 
 _FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -58,6 +68,41 @@ def check_ts(text: str) -> str:
             f"timestamp {text[:40]!r} is not an RFC 3339 date-time with an offset, such as "
             "2026-11-21T22:47:48.123456Z"
         ) from None
+
+
+_DIGITS = bytes.maketrans(b"123456789", b"000000000")
+_STAMP = b"0000-00-00T00:00:00.000000Z"
+"""A fixed-width wire timestamp, its digits all `0` (ASCII: a byte a character)."""
+
+
+def second_micros(texts: list[str]) -> list[int] | None:
+    """Microseconds since the epoch of each of `texts`, if all are fixed-width wire
+    timestamps of one real second, in order (a batch of flight-recorder entries, checked at
+    once); None if not (each then wants `check_ts`)."""
+    if not texts:
+        return []
+    first = texts[0]
+    if len(texts) == 1:
+        if first.encode().translate(_DIGITS) != _STAMP:
+            return None
+    elif (  # sorted, the first and last of one second: each begins with that second, so
+        # each begins where a stamp of the joined shape does, and is one
+        first[:19] != texts[-1][:19]
+        or "".join(texts).encode().translate(_DIGITS) != _STAMP * len(texts)
+        or texts != sorted(texts)
+    ):
+        return None
+    second = first[:19]
+    whole = _seconds.get(second)
+    if whole is None:
+        try:
+            whole = _whole_second(second)
+        except ValueError:
+            return None
+    base = whole * 1_000_000
+    if len(texts) == 1:
+        return [base + int(first[20:26])]
+    return [base + int(text[20:26]) for text in texts]
 
 
 def parse_ts(text: str) -> datetime:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from rankscope.shared.wire import RunnerTelemetry
+from rankscope.shared.wire import ReceivedTelemetry
 
 __all__ = ["PARK_LIMIT", "PARK_S", "Parked", "Parking"]
 
@@ -27,7 +27,7 @@ class Parked:
 
     subject: str
     data: bytes
-    event: RunnerTelemetry
+    event: ReceivedTelemetry
     stored_ns: int | None
     at: float
     """When it was parked (the aggregator's monotonic clock)."""

@@ -10,7 +10,7 @@ from rankscope.services.aggregator.pace import PaceHistory
 from rankscope.services.aggregator.store import SeqTracker
 from rankscope.shared.synopsis import Synopsis
 from rankscope.shared.wire import (
-    FlightEntry,
+    FlightRecord,
     RunnerRef,
     RunnerStatusChanged,
     RunnerStatusKind,
@@ -43,7 +43,7 @@ class RunnerView:
     """The newest seq its agent had acknowledged by JetStream, as of the last probe."""
     waiting_in: str | None = None
     """The collective its last entry says it is waiting in (its site)."""
-    gave_up: FlightEntry | None = None
+    gave_up: FlightRecord | None = None
     """The last time it gave up on a peer since it was last ready (its collective timed
     out, or the ring lost the peer): a victim's breadcrumb, kept across its restarts."""
     failure: RunnerStatusChanged | None = None

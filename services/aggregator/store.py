@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from rankscope.shared.timestamps import micros
 from rankscope.shared.wire import FlightEntry, PhaseEntries, decode
 
 __all__ = [
@@ -71,21 +70,17 @@ class SeqTracker:
         self.seen += 1
         return True
 
-    def fresh(
-        self, entries: Sequence[FlightEntry], seqs: Sequence[int]
-    ) -> list[tuple[int, FlightEntry]]:
-        """Note every entry's seq (`seqs`, theirs in order); the (position, entry) pairs
-        not seen before."""
+    def fresh(self, seqs: Sequence[int]) -> Sequence[int]:
+        """Note every seq of a batch (`seqs`, in its order); the positions of those not
+        seen before."""
         ends = self.ends
         if ends and seqs and seqs[0] == ends[-1]:
             first = ends[-1]
             if seqs == list(range(first, first + len(seqs))):
                 ends[-1] += len(seqs)  # the usual case: the next consecutive batch
                 self.seen += len(seqs)
-                return list(enumerate(entries))
-        return [
-            (i, e) for i, (e, seq) in enumerate(zip(entries, seqs, strict=True)) if self.add(seq)
-        ]
+                return range(len(seqs))
+        return [index for index, seq in enumerate(seqs) if self.add(seq)]
 
     @property
     def first(self) -> int | None:
@@ -152,8 +147,6 @@ class EntryStore:
         self._payloads: dict[int, bytes] = {}
         self._live: dict[int, int] = {}
         self._batches = 0
-        self._second = ("", 0)
-        """The whole second of the last entry filed, as its text and in µs since the epoch."""
         self.size = 0
         self.evicted = 0
 
@@ -223,72 +216,48 @@ class EntryStore:
         self,
         runner_id: str,
         payload: bytes,
-        fresh: Sequence[tuple[int, FlightEntry]],
+        positions: Sequence[int],
+        times: Sequence[int],
         ceiling: int | None = None,
     ) -> None:
         """Store the new entries of one batch: `payload` is the batch's `PhaseEntries` JSON,
-        `fresh` the (position, entry) pairs not seen before (dedupe is the caller's). An
-        entry is filed at its time, or at `ceiling` (µs, when it arrived) if later: a clock
-        running ahead cannot keep its entries the newest."""
+        `positions` where in it the entries not seen before are (dedupe is the caller's),
+        `times` their times (µs since the epoch). An entry is filed at its time, or at
+        `ceiling` (µs, when it arrived) if later: a clock running ahead cannot keep its
+        entries the newest."""
+        if not positions:
+            return
         log = self._logs.get(runner_id)
         if log is None:
             log = self._logs[runner_id] = _RunnerLog()
-        batch, count = self._batches, 0
+        batch = self._batches
         self._batches += 1
-        times = log.times
-        newest = times[-1] if times else -1
+        filed = log.times
+        newest = filed[-1] if filed else -1
         ceiling = (1 << 62) if ceiling is None else ceiling
-        if len(fresh) > 1 and self._extend(log, batch, fresh, ceiling):
-            fresh, count = (), len(fresh)
-        second, base = self._second
-        for position, entry in fresh:  # the hot loop of ingest: kept flat on purpose
-            text = entry.at
-            if text[:19] == second and len(text) == 27:  # same second as the last entry
-                at = base + int(text[20:26])
-            else:
-                at = micros(text)
-                second, base = text[:19], at - at % 1_000_000
-            if at > ceiling:
-                at = ceiling
-            if at >= newest:
-                times.append(at)
-                log.batches.append(batch)
-                log.positions.append(position)
-                newest = at
-            else:
-                log.insert(at, batch, position)
-            count += 1
-        self._second = second, base
-        if not count:
-            return
-        self._payloads[batch], self._live[batch] = payload, count
-        self.size += count
-        if len(log.times) > self._per_runner:
-            self._evict(log, len(log.times) - self._per_runner)
+        if (
+            times[0] >= newest
+            and times[-1] <= ceiling
+            and (len(times) == 1 or times == sorted(times))
+        ):  # the usual batch: after the runner's newest, in order, all at once
+            filed.extend(times)
+            log.batches.extend(array("q", (batch,)) * len(times))
+            log.positions.extend(positions)
+        else:
+            for position, at in zip(positions, times, strict=True):
+                at = min(at, ceiling)
+                if at >= newest:
+                    filed.append(at)
+                    log.batches.append(batch)
+                    log.positions.append(position)
+                    newest = at
+                else:
+                    log.insert(at, batch, position)
+        self._payloads[batch], self._live[batch] = payload, len(positions)
+        self.size += len(positions)
+        if len(filed) > self._per_runner:
+            self._evict(log, len(filed) - self._per_runner)
         self._trim()
-
-    def _extend(
-        self, log: _RunnerLog, batch: int, fresh: Sequence[tuple[int, FlightEntry]], ceiling: int
-    ) -> bool:
-        """File a batch's entries at once if they are the usual kind: in time order, within
-        one second, none before the runner's newest nor after `ceiling`; else file nothing
-        and say so. (Entries' times are wire timestamps, fixed width: string order is time
-        order, and a sorted run whose first and last share a second all do.)"""
-        stamps = [entry.at for _, entry in fresh]
-        first = stamps[0]
-        if first[:19] != stamps[-1][:19] or stamps != sorted(stamps):
-            return False
-        second, base = self._second
-        if first[:19] != second:
-            at = micros(first)
-            second, base = self._second = first[:19], at - at % 1_000_000
-        ats = [base + int(text[20:26]) for text in stamps]
-        if (log.times and ats[0] < log.times[-1]) or ats[-1] > ceiling:
-            return False
-        log.times.extend(ats)
-        log.batches.extend([batch] * len(ats))
-        log.positions.extend([position for position, _ in fresh])
-        return True
 
     def _trim(self) -> None:
         """Past the total, the runner with the most entries gives up its oldest."""

@@ -15,21 +15,21 @@ from dataclasses import dataclass
 from rankscope.services.aggregator.pace import PaceHistory
 from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
 from rankscope.services.aggregator.store import EntryStore
-from rankscope.shared.inputs import BadInputError
+from rankscope.shared.inputs import BadInputError, entry_times
 from rankscope.shared.synopsis import advance
 from rankscope.shared.timestamps import from_micros
 from rankscope.shared.wire import (
     Breadcrumb,
-    FlightEntry,
+    FlightRecord,
     InstanceCreated,
     InstanceReleased,
     MemorySampled,
     NodeInfo,
-    PhaseEntries,
+    PhaseRecords,
     PlacementEvent,
+    ReceivedTelemetry,
     RunnerRef,
     RunnerStatusKind,
-    RunnerTelemetry,
     TaskCreated,
     TaskEvent,
     TaskKind,
@@ -50,7 +50,7 @@ every later message of that runner look old."""
 _GAVE_UP = frozenset({Breadcrumb.COLLECTIVE_TIMEOUT, Breadcrumb.PEER_LOST})
 
 
-def _site(entry: FlightEntry) -> str:
+def _site(entry: FlightRecord) -> str:
     site = entry.attrs.get("site")
     return site if isinstance(site, str) else entry.phase.value
 
@@ -61,7 +61,7 @@ class _Unsettled:
     them arrived (µs since the epoch)."""
 
     view: RunnerView
-    entries: list[FlightEntry]
+    entries: list[FlightRecord]
     arrived: int
 
 
@@ -108,7 +108,7 @@ class ClusterState:
 
     def apply_telemetry(
         self,
-        event: RunnerTelemetry,
+        event: ReceivedTelemetry,
         raw: bytes | None = None,
         stored_ns: int | None = None,
         *,
@@ -124,21 +124,29 @@ class ClusterState:
         top of the timeline.
 
         Raises:
-            BadInputError: its seq jumps further past the runner's last than it could.
+            BadInputError: an entry's time is no RFC 3339 date-time, its runner is not
+                placed as it says, or its seq jumps further past the runner's last than
+                it could.
         """
-        view = self._placed(event.runner, stored_ns)
-        if isinstance(event, PhaseEntries):
-            seqs = [e.seq for e in event.entries]
+        if isinstance(event, PhaseRecords):
+            entries = event.entries
+            times = entry_times(entries)  # a bad one refuses the batch before it changes anything
+            view = self._placed(event.runner, stored_ns)
+            seqs = [e.seq for e in entries]
             self._check_jump(view, view.seqs.last, max(seqs, default=-1), stored_ns)
             self._heard(view, stored_ns)
-            fresh = view.seqs.fresh(event.entries, seqs)
-            arrived = int(self.wall() * 1e6)
-            self.store.add(view.ref.runnerId, raw or encode(event), fresh, arrived)
+            fresh = view.seqs.fresh(seqs)
             self.duplicates += len(seqs) - len(fresh)
-            self._unsettle(view, fresh, arrived)
+            if fresh:
+                if len(fresh) < len(entries):
+                    entries, times = [entries[i] for i in fresh], [times[i] for i in fresh]
+                arrived = int(self.wall() * 1e6)
+                self.store.add(view.ref.runnerId, raw or encode(event), fresh, times, arrived)
+                self._unsettle(view, entries, arrived, consecutive=isinstance(fresh, range))
             if settle:
                 self.settle()
             return len(fresh)
+        view = self._placed(event.runner, stored_ns)
         self._check_jump(view, view.seqs.last, event.seq, stored_ns)
         self._heard(view, stored_ns)
         self._settle(view.ref.runnerId)  # its status after its entries, as they came
@@ -220,19 +228,21 @@ class ClusterState:
             )
 
     def _unsettle(
-        self, view: RunnerView, fresh: list[tuple[int, FlightEntry]], arrived: int
+        self, view: RunnerView, fresh: list[FlightRecord], arrived: int, *, consecutive: bool
     ) -> None:
         """Hold the entries of `fresh` newer than any the runner's synopsis shows or holds
-        for it, arrived at `arrived`, for `settle`."""
+        for it, arrived at `arrived`, for `settle` (`consecutive`: their seqs are)."""
         unsettled = self._unsettled.get(view.ref.runnerId)
-        if unsettled is None:
-            newer = [e for _, e in fresh if e.seq > view.synopsis.seq]
-            if newer:
-                self._unsettled[view.ref.runnerId] = _Unsettled(view, newer, arrived)
-            return
-        top = unsettled.entries[-1].seq
-        unsettled.entries += [e for _, e in fresh if e.seq > top]
-        unsettled.arrived = arrived
+        top = view.synopsis.seq if unsettled is None else unsettled.entries[-1].seq
+        if consecutive and fresh[0].seq > top:
+            newer = fresh
+        else:
+            newer = [entry for entry in fresh if entry.seq > top]
+        if unsettled is not None:
+            unsettled.entries += newer
+            unsettled.arrived = arrived
+        elif newer:
+            self._unsettled[view.ref.runnerId] = _Unsettled(view, list(newer), arrived)
 
     def settle(self) -> None:
         """Move every runner's synopsis by the entries applied since the last call."""
@@ -245,7 +255,7 @@ class ClusterState:
             received = from_micros(unsettled.arrived)
             self._progress(unsettled.view, unsettled.entries, received)
 
-    def _progress(self, view: RunnerView, entries: list[FlightEntry], received: str) -> None:
+    def _progress(self, view: RunnerView, entries: list[FlightRecord], received: str) -> None:
         """Move the runner's synopsis to the last of `entries` (newer than what it had),
         received at `received` (no entry counts as later than that)."""
         view.synopsis = advance(view.synopsis, entries, received=received)

@@ -21,12 +21,15 @@ __all__ = [
     "TASK_HORIZON_S",
     "ChatMessage",
     "FlightEntry",
+    "FlightRecord",
     "GenerationRequest",
     "InstanceCreated",
     "InstanceReleased",
     "MemorySampled",
     "PhaseEntries",
+    "PhaseRecords",
     "PlacementEvent",
+    "ReceivedTelemetry",
     "RecordedProgram",
     "RecordedRank",
     "Registered",
@@ -76,9 +79,11 @@ class _Stamped(CamelStruct, kw_only=True, frozen=True):
         _utc(self, "at")
 
 
-class FlightEntry(CamelStruct, kw_only=True, frozen=True):
+class FlightRecord(CamelStruct, kw_only=True, frozen=True):
     """One phase transition as the runner recorded it (seed 001 `timeline[]` minus the
-    runner's identity, which travels once per batch in `RunnerRef`)."""
+    runner's identity, which travels once per batch in `RunnerRef`), its time not checked
+    yet: ingest decodes these and checks a batch's times at once (`inputs.parse_telemetry`);
+    everyone else decodes a `FlightEntry`."""
 
     seq: NonNegative
     at: str
@@ -90,8 +95,13 @@ class FlightEntry(CamelStruct, kw_only=True, frozen=True):
     commandId: str | None = None
     mlxMemory: MlxMemorySnapshot | None = None
 
-    def __post_init__(self) -> None:
-        _utc(self, "at")  # a bad time is refused with its message, not carried into views
+    def check_time(self) -> None:
+        """Check `at` as decoding a `FlightEntry` does, putting it in the wire's UTC form.
+
+        Raises:
+            ValueError: it is no RFC 3339 date-time with an offset.
+        """
+        _utc(self, "at")
 
     def of(self, runner: RunnerRef) -> TimelineEntry:
         """This entry of `runner` as a timeline shows it."""
@@ -111,11 +121,25 @@ class FlightEntry(CamelStruct, kw_only=True, frozen=True):
         )
 
 
+class FlightEntry(FlightRecord, kw_only=True, frozen=True):
+    """A flight-recorder entry whose time is checked as it is made or decoded."""
+
+    def __post_init__(self) -> None:
+        self.check_time()  # a bad time is refused with its message, not carried into views
+
+
 class _Telemetry(CamelStruct, kw_only=True, frozen=True, tag_field="type", tag=True):
     runner: RunnerRef
 
 
-class PhaseEntries(_Telemetry, kw_only=True, frozen=True):
+class PhaseRecords(_Telemetry, kw_only=True, frozen=True, tag="PhaseEntries"):
+    """A batch of consecutive flight-recorder entries of one runner, as ingest decodes it
+    (see `FlightRecord`)."""
+
+    entries: list[FlightRecord]
+
+
+class PhaseEntries(PhaseRecords, kw_only=True, frozen=True, tag="PhaseEntries"):
     """A batch of consecutive flight-recorder entries of one runner."""
 
     entries: list[FlightEntry]
@@ -147,6 +171,8 @@ class RunnerStatusChanged(_Telemetry, kw_only=True, frozen=True):
 
 
 RunnerTelemetry = PhaseEntries | MemorySampled | RunnerStatusChanged
+ReceivedTelemetry = PhaseRecords | MemorySampled | RunnerStatusChanged
+"""Runner telemetry as ingest decodes it: a batch's times are checked after, at once."""
 
 
 class RunnerAssignment(CamelStruct, kw_only=True, frozen=True):

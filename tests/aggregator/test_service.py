@@ -379,6 +379,40 @@ async def test_a_clock_far_ahead_freezes_no_view_and_bad_times_are_dead_lettered
         assert [e.phase for e in newest.timeline] == [Phase.DECODE_STREAM]
 
 
+async def test_a_batch_with_one_bad_time_is_refused_whole_and_offsets_are_taken_in_utc(
+    nc: Client, js_ready: Layout
+) -> None:
+    """Times of a batch are checked at once where they can be: a bad one anywhere in it
+    refuses all of it, whatever its neighbours look like; one with an offset is taken and
+    shown in UTC, like a batch's entries one by one."""
+    js = nc.jetstream()
+    subject = js_ready.subjects.runner("node-0", "i", 0, "phase")
+    await publish(nc, js_ready, placed())
+    async with aggregator(nc, js_ready) as running:
+        state = running.service.state
+        good = json.loads(
+            encode(entries(rank(0), *[(s, s / 10, Phase.IDLE, None) for s in range(3)]))
+        )
+        for bad in (  # in order and of one second, each but the last: checked at once
+            [at(0), "2026-11-21T12:00:00.10000\u0663Z", at(0.2)],  # a digit, not an ASCII one
+            [at(0), at(0.1) + "|", at(0.2)],
+            [text.replace("11-21", "11-31") for text in (at(0), at(0.1), at(0.2))],
+            [at(0), "2026-11-21T12:00:00", at(0.2)],
+        ):
+            batch = json.loads(json.dumps(good))
+            for entry, text in zip(batch["entries"], bad, strict=True):
+                entry["at"] = text
+            await js.publish(subject, json.dumps(batch).encode())
+        offset = json.loads(json.dumps(good))
+        offset["entries"][2]["at"] = "2026-11-21T14:00:00.5+02:00"
+        await js.publish(subject, json.dumps(offset).encode())
+        await until(lambda: state.store.size == 3)
+        assert running.service.dead_letters.counts == {"telemetry_undecodable": 4}
+        assert state.runners["i-r0"].synopsis.last_at == "2026-11-21T12:00:00.500000Z"
+        shown = decode((await query(nc, js_ready, "timeline", {"limit": 9})).data, ClusterTimeline)
+        assert [e.at for e in shown.timeline] == [at(0), at(0.1), "2026-11-21T12:00:00.500000Z"]
+
+
 async def test_query_errors_say_what_is_wrong(nc: Client, js_ready: Layout) -> None:
     async with aggregator(nc, js_ready):
         with pytest.raises(NoRespondersError):  # no such view is served

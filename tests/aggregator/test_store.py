@@ -8,8 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rankscope.services.aggregator.store import MAX_RUNS, EntryStore, SeqTracker
+from rankscope.shared.inputs import entry_times
 from rankscope.shared.timestamps import micros
-from rankscope.shared.wire import Phase, encode
+from rankscope.shared.wire import Phase, PhaseEntries, encode
 from tests.aggregator.builders import at, entries, rank
 
 
@@ -43,16 +44,21 @@ def test_seq_tracker_agrees_with_a_set_in_any_order(arrivals: list[int]) -> None
 def test_a_history_trimmed_at_its_start_costs_one_run_not_a_set_of_seqs() -> None:
     seqs = SeqTracker()
     batch = entries(rank(0), *[(s, 0, Phase.DECODE_STREAM, s) for s in range(5_000, 6_000)])
-    assert len(seqs.fresh(batch.entries, [e.seq for e in batch.entries])) == 1_000
+    assert len(seqs.fresh([e.seq for e in batch.entries])) == 1_000
     for seq in range(6_000, 1_000_000):
         seqs.add(seq)
     assert (seqs.starts, seqs.ends) == ([5_000], [1_000_000])
     assert (seqs.first, seqs.missing) == (5_000, 0)  # the trimmed start is not "missing"
 
 
+def _filed(batch: PhaseEntries) -> tuple[range, list[int]]:
+    """The positions and times (µs) of all of a batch's entries, as the store takes them."""
+    return range(len(batch.entries)), entry_times(list(batch.entries))
+
+
 def _fill(store: EntryStore, runner: int, times: list[float]) -> None:
     batch = entries(rank(runner), *[(i, t, Phase.DECODE_STREAM, i) for i, t in enumerate(times)])
-    store.add(batch.runner.runnerId, encode(batch), list(enumerate(batch.entries)))
+    store.add(batch.runner.runnerId, encode(batch), *_filed(batch))
 
 
 def test_a_runner_sending_every_other_seq_costs_a_bound_and_its_gaps_stay_counted() -> None:
@@ -113,7 +119,7 @@ def test_every_entry_is_filed_at_its_time_or_its_arrival_in_time_order(
             rank(0), *[(i, t / 1000, Phase.DECODE_STREAM, i) for i, t in enumerate(millis)]
         )
         arrived = micros(at(arrived_ms / 1000))
-        store.add("i-r0", encode(sent), list(enumerate(sent.entries)), arrived)
+        store.add("i-r0", encode(sent), *_filed(sent), arrived)
         for position, entry in enumerate(sent.entries):
             filed = min(micros(entry.at), arrived)
             index = bisect.bisect_right([time for time, _, _ in model], filed)
@@ -150,7 +156,7 @@ def test_retention_per_runner_and_in_total() -> None:
 def test_entries_come_back_as_they_went_in() -> None:
     store = EntryStore()
     batch = entries(rank(0), (0, 1.5, Phase.PREFILL_PIPELINE, 7))
-    store.add("i-r0", encode(batch), list(enumerate(batch.entries)))
+    store.add("i-r0", encode(batch), *_filed(batch))
     ((_, _, stored),) = store.newest(["i-r0"], limit=1)
     original = batch.entries[0]
     assert stored == original
