@@ -79,11 +79,15 @@ class _Stamped(CamelStruct, kw_only=True, frozen=True):
         _utc(self, "at")
 
 
-class FlightRecord(CamelStruct, kw_only=True, frozen=True):
+class FlightRecord(CamelStruct, kw_only=True, frozen=True, gc=False):
     """One phase transition as the runner recorded it (seed 001 `timeline[]` minus the
     runner's identity, which travels once per batch in `RunnerRef`), its time not checked
-    yet: ingest decodes these and checks a batch's times at once (`inputs.parse_telemetry`);
-    everyone else decodes a `FlightEntry`."""
+    yet: ingest decodes these and checks a batch's times at once (`inputs.entry_times`);
+    everyone else decodes a `FlightEntry`.
+
+    Not tracked by the cycle collector (`gc=False`): decoded from JSON it can hold no
+    cycle, and a service holding many (ingest between two settles) would otherwise pay a
+    collection pass over each of them again and again."""
 
     seq: NonNegative
     at: str
