@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from rankscope.shared.subjects import IdTooLongError, Subjects, TelemetryKind, token
-from rankscope.shared.timestamps import micros, second_micros
+from rankscope.shared.timestamps import micros, second_micros, stamp_micros
 from rankscope.shared.wire import (
     FlightRecord,
     InstanceCreated,
@@ -102,8 +102,11 @@ def entry_times(entries: list[FlightRecord]) -> list[int]:
     Raises:
         BadInputError: one is no RFC 3339 date-time with an offset.
     """
-    times = second_micros([entry.at for entry in entries])
-    if times is not None:
+    if len(entries) == 1:  # most messages of a runner streaming its entries as they come
+        at = stamp_micros(entries[0].at)
+        if at is not None:
+            return [at]
+    elif (times := second_micros([entry.at for entry in entries])) is not None:
         return times
     times = []
     for index, entry in enumerate(entries):

@@ -452,9 +452,15 @@ def stored_ns(reply: str | None) -> int | None:
     message that did not come from a consumer."""
     if not reply or not reply.startswith("$JS.ACK."):
         return None
-    tokens = reply.split(".")
-    at = {9: 7, 11: 9, 12: 9}.get(len(tokens))
-    return int(tokens[at]) if at is not None and tokens[at].isdigit() else None
+    back = _TIME_FROM_END.get(reply.count("."))
+    if back is None:
+        return None
+    at = reply.rsplit(".", back)[1]  # split off no more than the tail that holds it
+    return int(at) if at.isdigit() else None
+
+
+_TIME_FROM_END = {8: 2, 10: 2, 11: 3}
+"""Where the time is in an ack subject of so many dots, as the dots after it plus one."""
 
 
 async def follow_bucket(

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from rankscope.shared.wire import FlightRecord, MlxMemorySnapshot, Phase
 
 __all__ = ["Synopsis", "advance"]
+
+_MEMORY = attrgetter("mlxMemory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +54,7 @@ def advance(
         since = entries[run].at
     task: tuple[str | None, str | None] | None = None
     step: int | None = None
-    memory: MlxMemorySnapshot | None = None
-    for entry in reversed(entries):  # one pass, newest first: ingest folds a batch a message
+    for entry in reversed(entries):  # newest first: most entries name a task and a step
         if task is None and entry.phase is Phase.IDLE:
             task = None, None
         elif task is None and entry.taskId is not None:
@@ -60,10 +62,10 @@ def advance(
         if step is None and entry.attrs:
             found = entry.attrs.get("step")
             step = found if isinstance(found, int) and not isinstance(found, bool) else None
-        if memory is None:
-            memory = entry.mlxMemory
-        if task is not None and step is not None and memory is not None:
+        if task is not None and step is not None:
             break
+    # few entries carry a snapshot: looked for without a Python step an entry
+    memory = next(filter(None, map(_MEMORY, reversed(entries))), None)
     if task is None:
         task = synopsis.task_id, synopsis.command_id
     last_at = last.at

@@ -15,6 +15,7 @@ __all__ = [
     "now",
     "parse_ts",
     "second_micros",
+    "stamp_micros",
     "to_epoch",
 ]
 
@@ -79,30 +80,41 @@ def second_micros(texts: list[str]) -> list[int] | None:
     """Microseconds since the epoch of each of `texts`, if all are fixed-width wire
     timestamps of one real second, in order (a batch of flight-recorder entries, checked at
     once); None if not (each then wants `check_ts`)."""
-    if not texts:
-        return []
+    if len(texts) < 2:
+        return [] if not texts else (None if (at := stamp_micros(texts[0])) is None else [at])
     first = texts[0]
-    if len(texts) == 1:
-        if first.encode().translate(_DIGITS) != _STAMP:
-            return None
-    elif (  # sorted, the first and last of one second: each begins with that second, so
+    if (  # sorted, the first and last of one second: each begins with that second, so
         # each begins where a stamp of the joined shape does, and is one
         first[:19] != texts[-1][:19]
         or "".join(texts).encode().translate(_DIGITS) != _STAMP * len(texts)
         or texts != sorted(texts)
     ):
         return None
-    second = first[:19]
-    whole = _seconds.get(second)
+    base = _real_second(first[:19])
+    if base is None:
+        return None
+    return [base + int(text[20:26]) for text in texts]
+
+
+def stamp_micros(text: str) -> int | None:
+    """Microseconds since the epoch of `text` if it is a fixed-width wire timestamp of a
+    real second; None if not (it then wants `check_ts`)."""
+    if text.encode().translate(_DIGITS) != _STAMP:
+        return None
+    base = _real_second(text[:19])
+    return None if base is None else base + int(text[20:26])
+
+
+def _real_second(prefix: str) -> int | None:
+    """Microseconds since the epoch of the whole second a fixed-width wire timestamp begins
+    with (digits where digits belong), or None if there is no such second."""
+    whole = _seconds.get(prefix)
     if whole is None:
         try:
-            whole = _whole_second(second)
+            whole = _whole_second(prefix)
         except ValueError:
             return None
-    base = whole * 1_000_000
-    if len(texts) == 1:
-        return [base + int(first[20:26])]
-    return [base + int(text[20:26]) for text in texts]
+    return whole * 1_000_000
 
 
 def parse_ts(text: str) -> datetime:

@@ -76,7 +76,7 @@ class SeqTracker:
         ends = self.ends
         if ends and seqs and seqs[0] == ends[-1]:
             first = ends[-1]
-            if seqs == list(range(first, first + len(seqs))):
+            if len(seqs) == 1 or seqs == list(range(first, first + len(seqs))):
                 ends[-1] += len(seqs)  # the usual case: the next consecutive batch
                 self.seen += len(seqs)
                 return range(len(seqs))
@@ -235,12 +235,12 @@ class EntryStore:
         filed = log.times
         newest = filed[-1] if filed else -1
         ceiling = (1 << 62) if ceiling is None else ceiling
-        if (
-            times[0] >= newest
-            and times[-1] <= ceiling
-            and (len(times) == 1 or times == sorted(times))
-        ):  # the usual batch: after the runner's newest, in order, all at once
-            filed.extend(times)
+        if len(times) == 1 and newest <= times[0] <= ceiling:  # the usual entry
+            filed.append(times[0])
+            log.batches.append(batch)
+            log.positions.append(positions[0])
+        elif times[0] >= newest and times[-1] <= ceiling and times == sorted(times):
+            filed.extend(times)  # the usual batch: after the runner's newest, in order
             log.batches.extend(array("q", (batch,)) * len(times))
             log.positions.extend(positions)
         else:

@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from rankscope.services.aggregator.pace import PaceHistory
 from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
@@ -48,6 +49,9 @@ SEQ_RATE = 10_000
 more than an entry per token of any model); a larger jump is refused, since it would make
 every later message of that runner look old."""
 _GAVE_UP = frozenset({Breadcrumb.COLLECTIVE_TIMEOUT, Breadcrumb.PEER_LOST})
+_TURNS = _GAVE_UP | {Breadcrumb.RUNNER_READY}
+"""Entries that change whether a runner gave up or failed."""
+_EVENT = attrgetter("event")
 
 
 def _site(entry: FlightRecord) -> str:
@@ -101,6 +105,8 @@ class ClusterState:
         last took this set (`take_touched`)."""
         self._unsettled: dict[str, _Unsettled] = {}
         """Per runner, entries newer than its synopsis that `settle` has yet to fold in."""
+        self._now: tuple[float, int] | None = None
+        """`_moment`, until the next `settle`."""
 
     def _runner(self, ref: RunnerRef) -> RunnerView:
         view = self.runners.get(ref.runnerId)
@@ -134,13 +140,13 @@ class ClusterState:
             view = self._placed(event.runner, stored_ns)
             seqs = [e.seq for e in entries]
             self._check_jump(view, view.seqs.last, max(seqs, default=-1), stored_ns)
-            self._heard(view, stored_ns)
+            heard, arrived = self._now or self._moment()
+            self._heard(view, stored_ns, heard)
             fresh = view.seqs.fresh(seqs)
             self.duplicates += len(seqs) - len(fresh)
             if fresh:
                 if len(fresh) < len(entries):
                     entries, times = [entries[i] for i in fresh], [times[i] for i in fresh]
-                arrived = int(self.wall() * 1e6)
                 self.store.add(view.ref.runnerId, raw or encode(event), fresh, times, arrived)
                 self._unsettle(view, entries, arrived, consecutive=isinstance(fresh, range))
             if settle:
@@ -148,7 +154,7 @@ class ClusterState:
             return len(fresh)
         view = self._placed(event.runner, stored_ns)
         self._check_jump(view, view.seqs.last, event.seq, stored_ns)
-        self._heard(view, stored_ns)
+        self._heard(view, stored_ns, self._clock() if self._now is None else self._now[0])
         self._settle(view.ref.runnerId)  # its status after its entries, as they came
         if not view.seqs.add(event.seq):
             self.duplicates += 1
@@ -167,11 +173,20 @@ class ClusterState:
                 view.failure = event
         return 1
 
-    def _heard(self, view: RunnerView, stored_ns: int | None) -> None:
-        """Note that the runner of `view` spoke, in a message NATS stored at `stored_ns`."""
+    def _moment(self) -> tuple[float, int]:
+        """Now, as (monotonic seconds, µs since the epoch), read once for every message
+        applied until the next `settle`: ingest settles after each run of messages it
+        applies at once, and nothing arrives during a run, so each of them had arrived
+        when the first was applied."""
+        self._now = self._clock(), int(self.wall() * 1e6)
+        return self._now
+
+    def _heard(self, view: RunnerView, stored_ns: int | None, heard: float) -> None:
+        """Note that the runner of `view` spoke at `heard` (monotonic seconds), in a
+        message NATS stored at `stored_ns`."""
         self.version += 1
         self.touched.add(view.ref.instanceId)
-        view.heard = self._clock()
+        view.heard = heard
         if stored_ns is not None:
             view.stored_ns = stored_ns
 
@@ -248,6 +263,7 @@ class ClusterState:
         """Move every runner's synopsis by the entries applied since the last call."""
         for runner_id in list(self._unsettled):
             self._settle(runner_id)
+        self._now = None
 
     def _settle(self, runner_id: str) -> None:
         unsettled = self._unsettled.pop(runner_id, None)
@@ -261,11 +277,12 @@ class ClusterState:
         view.synopsis = advance(view.synopsis, entries, received=received)
         last = entries[-1]
         view.waiting_in = _site(last) if last.event == Breadcrumb.COLLECTIVE_WAIT else None
-        for entry in entries:
-            if entry.event in _GAVE_UP:
-                view.gave_up = entry
-            elif entry.event == Breadcrumb.RUNNER_READY:
-                view.gave_up = view.failure = None
+        if not _TURNS.isdisjoint(map(_EVENT, entries)):  # rare: not a Python step an entry
+            for entry in entries:
+                if entry.event in _GAVE_UP:
+                    view.gave_up = entry
+                elif entry.event == Breadcrumb.RUNNER_READY:
+                    view.gave_up = view.failure = None
         view.progressed = self._clock()
 
     def apply_placement(self, event: PlacementEvent, stored_ns: int | None = None) -> None:
