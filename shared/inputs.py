@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 from rankscope.shared.subjects import IdTooLongError, Subjects, TelemetryKind, token
 from rankscope.shared.timestamps import micros, second_micros, stamp_micros
@@ -94,7 +95,7 @@ def _bounded(event: ReceivedTelemetry) -> None:
             )
 
 
-def entry_times(entries: list[FlightRecord]) -> list[int]:
+def entry_times(entries: Sequence[FlightRecord]) -> list[int]:
     """Each entry's time in µs since the epoch, checked as decoding `FlightEntry`s checks
     them one by one (one given with an offset is put in the wire's form), but a batch
     within one second at once: the most of what decoding a batch cost.

@@ -35,7 +35,7 @@ from rankscope.services.aggregator.store import EntryStore, SeqTracker, StoreIma
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.synopsis import Synopsis
 from rankscope.shared.wire import (
-    FlightEntry,
+    FlightRecord,
     InstanceCreated,
     MlxMemorySnapshot,
     Phase,
@@ -81,7 +81,7 @@ class _Runner(msgspec.Struct, array_like=True):
     heard: bool
     progressed: bool
     waiting_in: str | None = None
-    gave_up: FlightEntry | None = None
+    gave_up: FlightRecord | None = None
     failure: RunnerStatusChanged | None = None
     folded: int = -1
     """The seq of the newest entry its synopsis folded."""

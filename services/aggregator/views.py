@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -243,7 +243,7 @@ class ClusterState:
             )
 
     def _unsettle(
-        self, view: RunnerView, fresh: list[FlightRecord], arrived: int, *, consecutive: bool
+        self, view: RunnerView, fresh: Sequence[FlightRecord], arrived: int, *, consecutive: bool
     ) -> None:
         """Hold the entries of `fresh` newer than any the runner's synopsis shows or holds
         for it, arrived at `arrived`, for `settle` (`consecutive`: their seqs are)."""

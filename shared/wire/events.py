@@ -6,6 +6,7 @@ consumer can dedupe retries and count what never arrived.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated
 
@@ -140,7 +141,7 @@ class PhaseRecords(_Telemetry, kw_only=True, frozen=True, tag="PhaseEntries"):
     """A batch of consecutive flight-recorder entries of one runner, as ingest decodes it
     (see `FlightRecord`)."""
 
-    entries: list[FlightRecord]
+    entries: Sequence[FlightRecord]
 
 
 class PhaseEntries(PhaseRecords, kw_only=True, frozen=True, tag="PhaseEntries"):
