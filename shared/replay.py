@@ -78,11 +78,25 @@ class _Rewind:
     until: int
 
 
+@dataclass(slots=True)
+class _Taken:
+    """The reply subject of the delivery a follower took last, and when it was stored:
+    what the handler it goes to is about to ask `stored_ns` (read once, not twice)."""
+
+    reply: str = ""
+    stored_ns: int | None = None
+
+
+_taken = _Taken()
+
+
 def _positions(reply: str) -> tuple[int, int, int]:
     """(stream seq, consumer seq, pending) from a JetStream delivery's reply subject:
     `$JS.ACK[.<domain>.<hash>].<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>]`."""
     tokens = reply.split(".")
     base = 4 if len(tokens) == 9 else 6
+    at = tokens[base + 3]
+    _taken.reply, _taken.stored_ns = reply, int(at) if at.isdigit() else None
     return int(tokens[base + 1]), int(tokens[base + 2]), int(tokens[base + 4])
 
 
@@ -450,6 +464,8 @@ def stored_ns(reply: str | None) -> int | None:
     was delivered with (`$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.…`,
     with a domain and account hash before the stream in the newer form); None for a
     message that did not come from a consumer."""
+    if reply is _taken.reply:  # the delivery a follower just took: read as it took it
+        return _taken.stored_ns
     if not reply or not reply.startswith("$JS.ACK."):
         return None
     back = _TIME_FROM_END.get(reply.count("."))

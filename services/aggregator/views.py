@@ -204,11 +204,11 @@ class ClusterState:
                 "telemetry_unplaced", f"runner {ref.runnerId!r} is in no placement read so far"
             )  # the kind the service parks by
         placed = view.ref
-        if (placed.nodeId, placed.instanceId, placed.deviceRank, placed.worldSize) != (
-            ref.nodeId,
-            ref.instanceId,
-            ref.deviceRank,
-            ref.worldSize,
+        if (
+            placed.nodeId != ref.nodeId
+            or placed.instanceId != ref.instanceId
+            or placed.deviceRank != ref.deviceRank
+            or placed.worldSize != ref.worldSize
         ):
             raise BadInputError(
                 "telemetry_identity",
