@@ -292,6 +292,34 @@ def test_the_stored_time_is_read_off_the_ack_subject(reply: str | None, stored: 
     assert stored_ns(reply) == stored
 
 
+async def test_a_handler_reads_each_message_s_own_stored_time(nc: Client, layout: Layout) -> None:
+    """The stored time a follower read as it took a delivery is the one its handler gets
+    for that delivery, and a subject read before or elsewhere is parsed anew."""
+    js = nc.jetstream()
+    await ensure(js, layout)
+    subject = layout.subjects.tasks("i")
+    acks = [await js.publish(subject, str(n).encode()) for n in range(20)]
+    stored: list[int | None] = []
+    parsed: list[int | None] = []
+    replies: list[str] = []
+
+    def keep(msg: Msg) -> None:
+        assert msg.reply is not None
+        replies.append(msg.reply)
+        stored.append(stored_ns(msg.reply))
+        parsed.append(stored_ns("".join(msg.reply)))  # an equal subject, another object
+
+    follower = await follow(js, subject, keep)
+    await asyncio.wait_for(follower.caught_up.wait(), WAIT)
+    await follower.stop()
+    assert stored == parsed
+    assert all(isinstance(at, int) for at in stored)
+    assert stored == sorted(stored)
+    assert len(set(stored)) > 1
+    assert len(acks) == len(stored)
+    assert [stored_ns(reply) for reply in replies] == stored  # each read anew, in any order
+
+
 async def test_subjects_added_while_following_come_from_their_start_each_message_once(
     nc: Client, layout: Layout
 ) -> None:
