@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -309,12 +310,13 @@ class Follower:
         self._requested = 0
         arrived = self._arrived
         assert arrived is not None, "a consumer follows after `_open`"
+        queued: deque[Msg | None] = arrived._queue  # type: ignore[attr-defined]
         try:
             await self._pull()
             while True:
                 if self._refiltered:
                     raise _RefilteredError
-                if arrived.empty():
+                if not queued:
                     self._settled()
                     try:
                         # not `wait_for`: on Python 3.11 it can swallow a cancellation that
@@ -323,8 +325,8 @@ class Follower:
                             msg = await arrived.get()
                     except TimeoutError:
                         raise _RestartError("no heartbeat from the server") from None
-                else:
-                    msg = arrived.get_nowait()
+                else:  # what `get_nowait` does, less its calls: no one waits to put
+                    msg = queued.popleft()
                 if msg is None:
                     continue
                 status = msg.headers.get(_STATUS) if msg.headers else None

@@ -73,13 +73,13 @@ class SeqTracker:
     def fresh(self, seqs: Sequence[int]) -> Sequence[int]:
         """Note every seq of a batch (`seqs`, in its order); the positions of those not
         seen before."""
-        ends = self.ends
-        if ends and seqs and seqs[0] == ends[-1]:
+        ends, count = self.ends, len(seqs)
+        if ends and count and seqs[0] == ends[-1]:
             first = ends[-1]
-            if len(seqs) == 1 or seqs == list(range(first, first + len(seqs))):
-                ends[-1] += len(seqs)  # the usual case: the next consecutive batch
-                self.seen += len(seqs)
-                return range(len(seqs))
+            if count == 1 or seqs == list(range(first, first + count)):
+                ends[-1] += count  # the usual case: the next consecutive batch
+                self.seen += count
+                return range(count)
         return [index for index, seq in enumerate(seqs) if self.add(seq)]
 
     @property
@@ -225,7 +225,8 @@ class EntryStore:
         `times` their times (µs since the epoch). An entry is filed at its time, or at
         `ceiling` (µs, when it arrived) if later: a clock running ahead cannot keep its
         entries the newest."""
-        if not positions:
+        count = len(positions)
+        if not count:
             return
         log = self._logs.get(runner_id)
         if log is None:
@@ -235,13 +236,13 @@ class EntryStore:
         filed = log.times
         newest = filed[-1] if filed else -1
         ceiling = (1 << 62) if ceiling is None else ceiling
-        if len(times) == 1 and newest <= times[0] <= ceiling:  # the usual entry
+        if count == 1 and newest <= times[0] <= ceiling:  # the usual entry
             filed.append(times[0])
             log.batches.append(batch)
             log.positions.append(positions[0])
         elif times[0] >= newest and times[-1] <= ceiling and times == sorted(times):
             filed.extend(times)  # the usual batch: after the runner's newest, in order
-            log.batches.extend(array("q", (batch,)) * len(times))
+            log.batches.extend(array("q", (batch,)) * count)
             log.positions.extend(positions)
         else:
             for position, at in zip(positions, times, strict=True):
@@ -253,8 +254,8 @@ class EntryStore:
                     newest = at
                 else:
                     log.insert(at, batch, position)
-        self._payloads[batch], self._live[batch] = payload, len(positions)
-        self.size += len(positions)
+        self._payloads[batch], self._live[batch] = payload, count
+        self.size += count
         if len(filed) > self._per_runner:
             self._evict(log, len(filed) - self._per_runner)
         self._trim()

@@ -143,10 +143,10 @@ class ClusterState:
             heard, arrived = self._now or self._moment()
             self._heard(view, stored_ns, heard)
             fresh = view.seqs.fresh(seqs)
-            self.duplicates += len(seqs) - len(fresh)
+            if len(fresh) < len(seqs):
+                self.duplicates += len(seqs) - len(fresh)
+                entries, times = [entries[i] for i in fresh], [times[i] for i in fresh]
             if fresh:
-                if len(fresh) < len(entries):
-                    entries, times = [entries[i] for i in fresh], [times[i] for i in fresh]
                 self.store.add(view.ref.runnerId, raw or encode(event), fresh, times, arrived)
                 self._unsettle(view, entries, arrived, consecutive=isinstance(fresh, range))
             if settle:
