@@ -62,3 +62,10 @@ def test_no_entry_counts_as_later_than_its_arrival() -> None:
     ahead = advance(Synopsis(), [_entry(30, Phase.WARMUP)], received="2026-11-23T10:00:20.000000Z")
     assert ahead.phase_since == ahead.last_at == "2026-11-23T10:00:20.000000Z"
     assert advance(ahead, []) is ahead
+
+
+def test_the_newest_snapshot_of_a_batch_is_the_one_kept() -> None:
+    later = MlxMemorySnapshot(generatedAt="2026-11-23T10:00:07.000000Z", source="mlx")
+    batch = [*ENTRIES, _entry(6, Phase.DECODE_STREAM, mlxMemory=later), _entry(7, Phase.IDLE)]
+    assert advance(Synopsis(), batch).memory == later
+    assert advance(advance(Synopsis(), batch[:3]), batch[3:]).memory == later
