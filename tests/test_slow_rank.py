@@ -37,10 +37,12 @@ LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 HEALTHY_S = 100
 """Load before the slowdown: a rank's usual pace needs 90 s of it (`RANKSCOPE_SLOW_LEARN`);
 no finding meanwhile (the healthy soak, scaled down)."""
-NAMED_WITHIN_S = 30
-"""How long a test waits for the slow rank to be named: the 1.3x target, a bound a loaded
-CI machine keeps. How soon it is named (2x: 15 s, p90) is `bench/detection.py`'s to
-measure, over many injections; one run here is one sample of it."""
+NAMED_WITHIN_S = 60
+"""How long a test waits for the slow rank to be named: twice the 1.3x target. A fresh
+CI machine once read the demo's 2x slowdown as 1.45x for 30 s (the slowed rank 0.8-4.1 ms
+a step against its peer's 1.0), and it is named once its pace stands out of its own
+spread. How soon it is named (2x: 15 s, p90) is `bench/detection.py`'s to measure, over
+many injections; one run here is one sample of it."""
 CLEARED_WITHIN_S = 120
 """How long a test waits for the finding to clear once the slowdown ends: twice the 60-s
 target, which a rank's pace wobbling for a minute after its slowdown on a loaded 2-core

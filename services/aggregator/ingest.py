@@ -13,7 +13,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from rankscope.services.aggregator.parking import PARK_S, Parked, Parking
-from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.aggregator.views import ClusterState, Held
 from rankscope.shared.deadletter import DeadLetters
 from rankscope.shared.inputs import BadInputError, parse_placement, parse_task, parse_telemetry
 from rankscope.shared.jetstream import Layout
@@ -78,6 +78,7 @@ class Ingest:
         self._more = asyncio.Event()
         self._parking = Parking()
         """Telemetry of runners no placement read so far names, waiting for one."""
+        state.refused = self._refused_when_filed
 
     def _reject(self, msg: Msg, error: BadInputError) -> None:
         self._dead_letters.reject(msg.subject, msg.data, error.kind, error)
@@ -95,10 +96,17 @@ class Ingest:
             self._reject(msg, exc)
             return
         stored = stored_ns(msg.reply)
-        try:  # settled by the follower: each runner's synopsis moves once per run of messages
+        try:  # settled by the follower: a runner's batches of a run filed at once
             self._state.apply_telemetry(event, msg.data, stored, settle=False)
         except BadInputError as exc:  # only now is it worth a `Parked`
             self._refused(Parked(msg.subject, msg.data, event, stored, self._clock()), exc)
+
+    def _refused_when_filed(self, held: Held, error: BadInputError) -> None:
+        """Refuse a batch `settle` could not file (of a placed runner: not parked)."""
+        event, raw, _ = held
+        ref = event.runner
+        subject = self._layout.subjects.runner(ref.nodeId, ref.instanceId, ref.deviceRank, "phase")
+        self._dead_letters.reject(subject, raw or b"", error.kind, error)
 
     def _apply_telemetry(self, item: Parked) -> None:
         """Apply a parked message, or park it again or refuse it."""

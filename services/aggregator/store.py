@@ -70,6 +70,11 @@ class SeqTracker:
         self.seen += 1
         return True
 
+    def follows(self, seqs: Sequence[int]) -> bool:
+        """Whether `seqs` are the next consecutive seqs after the newest seen."""
+        ends = self.ends
+        return bool(ends) and seqs == list(range(ends[-1], ends[-1] + len(seqs)))
+
     def fresh(self, seqs: Sequence[int]) -> Sequence[int]:
         """Note every seq of a batch (`seqs`, in its order); the positions of those not
         seen before."""
@@ -259,6 +264,39 @@ class EntryStore:
         if len(filed) > self._per_runner:
             self._evict(log, len(filed) - self._per_runner)
         self._trim()
+
+    def add_run(
+        self,
+        runner_id: str,
+        payloads: Sequence[tuple[bytes, int]],
+        times: Sequence[int],
+        ceiling: int,
+    ) -> bool:
+        """Store every entry of several batches of one runner at once (`payloads`: each
+        batch's JSON and how many entries it holds, all new; `times`: theirs, µs, sorted),
+        if they all come after its newest and by `ceiling`; else store nothing and say so."""
+        log = self._logs.get(runner_id)
+        if log is None:
+            log = self._logs[runner_id] = _RunnerLog()
+        if (log.times and times[0] < log.times[-1]) or times[-1] > ceiling:
+            return False
+        first = self._batches
+        self._batches += len(payloads)
+        for batch, (payload, count) in enumerate(payloads, first):
+            self._payloads[batch], self._live[batch] = payload, count
+        log.times.extend(times)
+        if len(payloads) == len(times):  # a run of lone entries, the usual
+            log.batches.extend(range(first, self._batches))
+            log.positions.frombytes(bytes(log.positions.itemsize * len(times)))  # zeros
+        else:
+            for batch, (_, count) in enumerate(payloads, first):
+                log.batches.extend(array("q", (batch,)) * count)
+                log.positions.extend(range(count))
+        self.size += len(times)
+        if len(log.times) > self._per_runner:
+            self._evict(log, len(log.times) - self._per_runner)
+        self._trim()
+        return True
 
     def _trim(self) -> None:
         """Past the total, the runner with the most entries gives up its oldest."""

@@ -7,6 +7,7 @@ testable without NATS. Telemetry is idempotent by (runner, seq).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.shared.inputs import BadInputError, entry_times
 from rankscope.shared.synopsis import advance
-from rankscope.shared.timestamps import from_micros
+from rankscope.shared.timestamps import from_micros, second_micros
 from rankscope.shared.wire import (
     Breadcrumb,
     FlightRecord,
@@ -38,7 +39,9 @@ from rankscope.shared.wire import (
     encode,
 )
 
-__all__ = ["ClusterState"]
+__all__ = ["ClusterState", "Held"]
+
+log = logging.getLogger(__name__)
 
 TASKS_PER_INSTANCE = 128
 SEQ_SLACK = 200_000
@@ -57,6 +60,14 @@ _EVENT = attrgetter("event")
 def _site(entry: FlightRecord) -> str:
     site = entry.attrs.get("site")
     return site if isinstance(site, str) else entry.phase.value
+
+
+Held = tuple[PhaseRecords, bytes | None, int | None]
+"""A batch of entries held for `settle`: the message, its JSON as received, when stored."""
+
+
+def _refused(held: Held, error: BadInputError) -> None:
+    log.warning("runner %s: a batch refused: %s", held[0].runner.runnerId, error)
 
 
 @dataclass(slots=True)
@@ -107,6 +118,11 @@ class ClusterState:
         """Per runner, entries newer than its synopsis that `settle` has yet to fold in."""
         self._now: tuple[float, int] | None = None
         """`_moment`, until the next `settle`."""
+        self._held: dict[str, tuple[RunnerView, list[Held]]] = {}
+        """Per runner, entry batches applied since the last `settle`, filed by it."""
+        self.refused: Callable[[Held, BadInputError], None] = _refused
+        """Told of each held batch `settle` cannot file (its times or its seqs are
+        nonsense), with why; the rest are filed."""
 
     def _runner(self, ref: RunnerRef) -> RunnerView:
         view = self.runners.get(ref.runnerId)
@@ -122,40 +138,37 @@ class ClusterState:
     ) -> int:
         """Apply one telemetry message (`raw`: its JSON as received, kept as is for entry
         batches; `stored_ns`: when NATS stored it); returns how many of its items were new.
-        With `settle` False, its entries move the runner's synopsis only at the next
-        `settle()`: ingest folds what one pull brought so, each synopsis once.
+        With `settle` False, an entry batch is filed only at the next `settle()` (it
+        returns how many entries it holds): ingest files a runner's batches of one run of
+        messages at once, and moves its synopsis once; a batch `settle` cannot file goes to
+        `refused`.
 
         A runner's newest state is its highest seq, whatever its clock says; an entry's
         time counts as no later than its arrival here, so a clock ahead cannot hold the
         top of the timeline.
 
         Raises:
-            BadInputError: an entry's time is no RFC 3339 date-time, its runner is not
-                placed as it says, or its seq jumps further past the runner's last than
-                it could.
+            BadInputError: its runner is not placed as it says, or (filed now) an entry's
+                time is no RFC 3339 date-time or its seq jumps further past the runner's
+                last than it could.
         """
-        if isinstance(event, PhaseRecords):
-            entries = event.entries
-            times = entry_times(entries)  # a bad one refuses the batch before it changes anything
-            view = self._placed(event.runner, stored_ns)
-            seqs = [e.seq for e in entries]
-            self._check_jump(view, view.seqs.last, max(seqs, default=-1), stored_ns)
-            heard, arrived = self._now or self._moment()
-            self._heard(view, stored_ns, heard)
-            fresh = view.seqs.fresh(seqs)
-            if len(fresh) < len(seqs):
-                self.duplicates += len(seqs) - len(fresh)
-                entries, times = [entries[i] for i in fresh], [times[i] for i in fresh]
-            if fresh:
-                self.store.add(view.ref.runnerId, raw or encode(event), fresh, times, arrived)
-                self._unsettle(view, entries, arrived, consecutive=isinstance(fresh, range))
-            if settle:
-                self.settle()
-            return len(fresh)
         view = self._placed(event.runner, stored_ns)
+        if isinstance(event, PhaseRecords):
+            if not settle:
+                held = self._held.get(view.ref.runnerId)
+                if held is None:
+                    self._held[view.ref.runnerId] = view, [(event, raw, stored_ns)]
+                else:
+                    held[1].append((event, raw, stored_ns))
+                return len(event.entries)
+            self._file_held(view.ref.runnerId)
+            fresh = self._file(view, event, raw, stored_ns)
+            self.settle()
+            return fresh
+        self._file_held(view.ref.runnerId)  # its status after its entries, as they came
         self._check_jump(view, view.seqs.last, event.seq, stored_ns)
         self._heard(view, stored_ns, self._clock() if self._now is None else self._now[0])
-        self._settle(view.ref.runnerId)  # its status after its entries, as they came
+        self._settle(view.ref.runnerId)
         if not view.seqs.add(event.seq):
             self.duplicates += 1
             return 0
@@ -172,6 +185,64 @@ class ClusterState:
             if event.statusKind is RunnerStatusKind.FAILED:
                 view.failure = event
         return 1
+
+    def _file(
+        self, view: RunnerView, event: PhaseRecords, raw: bytes | None, stored_ns: int | None
+    ) -> int:
+        """File one batch's new entries and hold them for the synopsis; how many were new.
+
+        Raises:
+            BadInputError: an entry's time is no RFC 3339 date-time, or its seq jumps
+                further past the runner's last than it could (nothing filed).
+        """
+        entries = event.entries
+        times = entry_times(entries)
+        seqs = [e.seq for e in entries]
+        self._check_jump(view, view.seqs.last, max(seqs, default=-1), stored_ns)
+        heard, arrived = self._now or self._moment()
+        self._heard(view, stored_ns, heard)
+        fresh = view.seqs.fresh(seqs)
+        if len(fresh) < len(seqs):
+            self.duplicates += len(seqs) - len(fresh)
+            entries, times = [entries[i] for i in fresh], [times[i] for i in fresh]
+        if fresh:
+            self.store.add(view.ref.runnerId, raw or encode(event), fresh, times, arrived)
+            self._unsettle(view, entries, arrived, consecutive=isinstance(fresh, range))
+        return len(fresh)
+
+    def _file_held(self, runner_id: str) -> None:
+        """File the batches of one runner held since the last `settle`: all at once when
+        they carry its next seqs in one second in order (the usual run), else one by one,
+        each refused alone."""
+        found = self._held.pop(runner_id, None)
+        if found is None:
+            return
+        view, batches = found
+        if len(batches) > 1 and self._file_run(view, batches):
+            return
+        for held in batches:
+            try:
+                self._file(view, *held)
+            except BadInputError as exc:
+                self.refused(held, exc)
+
+    def _file_run(self, view: RunnerView, batches: list[Held]) -> bool:
+        """File `batches` as one, if their entries are the runner's next seqs (no jump to
+        judge, none seen) and of one second in order after its newest; else file nothing
+        and say so."""
+        entries = [entry for event, _, _ in batches for entry in event.entries]
+        seqs = [entry.seq for entry in entries]
+        if not view.seqs.follows(seqs) or len(seqs) > SEQ_SLACK:
+            return False
+        times = second_micros([entry.at for entry in entries])
+        heard, arrived = self._now or self._moment()
+        payloads = [(raw or encode(event), len(event.entries)) for event, raw, _ in batches]
+        if times is None or not self.store.add_run(view.ref.runnerId, payloads, times, arrived):
+            return False
+        view.seqs.fresh(seqs)
+        self._heard(view, batches[-1][2], heard)
+        self._unsettle(view, entries, arrived, consecutive=True)
+        return True
 
     def _moment(self) -> tuple[float, int]:
         """Now, as (monotonic seconds, µs since the epoch), read once for every message
@@ -260,7 +331,10 @@ class ClusterState:
             self._unsettled[view.ref.runnerId] = _Unsettled(view, list(newer), arrived)
 
     def settle(self) -> None:
-        """Move every runner's synopsis by the entries applied since the last call."""
+        """File the entry batches held since the last call and move every runner's
+        synopsis by the entries applied since."""
+        for runner_id in list(self._held):
+            self._file_held(runner_id)
         for runner_id in list(self._unsettled):
             self._settle(runner_id)
         self._now = None

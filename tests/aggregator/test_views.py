@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from rankscope.services.aggregator import answers
 from rankscope.services.aggregator.store import EntryStore
-from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.aggregator.views import ClusterState, Held
+from rankscope.shared.inputs import BadInputError
 from rankscope.shared.wire import (
     Breadcrumb,
     FlightEntry,
+    FlightRecord,
     GenerationRequest,
     InstanceReleased,
     Phase,
     PhaseEntries,
+    PhaseRecords,
+    ReceivedTelemetry,
     ReleaseCause,
     RunnerRef,
     RunnerStatusKind,
-    RunnerTelemetry,
     TaskCreated,
     TaskKind,
     TaskStatus,
@@ -253,54 +257,95 @@ def test_a_rank_heard_after_its_node_was_found_unreachable_is_not_lost() -> None
     assert [r.lost for r in answers.instance_states(state)[0].ranks] == [False, False]
 
 
-def _stream(seed: int) -> list[RunnerTelemetry]:
-    """Two ranks' telemetry in an order a stream may hold: batches out of order and
-    redelivered, a rank giving up then ready again, a failure after it was ready."""
+def _stream(seed: int) -> list[ReceivedTelemetry]:
+    """Two ranks' telemetry in an order a stream may hold: runs of single entries in
+    order, one with a bad time in it, batches out of order and redelivered, a rank giving
+    up then ready again, a failure after it was ready."""
     gave_up, ready = Breadcrumb.COLLECTIVE_TIMEOUT.value, Breadcrumb.RUNNER_READY.value
 
     def one(
         ref: RunnerRef, seq: int, event: str, phase: Phase = Phase.DECODE_STREAM
     ) -> PhaseEntries:
-        entry = FlightEntry(seq=seq, at=at(seq), phase=phase, event=event, attrs={"step": seq})
+        entry = FlightEntry(
+            seq=seq, at=at(seq * 7 / 100), phase=phase, event=event, attrs={"step": seq}
+        )
         return PhaseEntries(runner=ref, entries=[entry])
 
+    def bad(ref: RunnerRef, seq: int) -> PhaseRecords:
+        entry = FlightRecord(
+            seq=seq, at="2026-11-21T12:00:00.1\u0663Z", phase=Phase.IDLE, event="e"
+        )
+        return PhaseRecords(runner=ref, entries=[entry])
+
     shuffle = random.Random(seed).shuffle
-    out: list[RunnerTelemetry] = []
+    out: list[ReceivedTelemetry] = []
     for r in (rank(0), rank(1)):
-        batches: list[RunnerTelemetry] = [
+        out += [one(r, s, "token") for s in range(20)]  # in order: filed at once
+        out += [one(r, 20, "token"), bad(r, 21), one(r, 21, "token")]  # the bad one alone
+        batches: list[ReceivedTelemetry] = [
             entries(r, *[(s, s, Phase.PREFILL_PIPELINE, s) for s in range(first, first + 3)])
-            for first in range(0, 30, 3)
+            for first in range(22, 52, 3)
         ]
         shuffle(batches)
-        out += [*batches, batches[2], one(r, 30, gave_up), one(r, 31, ready, Phase.IDLE)]
-        out += [status(r, 32, RunnerStatusKind.FAILED, alive=False), one(r, 33, "e")]
+        out += [*batches, batches[2], one(r, 52, gave_up), one(r, 53, ready, Phase.IDLE)]
+        out += [status(r, 54, RunnerStatusKind.FAILED, alive=False), one(r, 55, "e")]
     return out
 
 
+def _same(alone: ClusterState, later: ClusterState) -> None:
+    """Every view of `later` is what `alone` shows."""
+    for ref in (rank(0), rank(1)):
+        one, other = alone.runners[ref.runnerId], later.runners[ref.runnerId]
+        assert other.synopsis == one.synopsis
+        assert (other.gave_up, other.failure, other.waiting_in) == (
+            one.gave_up,
+            one.failure,
+            one.waiting_in,
+        )
+        assert (other.seqs.starts, other.seqs.ends, other.seqs.seen) == (
+            one.seqs.starts,
+            one.seqs.ends,
+            one.seqs.seen,
+        )
+    assert (later.duplicates, later.store.size) == (alone.duplicates, alone.store.size)
+    query = TimelineQuery(limit=100_000)
+    assert answers.timeline(later, query, local_node_id="a") == answers.timeline(
+        alone, query, local_node_id="a"
+    )
+
+
 def test_a_run_of_messages_settled_at_once_leaves_what_one_at_a_time_leaves() -> None:
-    """Ingest moves each runner's synopsis once per run of messages (`settle`): every view
-    ends as if each message had been folded on its own, in the order they came."""
+    """Ingest files a runner's batches of a run of messages at once and moves its synopsis
+    once (`settle`): after each run every view is as if each message had been applied on
+    its own, in the order they came, and the same batches are refused, for the same
+    reason."""
     for seed in range(20):
         one_by_one, settled_later = (
             ClusterState(store=EntryStore(), clock=Clock(), wall=lambda: 1.8e9) for _ in "ab"
         )
         for state in (one_by_one, settled_later):
             state.apply_placement(placed())
-        for event in _stream(seed):
-            one_by_one.apply_telemetry(event)
+        refused: list[tuple[ReceivedTelemetry, str]] = []
+        refused_later: list[tuple[ReceivedTelemetry, str]] = []
+
+        def later(held: Held, error: BadInputError, out: list[Any] = refused_later) -> None:
+            out.append((held[0], error.kind))
+
+        settled_later.refused = later
+        for number, event in enumerate(_stream(seed)):
+            try:
+                one_by_one.apply_telemetry(event)
+            except BadInputError as exc:
+                refused.append((event, exc.kind))
             settled_later.apply_telemetry(event, settle=False)
+            if number % 7 == 6:  # runs of messages of both ranks, cut anywhere
+                settled_later.settle()
+                _same(one_by_one, settled_later)
         settled_later.settle()
+        _same(one_by_one, settled_later)
+        assert refused == refused_later
+        assert [kind for _, kind in refused] == ["telemetry_undecodable"] * 2
         for ref in (rank(0), rank(1)):
-            alone, later = one_by_one.runners[ref.runnerId], settled_later.runners[ref.runnerId]
-            assert later.synopsis == alone.synopsis
-            assert (later.gave_up, later.failure, later.waiting_in) == (
-                alone.gave_up,
-                alone.failure,
-                alone.waiting_in,
-            )
-            assert alone.failure is not None  # ready at 31, failed at 32
-            assert alone.synopsis.seq == 33
-        query = TimelineQuery()
-        assert answers.timeline(settled_later, query, local_node_id="a") == answers.timeline(
-            one_by_one, query, local_node_id="a"
-        )
+            alone = one_by_one.runners[ref.runnerId]
+            assert alone.failure is not None  # ready at 53, failed at 54
+            assert alone.synopsis.seq == 55
