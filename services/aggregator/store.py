@@ -71,21 +71,24 @@ class SeqTracker:
         return True
 
     def follows(self, seqs: Sequence[int]) -> bool:
-        """Whether `seqs` are the next consecutive seqs after the newest seen."""
+        """Whether `seqs` (some) are the next consecutive seqs after the newest seen."""
         ends = self.ends
-        return bool(ends) and seqs == list(range(ends[-1], ends[-1] + len(seqs)))
+        if not ends or not seqs or seqs[0] != ends[-1]:
+            return False
+        return len(seqs) == 1 or seqs == list(range(ends[-1], ends[-1] + len(seqs)))
 
     def fresh(self, seqs: Sequence[int]) -> Sequence[int]:
         """Note every seq of a batch (`seqs`, in its order); the positions of those not
         seen before."""
-        ends, count = self.ends, len(seqs)
-        if ends and count and seqs[0] == ends[-1]:
-            first = ends[-1]
-            if count == 1 or seqs == list(range(first, first + count)):
-                ends[-1] += count  # the usual case: the next consecutive batch
-                self.seen += count
-                return range(count)
+        if self.follows(seqs):  # the usual case: the next consecutive batch
+            self.advance(len(seqs))
+            return range(len(seqs))
         return [index for index, seq in enumerate(seqs) if self.add(seq)]
+
+    def advance(self, count: int) -> None:
+        """Note the next `count` seqs after the newest seen (`follows` said they are)."""
+        self.ends[-1] += count
+        self.seen += count
 
     @property
     def first(self) -> int | None:
@@ -260,10 +263,7 @@ class EntryStore:
                 else:
                     log.insert(at, batch, position)
         self._payloads[batch], self._live[batch] = payload, count
-        self.size += count
-        if len(filed) > self._per_runner:
-            self._evict(log, len(filed) - self._per_runner)
-        self._trim()
+        self._filed(log, count)
 
     def add_run(
         self,
@@ -292,11 +292,15 @@ class EntryStore:
             for batch, (_, count) in enumerate(payloads, first):
                 log.batches.extend(array("q", (batch,)) * count)
                 log.positions.extend(range(count))
-        self.size += len(times)
+        self._filed(log, len(times))
+        return True
+
+    def _filed(self, log: _RunnerLog, count: int) -> None:
+        """Count `count` entries just filed in `log`, and evict past the limits."""
+        self.size += count
         if len(log.times) > self._per_runner:
             self._evict(log, len(log.times) - self._per_runner)
         self._trim()
-        return True
 
     def _trim(self) -> None:
         """Past the total, the runner with the most entries gives up its oldest."""

@@ -239,7 +239,7 @@ class ClusterState:
         payloads = [(raw or encode(event), len(event.entries)) for event, raw, _ in batches]
         if times is None or not self.store.add_run(view.ref.runnerId, payloads, times, arrived):
             return False
-        view.seqs.fresh(seqs)
+        view.seqs.advance(len(seqs))
         self._heard(view, batches[-1][2], heard)
         self._unsettle(view, entries, arrived, consecutive=True)
         return True
