@@ -235,9 +235,11 @@ class ClusterState:
         if not view.seqs.follows(seqs) or len(seqs) > SEQ_SLACK:
             return False
         times = second_micros([entry.at for entry in entries])
+        if times is None:
+            return False
         heard, arrived = self._now or self._moment()
         payloads = [(raw or encode(event), len(event.entries)) for event, raw, _ in batches]
-        if times is None or not self.store.add_run(view.ref.runnerId, payloads, times, arrived):
+        if not self.store.add_run(view.ref.runnerId, payloads, times, arrived):
             return False
         view.seqs.advance(len(seqs))
         self._heard(view, batches[-1][2], heard)
