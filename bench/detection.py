@@ -11,6 +11,9 @@ finding. Faults:
 - `sigkill`: a rank's process killed (`dead_rank`; its agent starts it again);
 - `slow2`, `slow1.3`: a rank made 2x and 1.3x slower by a stop/continue duty cycle
   (`slow_rank`);
+- `work2`, `work1.3`: in a recorded 4-rank data-parallel `mlx.launch` job of its own (the
+  one `tests/test_slow_rank.py` records, two ranks to a core), a rank given twice and 4/3
+  of its work a step, as a slower device takes longer (`slow_rank`);
 - `nats`: the NATS server paused (SIGSTOP; `nats_unreachable`, naming no rank);
 - `linkcut`: the network link of node-b cut (in a deployment of its own, every service its
   own process and node-b behind a veth pair in a network namespace, as
@@ -49,17 +52,26 @@ from tests.reliability.deployment import Deployment, deployed  # noqa: E402
 from tests.reliability.netns import Link, behind  # noqa: E402
 from tests.slowdown import slowed  # noqa: E402
 from tests.stack_up import free_port, free_ports, running_up  # noqa: E402
-from tests.test_slow_rank import Gateway, chatting  # noqa: E402
+from tests.test_slow_rank import Gateway, chatting, more_work, recorded  # noqa: E402
 
 EXPECTED = {
     "sigstop": "stalled_rank",
     "sigkill": "dead_rank",
     "slow2": "slow_rank",
     "slow1.3": "slow_rank",
+    "work2": "slow_rank",
+    "work1.3": "slow_rank",
     "nats": "nats_unreachable",
     "linkcut": "dead_rank",
 }
-HOLD_S = {"sigstop": 15.0, "slow2": 30.0, "slow1.3": 45.0, "nats": 10.0}
+HOLD_S = {
+    "sigstop": 15.0,
+    "slow2": 30.0,
+    "slow1.3": 45.0,
+    "work2": 30.0,
+    "work1.3": 45.0,
+    "nats": 10.0,
+}
 """How long each fault lasts; a kill or a cut link, until it is named (the rank is then
 started again, or the job placed again once the node is back)."""
 NAMED_WITHIN_S = {"linkcut": 45.0}
@@ -84,6 +96,7 @@ class Tally:
     why: dict[str, str] = field(default_factory=dict)
     """The first summary of each wrong finding."""
     cleared: list[float] = field(default_factory=list)
+    """Per injection named: seconds from the fault's end to no finding."""
 
 
 def _pid(title: str) -> int:
@@ -152,17 +165,17 @@ def inject(
                 tally.samples += 1
                 tally.right += any(right(f) for f in found)
             time.sleep(0.5)
-    if first is None:
-        tally.missed += 1
-    else:
-        tally.named.append(first)
     ended = time.monotonic()
     while _findings(gateway) and time.monotonic() - ended < SETTLE_S:
         time.sleep(0.5)
-    tally.cleared.append(time.monotonic() - ended)
-    named = "missed" if first is None else f"named after {first:.1f} s"
-    print(f"  {kind} rank {rank}: {named}, cleared after {tally.cleared[-1]:.1f} s; "
-          f"wrong so far {len(tally.wrong)}", flush=True)  # fmt: skip
+    if first is None:
+        tally.missed += 1
+        named = "missed"
+    else:
+        tally.named.append(first)
+        tally.cleared.append(time.monotonic() - ended)
+        named = f"named after {first:.1f} s, cleared after {tally.cleared[-1]:.1f} s"
+    print(f"  {kind} rank {rank}: {named}; wrong so far {len(tally.wrong)}", flush=True)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -191,6 +204,24 @@ def _on_demo(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
                     last = time.monotonic()
                     rank = random.choice((0, 1))
                     inject(gateway, kind, rank, _fault(kind, rank, nats_pid), tallies[kind])
+
+
+def _on_recorded(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
+    """Inject `faults` into a recorded 4-rank data-parallel job, in a `rankscope up` of its
+    own."""
+    work = Path(tempfile.mkdtemp())
+    env = {"RANKSCOPE_LOG_LEVEL": "error"}
+    with running_up(work / ".rankscope", env=env) as (_, shown):
+        gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
+        script = work / "train.py"
+        with recorded(gateway, "dp-1", script):
+            time.sleep(100)  # every rank's usual pace known (`RANKSCOPE_SLOW_LEARN`)
+            for kind, count in faults:
+                for _ in range(count):
+                    gateway.until(lambda: not _findings(gateway), 600)
+                    rank = random.randrange(4)
+                    factor = float(kind.removeprefix("work"))
+                    inject(gateway, kind, rank, more_work(script, rank, factor), tallies[kind])
 
 
 @contextlib.contextmanager
@@ -247,21 +278,25 @@ def main() -> None:
         for kind, _, count in (f.partition(":") for f in args.faults.split(","))
     ]
     tallies = {kind: Tally() for kind, _ in faults}
-    if on_demo := [(kind, count) for kind, count in faults if kind != "linkcut"]:
+    if on_demo := [(k, n) for k, n in faults if k != "linkcut" and not k.startswith("work")]:
         _on_demo(on_demo, tallies)
+    if on_recorded := [(k, n) for k, n in faults if k.startswith("work")]:
+        _on_recorded(on_recorded, tallies)
     if cuts := dict(faults).get("linkcut"):
         asyncio.run(_link_cuts(cuts, tallies["linkcut"]))
-    print("injections at random moments into a 2-rank pipeline under load")
+    print("injections at random moments into a 2-rank pipeline under load (work*: into a")
+    print("recorded 4-rank data-parallel job)")
     print(f"{'fault':10} {'runs':>4} {'named p50':>9} {'p90':>6} {'max':>6} {'missed':>6} "
           f"{'right':>7} {'wrong':>5} {'clear p50':>9} {'max':>6}")  # fmt: skip
     for kind, tally in tallies.items():
         named = tally.named or [float("nan")]
+        cleared = tally.cleared or [float("nan")]
         share = tally.right / tally.samples if tally.samples else float("nan")
         print(
-            f"{kind:10} {len(tally.cleared):4d} {statistics.median(named):8.1f}s "
+            f"{kind:10} {len(tally.named) + tally.missed:4d} {statistics.median(named):8.1f}s "
             f"{_quantile(named, 0.9):5.1f}s {max(named):5.1f}s {tally.missed:6d} "
             f"{share:7.1%} {len(tally.wrong):5d} "
-            f"{statistics.median(tally.cleared):8.1f}s {max(tally.cleared):5.1f}s"
+            f"{statistics.median(cleared):8.1f}s {max(cleared):5.1f}s"
         )
         for wrong in sorted(set(tally.wrong)):
             print(f"    wrong: {wrong} ({tally.wrong.count(wrong)} samples): {tally.why[wrong]}")

@@ -58,7 +58,7 @@ weights = mx.random.normal((128, 128), key=mx.random.key(group.rank()))
 slower = pathlib.Path(__file__).with_name(f"slower-{group.rank()}")  # its work, times over
 while True:
     gradient = weights
-    for _ in range(3 * (int(slower.read_text() or 1) if slower.exists() else 1)):
+    for _ in range(round(3 * (float(slower.read_text() or 1) if slower.exists() else 1))):
         gradient = mx.tanh(gradient @ weights) / 16
     weights = weights - 0.001 * mx.distributed.all_sum(gradient) / group.size()
     mx.eval(weights)
@@ -228,9 +228,9 @@ def recorded(gateway: Gateway, job: str, script: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def more_work(script: Path, rank: int, factor: int) -> Iterator[None]:
+def more_work(script: Path, rank: int, factor: float) -> Iterator[None]:
     """Rank `rank` of `DATA_PARALLEL` at `script` computes `factor` times its work a step
-    while the block lasts."""
+    (to the nearest third) while the block lasts."""
     slower = script.with_name(f"slower-{rank}")
     slower.write_text(str(factor))
     try:
