@@ -13,7 +13,8 @@
   status and the buckets; it can never publish runner telemetry, task status or output;
 - the operator (a person, with the `nats` CLI) reads every stream and bucket, the dead
   letters among them, and watches every subject, but writes nothing: it deletes no
-  consumer and answers no request it sees.
+  consumer, answers no request it sees and joins no queue group (it would take requests
+  from the service that answers them).
 
 Only the agents and the aggregator may answer requests (probes, queries), each only those
 of the subjects it may subscribe to. Only the aggregator and the rank-table service may
@@ -69,6 +70,9 @@ class Permissions:
     subscribe: tuple[str, ...]
     responds: bool = False
     """Whether it may answer requests it receives (only the roles that serve them)."""
+    deny_subscribe: tuple[str, ...] = ()
+    """Subscriptions refused even where `subscribe` allows them (`subject queue` refuses
+    joining a queue group there)."""
 
 
 class _Api:
@@ -242,6 +246,8 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 *api.read(*api.all_streams, delete=False),
             ),
             subscribe=(*inbox, "_INBOX.>", subjects.everything()),  # the nats CLI's own inbox too
+            # a queue subscription would take requests from the services that answer them
+            deny_subscribe=(f"{subjects.everything()} >",),
         )
     raise ValueError(f"no role {user!r}; roles are {', '.join(ROLES)}, {OPERATOR} and agent-<node>")
 
@@ -262,13 +268,16 @@ def render(layout: Layout, nodes: Sequence[str], passwords: Mapping[str, str] | 
         "  users: [",
     ]
     for user, allowed in users:
+        denied = json.dumps(list(allowed.deny_subscribe))
         secret = (
             json.dumps(passwords[user]) if passwords is not None else f"${password_variable(user)}"
         )
         lines += [
             f"    {{user: {json.dumps(user)}, password: {secret}, permissions: {{",
             f"      publish: {{allow: {json.dumps(list(allowed.publish))}}}",
-            f"      subscribe: {{allow: {json.dumps(list(allowed.subscribe))}}}",
+            f"      subscribe: {{allow: {json.dumps(list(allowed.subscribe))}"
+            + (f", deny: {denied}" if allowed.deny_subscribe else "")
+            + "}",
             f"      allow_responses: {'true' if allowed.responds else 'false'}",
             "    }}",
         ]

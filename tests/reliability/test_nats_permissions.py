@@ -291,6 +291,29 @@ async def test_the_operator_answers_no_query_or_probe_and_deletes_no_consumer(
         await close(session.nc)
 
 
+async def test_the_operator_joins_no_queue_group_so_every_query_reaches_the_aggregator(
+    server: EmbeddedNats,
+) -> None:
+    aggregator = await _login(server, "aggregator")
+    subject = SUBJECTS.query("diagnosis")
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(b"answered")
+
+    await aggregator.nc.subscribe(subject, queue="q", cb=answer)  # nats.micro's group
+    operator = await _login(server, OPERATOR)
+    await operator.nc.subscribe(subject, queue="q", cb=_ignore)
+    await operator.refused(f'subscription to "{subject}"')
+    await operator.nc.subscribe(subject, cb=_ignore)  # watching it stays allowed
+    await operator.nc.flush()
+    gateway = await _login(server, "gateway")
+    answers = [await gateway.nc.request(subject, b"{}", timeout=2) for _ in range(8)]
+    assert [a.data for a in answers] == [b"answered"] * 8
+    assert sum("subscription" in e for e in operator.errors) == 1
+    for session in (operator, gateway, aggregator):
+        await close(session.nc)
+
+
 async def test_a_wrong_password_is_refused(server: EmbeddedNats) -> None:
     nc = Client()
     with pytest.raises(NatsError, match=r"(?i)authorization"):
