@@ -14,9 +14,13 @@ from nats.js import JetStreamContext
 
 from rankscope.shared.wire import WireError, decode
 
-__all__ = ["DeadLetters"]
+__all__ = ["KEPT_BYTES", "DeadLetters"]
 
 log = logging.getLogger(__name__)
+
+KEPT_BYTES = 64 << 10
+"""How much of a bad message a dead letter keeps: enough to see what it was, while a
+flood of huge ones cannot fill the dead-letter stream with a few copies."""
 
 
 class DeadLetters:
@@ -54,13 +58,15 @@ class DeadLetters:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         if first:
             log.warning("bad input (%s) on %s: %s", kind, subject, error)
+        data = data or b""
         headers = {
+            "Rankscope-Size": str(len(data)),
             "Rankscope-Subject": subject,
             "Rankscope-Error": str(error)[:512],
             "Rankscope-Kind": kind,
             "Rankscope-Service": self._service,
         }
-        task = asyncio.ensure_future(self._copy(data or b"", headers))
+        task = asyncio.ensure_future(self._copy(data[:KEPT_BYTES], headers))
         self._copying.add(task)
         task.add_done_callback(self._copying.discard)
 

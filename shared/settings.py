@@ -273,6 +273,17 @@ class Settings:
         _duration,
         "How long a recorded rank's watcher keeps delivering after the rank ended.",
     )
+    record_ranks_per_node: int = _setting(
+        256,
+        _positive_int,
+        "Recorded ranks one node may hold at once, registering or live (more: refused).",
+    )
+    record_deadline: float = _setting(
+        120.0,
+        _duration,
+        "How long a recorded rank may stop asking while its job gathers, or stay silent once "
+        "its job is announced, before it is dropped.",
+    )
     load_threshold: float = _setting(
         300.0, _duration, "The same for connecting, loading and warming up."
     )

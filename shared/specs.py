@@ -13,7 +13,7 @@ from rankscope.shared.quantity import parse_bytes, parse_quantity
 from rankscope.shared.subjects import MAX_TOKEN, IdTooLongError, token
 from rankscope.shared.wire import Runner
 
-__all__ = ["PlacementSpec", "SpecError", "validate"]
+__all__ = ["PlacementSpec", "SpecError", "id_problem", "validate"]
 
 DEFAULT_NODEPOOL = "default"
 DERIVED_ROOM = 32
@@ -147,6 +147,27 @@ MAX_REPLICAS = 64
 """Instances one spec may ask for by default (`RANKSCOPE_MAX_REPLICAS`)."""
 
 
+def id_problem(given: str) -> str | None:
+    """Why `given` cannot name a spec or a recorded job (None: it can): it must name it
+    in a URL path, and leave room in a subject token for the ids derived from it."""
+    if not given:
+        return "id is required"
+    if given in (".", "..") or "/" in given or any(c < " " or c == "\x7f" for c in given):
+        return (
+            f"id {given[:40]!r} is '.' or '..' or holds '/' or a control character: it "
+            "must be one segment of a URL path"
+        )
+    try:
+        token(given + "-" * DERIVED_ROOM)
+    except IdTooLongError:
+        return (
+            f"id {given[:40]!r}... is too long: escaped (white space and non-ASCII take 3 "
+            f"per byte) it must leave {DERIVED_ROOM} of {MAX_TOKEN} characters for the ids of "
+            "its instances and runners"
+        )
+    return None
+
+
 def validate(runner: Runner, revision: int = 0, max_replicas: int = MAX_REPLICAS) -> PlacementSpec:
     """Check a spec and extract its placement needs; it may ask for `max_replicas`
     instances at most.
@@ -154,25 +175,8 @@ def validate(runner: Runner, revision: int = 0, max_replicas: int = MAX_REPLICAS
     Raises:
         SpecError: the first problem, worded for the operator who wrote the spec.
     """
-    if not runner.id:
-        raise SpecError("id is required")
-    if (
-        runner.id in (".", "..")
-        or "/" in runner.id
-        or any(c < " " or c == "\x7f" for c in runner.id)
-    ):
-        raise SpecError(
-            f"id {runner.id[:40]!r} is '.' or '..' or holds '/' or a control character: it "
-            "must name the runner in a URL path"
-        )
-    try:
-        token(runner.id + "-" * DERIVED_ROOM)
-    except IdTooLongError:
-        raise SpecError(
-            f"id {runner.id[:40]!r}... is too long: escaped (white space and non-ASCII take 3 "
-            f"per byte) it must leave {DERIVED_ROOM} of {MAX_TOKEN} characters for the ids of "
-            "its instances and runners"
-        ) from None
+    if (problem := id_problem(runner.id)) is not None:
+        raise SpecError(problem)
     model = runner.worker.model if runner.worker else None
     if model is None or not model.id:
         raise SpecError("worker.model.id is required: it names the model to serve")

@@ -10,6 +10,7 @@ from rankscope.services.lifecycle import connected, run_until_signalled
 from rankscope.services.ranktable.grpc_server import serve
 from rankscope.services.ranktable.hub import TableHub
 from rankscope.services.ranktable.models import ModelShapes
+from rankscope.services.ranktable.recorded import RecordLimits
 from rankscope.services.ranktable.service import RankTableService
 from rankscope.shared.connection import (
     REACH_CHECK_S,
@@ -50,6 +51,9 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             # heartbeats that JetStream did not store are no sign of lost nodes
             connected=lambda: reach.reachable and storage.storing,
             nc=nc,
+            record_limits=RecordLimits(
+                ranks_per_node=settings.record_ranks_per_node, deadline_s=settings.record_deadline
+            ),
         )
         log.info("rank-table service up; gRPC config.Config on port %d", port)
         async with asyncio.TaskGroup() as tasks:

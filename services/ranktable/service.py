@@ -27,7 +27,7 @@ from rankscope.services.ranktable.hub import TableHub
 from rankscope.services.ranktable.models import ModelShapes
 from rankscope.services.ranktable.nodes import LiveNodes
 from rankscope.services.ranktable.placement import MAX_RUNNERS_PER_NODE, Plan, plan
-from rankscope.services.ranktable.recorded import RecordedJobs, release_due
+from rankscope.services.ranktable.recorded import RecordedJobs, RecordLimits, release_due
 from rankscope.services.ranktable.state import (
     PlacementState,
     Readiness,
@@ -53,7 +53,6 @@ from rankscope.shared.wire import (
     RankTableStream,
     RecordedRank,
     Registered,
-    ReleaseCause,
     RunnerMetrics,
     RunnerSpecStatus,
     RunnerStatusChanged,
@@ -85,6 +84,8 @@ class RankTableService:
             node gets a whole TTL once heartbeats are back.
         nc: the connection recorded ranks register over (`rankscope record`); without
             it, none can.
+        record_limits: what recorded jobs may take (ranks per node, deadlines).
+        wall_clock: seconds since the epoch, for recorded jobs' deadlines.
     """
 
     def __init__(
@@ -100,10 +101,14 @@ class RankTableService:
         shapes: ModelShapes | None = None,
         connected: Callable[[], bool] = lambda: True,
         nc: Client | None = None,
+        record_limits: RecordLimits | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._js = js
         self._nc = nc
-        self._recorded = RecordedJobs()
+        self._recorded = RecordedJobs(limits=record_limits or RecordLimits())
+        self._wall_clock = wall_clock
+        self._wakeup: asyncio.TimerHandle | None = None
         self._placing = asyncio.Lock()
         """Held while placement events are decided and published (reconcile, a rank's
         registration): each decides on the state the last one left."""
@@ -164,6 +169,7 @@ class RankTableService:
             expiry = tasks.create_task(self._nodes.expire_forever(nodes_kv, stop))
             for follower in followers:
                 await follower.caught_up.wait()
+            self._dirty.set()  # the first pass makes it ready, on an empty installation too
             reconciler = tasks.create_task(self._reconcile_forever(stop))
             registrations = None
             if self._nc is not None:
@@ -180,35 +186,36 @@ class RankTableService:
 
     async def _on_register(self, msg: Msg) -> None:
         """A recorded rank asks who it is; its job is announced once its world is whole."""
-        node = untoken(msg.subject.rsplit(".", 1)[-1])
-        rank: RecordedRank | None = self.dead_letters.decoded(
-            msg, RecordedRank, "registration_undecodable"
-        )
-        if rank is None:
-            answer = Registered(refused="not a RecordedRank (see the dead letters)")
-        elif rank.nodeId != node:
-            why = f"a rank on node {rank.nodeId!r} registered on node {node!r}'s subject"
-            self.dead_letters.reject(msg.subject, msg.data, "registration_identity", why)
-            answer = Registered(refused=why)
-        else:
-            try:
-                async with self._placing:
-                    decision = self._recorded.register(
-                        rank, self._state.instances, self._state.attempts
-                    )
-                    for event in decision.publish:
-                        await self._publish_placement(event, msg_id=self._msg_id(event))
-            except (TimeoutError, NatsError, OSError) as exc:
-                answer = Registered(refused=f"could not announce the job now: {exc}")
-            else:
-                answer = Registered(
-                    runner=decision.runner, announced=decision.announced, refused=decision.refused
-                )
-                if decision.publish:
-                    self._dirty.set()  # its rank table
+        answer = await self._registered(msg)
+        if answer.refused is not None:
+            self.dead_letters.reject(msg.subject, msg.data, "registration_refused", answer.refused)
         if msg.reply:
             with contextlib.suppress(NatsError):
                 await msg.respond(encode(answer))
+
+    async def _registered(self, msg: Msg) -> Registered:
+        node = untoken(msg.subject.rsplit(".", 1)[-1])
+        try:
+            rank = decode(msg.data, RecordedRank)
+        except WireError as exc:
+            return Registered(refused=f"not a valid registration: {str(exc)[:200]}")
+        if rank.nodeId != node:
+            return Registered(
+                refused=f"a rank on node {rank.nodeId!r} registered on node {node!r}'s subject"
+            )
+        try:
+            async with self._placing:
+                decision = self._recorded.register(
+                    rank, self._state.instances, self._state.attempts, self._wall_clock()
+                )
+                for event in decision.publish:
+                    await self._publish_placement(event, msg_id=self._msg_id(event))
+        except (TimeoutError, NatsError, OSError) as exc:
+            return Registered(refused=f"could not announce the job now: {exc}")
+        self._dirty.set()  # its rank table, the deadline of its gathering
+        return Registered(
+            runner=decision.runner, announced=decision.announced, refused=decision.refused
+        )
 
     async def _replay_placements(self) -> None:
         async def handle(msg: Msg) -> None:
@@ -348,24 +355,28 @@ class RankTableService:
         return f"{event.instanceId}:released:{self._state.instances[event.instanceId].attempt}"
 
     async def _release_ended(self) -> None:
-        """Release the recorded jobs whose every rank has ended; wake up again when the
-        next one may go."""
-        moment = time.time()
+        """Release the recorded jobs whose every rank has ended, or that a rank never
+        reported to, and forget gathering ranks that stopped asking; wake up again when
+        the next one may go."""
+        moment = self._wall_clock()
+        wake = [self._recorded.expire(moment)]
         for instance in list(self._state.instances.values()):
-            due = release_due(instance, self._readiness.status)
+            due = release_due(instance, self._readiness.status, self._recorded.limits)
             if due is None:
                 continue
-            if due > moment:
-                asyncio.get_running_loop().call_later(due - moment, self._dirty.set)
+            if due.at > moment:
+                wake.append(due.at)
                 continue
             event = InstanceReleased(
-                at=now(),
-                instanceId=instance.instanceId,
-                cause=ReleaseCause.JOB_ENDED,
-                reason=f"every rank of job {instance.instanceId} ended",
+                at=now(), instanceId=instance.instanceId, cause=due.cause, reason=due.reason
             )
             await self._publish_placement(event, msg_id=self._msg_id(event))
             log.info("released %s: %s", instance.instanceId, event.reason)
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+        if times := [t for t in wake if t is not None]:
+            delay = max(min(times) - moment, 0.0) + 0.01
+            self._wakeup = asyncio.get_running_loop().call_later(delay, self._dirty.set)
 
     async def _publish_placement(
         self, event: InstanceCreated | InstanceReleased, msg_id: str

@@ -22,6 +22,8 @@ from rankscope.shared.wire.diagnosis import (
 )
 from rankscope.shared.wire.enums import Breadcrumb, Phase, RunnerStatusKind, TaskKind, TaskStatus
 from rankscope.shared.wire.events import (
+    MAX_COMMAND,
+    MAX_WORLD,
     TASK_HORIZON_S,
     ChatMessage,
     FlightEntry,
@@ -103,6 +105,8 @@ from rankscope.shared.wire.timeline import (
 )
 
 __all__ = [
+    "MAX_COMMAND",
+    "MAX_WORLD",
     "TASK_HORIZON_S",
     "AggregatorHealth",
     "AttrValue",

@@ -19,6 +19,8 @@ from rankscope.shared.wire.memory import MlxMemorySnapshot, StepPace
 from rankscope.shared.wire.timeline import Attrs, TimelineEntry
 
 __all__ = [
+    "MAX_COMMAND",
+    "MAX_WORLD",
     "TASK_HORIZON_S",
     "ChatMessage",
     "FlightEntry",
@@ -47,6 +49,17 @@ __all__ = [
 
 TASK_HORIZON_S = 300.0
 """How long a task without a deadline may wait to start: the gateway's own deadline."""
+
+MAX_WORLD = 4096
+"""The most ranks one recorded job may have (a typo cannot make a job wait for millions)."""
+MAX_JOB_ID = 480
+"""The longest recorded job or node id: its runners' ids must still name a subject."""
+MAX_COMMAND = 4096
+"""The longest command line a recorded rank registers with (`rankscope record` cuts)."""
+MAX_HOST = 255
+"""The longest host name (DNS's limit)."""
+MAX_PID = 1 << 22
+"""The largest process id (Linux's `pid_max` ceiling; macOS stays under 100,000)."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -244,15 +257,15 @@ class RecordedRank(CamelStruct, kw_only=True, frozen=True):
     """One rank of a recorded job asking to be announced (`rankscope record`): the job is
     announced once every rank of its world has asked."""
 
-    jobId: str
-    nodeId: str
-    deviceRank: NonNegative
-    worldSize: Positive
-    pid: Positive
-    host: str
+    jobId: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]
+    nodeId: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]
+    deviceRank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]
+    worldSize: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD)]
+    pid: Annotated[int, msgspec.Meta(ge=1, le=MAX_PID)]
+    host: Annotated[str, msgspec.Meta(max_length=MAX_HOST)]
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
-    command: str
-    startedAt: str
+    command: Annotated[str, msgspec.Meta(max_length=MAX_COMMAND)]
+    startedAt: Annotated[str, msgspec.Meta(max_length=64)]
     """When the rank's process started: a rank asking again for the same start is the
     same rank (a retry); another start of a rank already announced is a new run."""
 
