@@ -19,6 +19,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from rankscope.services.aggregator.alerts import Alerter
+from rankscope.services.aggregator.bounds import cut_stack
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.connection import Reachability
@@ -286,7 +287,9 @@ class Findings:
             return  # the incident is over already
         for runner in answer.runners:
             if runner.runnerId in runner_ids:  # one speaks only for the runners asked of it
-                held[runner.runnerId] = runner
+                held[runner.runnerId] = msgspec.structs.replace(
+                    runner, stack=cut_stack(runner.stack)
+                )
         self._state.version += 1
 
     def _with_evidence(self, incident: Incident) -> Incident:

@@ -15,13 +15,14 @@ from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
 from rankscope.services.aggregator import answers
+from rankscope.services.aggregator.bounds import diagnosis_answer
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.partitions import Partition
 from rankscope.shared.subjects import AGGREGATOR_SERVICE, Subjects
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
     AggregatorHealth,
-    Diagnosis,
+    DiagnosisQuery,
     Finding,
     PlacementQuery,
     TimelineQuery,
@@ -182,7 +183,8 @@ class Queries:
                         return encode(item)
                 raise _failed(404, f"no placed runner {wanted!r}")
             if view == "diagnosis":
-                return encode(Diagnosis(generatedAt=now(), findings=self._findings()))
+                narrowed = decode(data, DiagnosisQuery)
+                return diagnosis_answer(self._findings(), narrowed, now())
             if view == "instances":
                 return encode(answers.instance_states(self._state))
             if view == "history":

@@ -57,6 +57,7 @@ class _Timeline(msgspec.Struct, rename="camel", frozen=True):
 class _Diagnosis(msgspec.Struct, rename="camel", frozen=True):
     generated_at: str
     findings: list[msgspec.Raw] = []
+    omitted: int = 0
 
 
 _keys = msgspec.json.Decoder(_Key)
@@ -96,15 +97,18 @@ def _diagnosis(answers: list[bytes]) -> bytes:
     partition sees, once each."""
     findings: list[msgspec.Raw] = []
     told: set[str] = set()
+    omitted = 0
     for answer in answers:
-        for finding in decode(answer, _Diagnosis).findings:
+        part = decode(answer, _Diagnosis)
+        omitted += part.omitted
+        for finding in part.findings:
             key = _keyed(finding)
             if not key.instance_id:
                 if key.kind in told:
                     continue
                 told.add(key.kind)
             findings.append(finding)
-    return encode(_Diagnosis(generated_at=now(), findings=findings))
+    return encode(_Diagnosis(generated_at=now(), findings=findings, omitted=omitted))
 
 
 def _health(answers: list[bytes]) -> bytes:

@@ -4,6 +4,7 @@ from rankscope.shared.wire.codec import WireError, decode, decoder, encode
 from rankscope.shared.wire.diagnosis import (
     AggregatorHealth,
     Diagnosis,
+    DiagnosisQuery,
     FaultSignature,
     Finding,
     FindingKind,
@@ -120,6 +121,7 @@ __all__ = [
     "ComputeInfo",
     "Device",
     "Diagnosis",
+    "DiagnosisQuery",
     "EvidenceRequest",
     "FaultSignature",
     "Finding",

@@ -155,6 +155,9 @@ class Diagnosis(CamelStruct, kw_only=True, frozen=True):
 
     generatedAt: str
     findings: list[Finding] = []
+    omitted: int = 0
+    """Findings left out to keep the answer within its bound (`DiagnosisQuery` narrows
+    it to an instance or a kind to see them)."""
 
 
 class RankState(CamelStruct, kw_only=True, frozen=True):
@@ -253,6 +256,13 @@ class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_field
                     raise ValueError(
                         f"`{name}` is not an RFC 3339 timestamp: {value[:40]!r}"
                     ) from None
+
+
+class DiagnosisQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Filters of the open findings: one instance, one kind, or both (unset: all)."""
+
+    instanceId: str | None = None
+    kind: FindingKind | None = None
 
 
 class PlacementQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -273,6 +273,13 @@ async def test_timeline_trace_and_their_query_errors(stack_for: Any) -> None:
     trace = await stack.http.get("/v1/cluster/timeline/trace")
     assert trace.json()["traceEvents"] == []
     assert (await stack.http.get("/v1/cluster/diagnosis")).json()["findings"] == []
+    narrowed = await stack.http.get(
+        "/v1/cluster/diagnosis", params={"instanceId": "i", "kind": "stalled_rank"}
+    )
+    assert narrowed.json()["findings"] == []
+    no_kind = await stack.http.get("/v1/cluster/diagnosis", params={"kind": "nonsense"})
+    assert no_kind.status_code == 422
+    assert "kind" in json.dumps(no_kind.json()["detail"])
 
 
 async def test_placement_jobs_rank_tables_and_404s(stack_for: Any) -> None:

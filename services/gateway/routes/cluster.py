@@ -130,11 +130,17 @@ async def pace(nats: Nats, span: Annotated[Span, Depends()]) -> Json:
 
 
 @router.get("/v1/cluster/diagnosis", response_class=Json, responses={200: schema_ref(Diagnosis)})
-async def diagnosis(nats: Nats) -> Json:
+async def diagnosis(
+    nats: Nats,
+    instanceId: Annotated[str | None, Query(min_length=1, max_length=1024)] = None,  # noqa: N803
+    kind: FindingKind | None = None,
+) -> Json:
     """Open findings, each naming the rank at fault and the ranks waiting on it; while
-    NATS does not answer, the one finding that says so."""
+    NATS does not answer, the one finding that says so. At most 2 MB: past it stacks, then
+    whole findings are left out (`omitted` counts them); `instanceId` and `kind` narrow it."""
+    asked = {"instanceId": instanceId, "kind": kind}
     try:
-        return Json(await nats.query("diagnosis"))
+        return Json(await nats.query("diagnosis", {k: v for k, v in asked.items() if v}))
     except BusError:
         if nats.reach.reachable:
             raise

@@ -1,0 +1,131 @@
+"""Whatever a node says, a rank's evidence is cut to a readable size and the diagnosis
+answer stays within its bound, narrowable by instance and kind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from rankscope.services.aggregator.bounds import STACK_CHARS, cut_stack, diagnosis_answer
+from rankscope.services.aggregator.diagnosis import Thresholds
+from rankscope.shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import (
+    Diagnosis,
+    DiagnosisQuery,
+    Finding,
+    FindingKind,
+    NodeEvidence,
+    Phase,
+    ProcessState,
+    RankEvidence,
+    RunnerEvidence,
+    decode,
+    encode,
+)
+from tests.agents_stand_in import answer_probes
+from tests.aggregator.builders import at, entries, placed, rank
+from tests.aggregator.running import WAIT, aggregator, publish, query
+
+
+def _finding(instance: str, kind: FindingKind, stack: str | None = None) -> Finding:
+    return Finding(
+        instanceId=instance,
+        kind=kind,
+        culpritRanks=[0],
+        culpritRunnerIds=[f"{instance}-r0"],
+        summary="rank 0 is stuck",
+        since=at(0),
+        evidence=[RankEvidence(runnerId=f"{instance}-r0", nodeId="n", deviceRank=0, stack=stack)],
+    )
+
+
+def test_a_stack_is_cut_with_a_note_and_a_short_one_kept_whole() -> None:
+    assert cut_stack("short") == "short"
+    cut = cut_stack("x" * (STACK_CHARS * 10))
+    assert cut is not None
+    assert cut.endswith(f"(cut: {STACK_CHARS:,} of {STACK_CHARS * 10:,} characters kept)")
+    assert len(cut) < STACK_CHARS + 100
+
+
+def test_the_answer_is_narrowed_by_instance_and_kind() -> None:
+    found = [
+        _finding("a", FindingKind.STALLED_RANK),
+        _finding("b", FindingKind.STALLED_RANK),
+        _finding("b", FindingKind.MISSING_DATA),
+    ]
+
+    def asked(**filters: str) -> list[tuple[str, str]]:
+        query = decode(encode(filters), DiagnosisQuery)
+        answer = decode(diagnosis_answer(found, query, at(1)), Diagnosis)
+        return [(f.instanceId, f.kind.value) for f in answer.findings]
+
+    assert asked(instanceId="b") == [("b", "stalled_rank"), ("b", "missing_data")]
+    assert asked(kind="stalled_rank") == [("a", "stalled_rank"), ("b", "stalled_rank")]
+    assert asked(instanceId="b", kind="missing_data") == [("b", "missing_data")]
+
+
+def test_stacks_go_first_then_whole_findings_past_the_bound() -> None:
+    stacked = [_finding(f"i{n}", FindingKind.STALLED_RANK, "s" * 50_000) for n in range(40)]
+    limit = 200_000
+    answer = decode(diagnosis_answer(stacked, DiagnosisQuery(), at(1), limit), Diagnosis)
+    assert len(answer.findings) == 40
+    assert answer.omitted == 0
+    assert all("left out" in (f.evidence[0].stack or "") for f in answer.findings)
+    many = stacked * 100
+    raw = diagnosis_answer(many, DiagnosisQuery(), at(1), limit)
+    answer = decode(raw, Diagnosis)
+    assert len(raw) <= limit
+    assert answer.omitted == len(many) - len(answer.findings) > 0
+
+
+@pytest.mark.nats
+async def test_a_node_answering_with_a_huge_stack_blinds_nobody(
+    nc: Client, js_ready: Layout
+) -> None:
+    async def huge(msg: Msg) -> None:
+        runners = [
+            RunnerEvidence(
+                runnerId="i-r0",
+                process=ProcessState.SLEEPING,
+                stack="Thread 0x1 (most recent call first):\n" + "x" * (40 << 20),
+                capturedAt=now(),
+            )
+        ]
+        await msg.respond(encode(NodeEvidence(nodeId="node-0", runners=runners)))
+
+    await nc.subscribe(js_ready.subjects.node_evidence("node-0"), cb=huge)
+    await answer_probes(nc, js_ready, placed())
+    async with aggregator(nc, js_ready, thresholds=Thresholds(working=1.0)):
+        await publish(nc, js_ready, placed())
+        await publish(nc, js_ready, entries(rank(0), (0, 1, Phase.PREFILL_PIPELINE, 7)))
+        await publish(nc, js_ready, entries(rank(1), (0, 1, Phase.DECODE_BARRIER, 8)))
+        stacks: list[str] = []
+
+        async def captured() -> bool:
+            body = json.loads((await query(nc, js_ready, "diagnosis")).data)
+            stacks[:] = [e.get("stack") or "" for f in body["findings"] for e in f["evidence"]]
+            return any(stacks)
+
+        for _ in range(int(WAIT / 0.1)):
+            if await captured():
+                break
+            await asyncio.sleep(0.1)
+        reply = await query(nc, js_ready, "diagnosis", {"instanceId": "i"})
+        assert len(reply.data) < 2 << 20
+        (stack,) = [s for s in stacks if s]
+        assert stack.startswith("Thread 0x1")
+        assert stack.endswith("characters kept)")
+        other = decode(
+            (await query(nc, js_ready, "diagnosis", {"instanceId": "other"})).data, Diagnosis
+        )
+        assert other.findings == []
+        bad = await query(nc, js_ready, "diagnosis", {"kind": "no_such_kind"})
+        assert bad.headers is not None
+        assert bad.headers[ERROR_CODE_HEADER] == "422"
+        assert "$.kind" in bad.headers[ERROR_HEADER]
