@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
+
 from rankscope.shared.partitions import MAX_PARTITIONS, Partition
 from rankscope.shared.quantity import parse_bytes
 
@@ -154,12 +156,24 @@ def _words(text: str) -> tuple[str, ...]:
     return tuple(word.strip() for word in text.split(",") if word.strip())
 
 
+def _url(text: str) -> str:
+    """`text` if the HTTP client reads it as an http(s) URL with a host."""
+    try:
+        parsed = httpx.URL(text.strip())
+    except httpx.InvalidURL as exc:
+        why = str(exc)
+    else:
+        why = (
+            "" if parsed.scheme in ("http", "https") and parsed.host else "not http(s) with a host"
+        )
+    if why:
+        shown = re.sub(r"//[^/]*@", "//***@", text)[:60]  # no password in a log line
+        raise ValueError(f"expected an http(s)://host:port URL, got {shown!r}: {why}")
+    return text.strip()
+
+
 def _urls(text: str) -> tuple[str, ...]:
-    found = _words(text)
-    for url in found:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"expected http(s)://host:port URLs, got {url[:60]!r}")
-    return found
+    return tuple(_url(url) for url in _words(text))
 
 
 def _text(text: str) -> str:
@@ -308,7 +322,7 @@ class Settings:
         None, _text, "Bearer token for Alertmanager.", secret=True
     )
     public_url: str | None = _setting(
-        None, _text, "The gateway's URL as operators reach it (links in alerts)."
+        None, _url, "The gateway's URL as operators reach it (links in alerts)."
     )
     api_token: str | None = _setting(
         None, _text, "Bearer token the gateway requires for changes.", secret=True

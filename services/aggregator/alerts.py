@@ -31,6 +31,9 @@ RESEND_S = 15.0
 ENDS_AFTER = 4
 """Resend periods a firing alert stays firing without another post (as Prometheus does)."""
 POST_TIMEOUT_S = 5.0
+"""The whole of one post, answer included: a server that trickles holds up nobody."""
+ANSWER_BYTES = 4096
+"""How much of an answer is read (to say why a post was refused); the rest is dropped."""
 
 _SEVERITY = {
     FindingKind.DEAD_RANK: "critical",
@@ -105,8 +108,8 @@ class Alerter:
         urls: Alertmanager base URLs (`http://host:9093`), with user and password in them
             for basic auth.
         token: a bearer token sent with every post, if set.
-        link: where an operator reads an incident (formatted with `instance` and
-            `incident`, each made safe for a URL).
+        link: where an operator reads an incident (`{instance}` and `{incident}` in it
+            replaced by their ids, each made safe for a URL; nothing else is read in it).
     """
 
     def __init__(
@@ -145,11 +148,15 @@ class Alerter:
             self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Post every period, and at once when something changed, until `stop`."""
+        """Post every period, and at once when something changed, until `stop`; no error
+        ends it."""
         async with httpx.AsyncClient(timeout=POST_TIMEOUT_S, headers=self._headers) as client:
             while not stop.is_set():
                 self._wake.clear()
-                await self._post_all(client)
+                try:
+                    await self._post_all(client)
+                except Exception:  # the next period tries again; alerts never stop for good
+                    log.exception("posting alerts failed")
                 waiting = asyncio.ensure_future(self._wake.wait())
                 stopping = asyncio.ensure_future(stop.wait())
                 await asyncio.wait(
@@ -160,26 +167,62 @@ class Alerter:
 
     async def _post_all(self, client: httpx.AsyncClient) -> None:
         now = datetime.now(UTC)
-        for url in self._urls:
-            resolved = [(k, f) for (u, k), f in self._resolving.items() if u == url]
-            body = [self._alert(f, now) for f in self._firing.values()]
-            body += [self._alert(f, now) for _, f in resolved]
-            if not body:
-                continue
-            try:
-                answer = await client.post(f"{url}/api/v2/alerts", json=body)
-                answer.raise_for_status()
-            except httpx.HTTPError as exc:
-                log.warning("Alertmanager %s did not take %d alerts: %s", url, len(body), exc)
-                continue  # posted again next period, the resolved ones too
-            for key, _ in resolved:
-                self._resolving.pop((url, key), None)
+        await asyncio.gather(*(self._post(client, url, now) for url in self._urls))
+
+    async def _post(self, client: httpx.AsyncClient, url: str, now: datetime) -> None:
+        """Post to one Alertmanager within `POST_TIMEOUT_S`, whatever the others do."""
+        resolved = [(k, f) for (u, k), f in self._resolving.items() if u == url]
+        body = [self._alert(f, now) for f in self._firing.values()]
+        body += [self._alert(f, now) for _, f in resolved]
+        if not body:
+            return
+        try:
+            async with asyncio.timeout(POST_TIMEOUT_S):
+                refused = await _refusal(client, f"{url}/api/v2/alerts", body)
+        except (httpx.HTTPError, TimeoutError) as exc:
+            refused = f"{type(exc).__name__} {exc}".strip()
+        if refused is not None:  # posted again next period, the resolved ones too
+            log.warning(
+                "Alertmanager %s did not take %d alerts: %s",
+                _shown(url),
+                len(body),
+                _hidden(refused, url),
+            )
+            return
+        for key, _ in resolved:
+            self._resolving.pop((url, key), None)
 
     def _alert(self, finding: Finding, now: datetime) -> dict[str, Any]:
-        link = self._link.format(
-            instance=quote(finding.instanceId, safe=""), incident=quote(_key(finding), safe="")
+        link = self._link.replace("{instance}", quote(finding.instanceId, safe="")).replace(
+            "{incident}", quote(_key(finding), safe="")
         )
         return alert(finding, link, now, self._history.before(finding))
+
+
+async def _refusal(client: httpx.AsyncClient, url: str, body: list[dict[str, Any]]) -> str | None:
+    """Why `url` did not take `body` (None: it did), reading no more of its answer than
+    `ANSWER_BYTES`."""
+    async with client.stream("POST", url, json=body) as answer:
+        if answer.is_success:
+            return None
+        said = b""
+        async for chunk in answer.aiter_raw():
+            said += chunk
+            if len(said) >= ANSWER_BYTES:
+                break
+        return f"{answer.status_code} {said[:200].decode(errors='replace').strip()}"
+
+
+def _shown(url: str) -> str:
+    """`url` without the user and password in it."""
+    parsed = httpx.URL(url)
+    return str(parsed.copy_with(username=None, password=None)) if parsed.userinfo else url
+
+
+def _hidden(text: str, url: str) -> str:
+    """`text` with `url`'s password, if any, put out of sight."""
+    password = httpx.URL(url).password
+    return text.replace(password, "***") if password else text
 
 
 def _key(finding: Finding) -> str:

@@ -5,6 +5,7 @@ down."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import socket
 import subprocess
@@ -20,7 +21,9 @@ from rankscope.services.aggregator import alerts
 from rankscope.services.aggregator.alerts import Alerter
 from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.shared.jetstream import Layout
-from rankscope.shared.wire import Phase
+from rankscope.shared.settings import SettingsError, load
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import Finding, FindingKind, Phase
 from tests.agents_stand_in import answer_probes
 from tests.aggregator.builders import entries, placed, rank
 from tests.aggregator.running import aggregator, publish
@@ -182,3 +185,112 @@ async def test_an_alert_says_how_often_its_fault_was_seen_before(
         (again,) = await _until(manager.alerts)
     assert again["labels"]["incident_id"] != first["labels"]["incident_id"]
     assert again["annotations"]["seen_before"].startswith("seen 1 times before, first at ")
+
+
+class Hostile:
+    """An HTTP server on loopback that answers every post by trickling a byte every
+    `pause` seconds (`huge` false), or with a 500 and an endless body (`huge`)."""
+
+    def __init__(self, *, huge: bool, pause: float = 0.2) -> None:
+        self.huge, self.pause = huge, pause
+        self.sent = 0
+        self.posts = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://admin:s3cret-pw@127.0.0.1:{port}"
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            self.posts += 1
+            if self.huge:
+                writer.write(b"HTTP/1.1 500 Oops\r\ncontent-length: 300000000\r\n\r\n")
+                chunk = b"x" * 65536
+                while self.sent < 300_000_000:
+                    writer.write(chunk)
+                    await writer.drain()
+                    self.sent += len(chunk)
+            for byte in b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}":
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(self.pause)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+def _finding() -> Finding:
+    return Finding(
+        instanceId="i",
+        kind=FindingKind.STALLED_RANK,
+        culpritRanks=[0],
+        culpritRunnerIds=["i-r0"],
+        summary="rank 0 is stuck",
+        since=now(),
+        incidentId="inc-1",
+    )
+
+
+async def test_a_slow_or_huge_answering_alertmanager_holds_up_no_other_and_leaks_no_password(
+    manager: Manager, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(alerts, "POST_TIMEOUT_S", 1.0)
+    caplog.set_level(logging.WARNING, logger=alerts.__name__)
+    async with Hostile(huge=False) as slow, (huge := Hostile(huge=True)) as flood:
+        alerter = Alerter([slow, flood, manager.url], None, "http://gw/{x}/{incident}")
+        alerter.update([_finding()], [])
+        stop = asyncio.Event()
+        running = asyncio.create_task(alerter.run(stop))
+        (firing,) = await _until(manager.alerts, seconds=20)
+        await _until(lambda: asyncio.sleep(0, "500 xxxx" in caplog.text), seconds=10)
+        await _until(lambda: asyncio.sleep(0, "TimeoutError" in caplog.text), seconds=10)
+        stop.set()
+        await running
+    assert firing["annotations"]["url"] == "http://gw/{x}/inc-1"  # braces of its own stay
+    assert huge.sent < 64 << 20  # what socket buffers took, not the 300 MB offered
+    assert "s3cret-pw" not in caplog.text
+    assert "admin:***@127.0.0.1" not in caplog.text
+
+
+async def test_an_error_in_one_round_of_posts_ends_no_alerting(
+    manager: Manager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = iter([RuntimeError("a bug in one round")])
+    real = alerts.alert
+
+    def alert_once_broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        if (error := next(failing, None)) is not None:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(alerts, "alert", alert_once_broken)
+    alerter = Alerter([manager.url], None, "http://gw/{incident}")
+    alerter.update([_finding()], [])
+    stop = asyncio.Event()
+    running = asyncio.create_task(alerter.run(stop))
+    (firing,) = await _until(manager.alerts, seconds=20)
+    stop.set()
+    await running
+    assert firing["labels"]["incident_id"] == "inc-1"
+
+
+@pytest.mark.parametrize(
+    "given", ["http://host:1:2", "http://[::1", "ftp://am:9093", "http://admin:pw@am:1:2"]
+)
+def test_an_alertmanager_url_the_client_cannot_read_stops_start_up_in_one_line(
+    given: str,
+) -> None:
+    with pytest.raises(SettingsError) as refused:
+        load({}, {"RANKSCOPE_ALERTMANAGER_URL": f"http://ok:9093,{given}"})
+    said = str(refused.value)
+    assert said.startswith("RANKSCOPE_ALERTMANAGER_URL: expected an http(s)://host:port URL")
+    assert "\n" not in said
+    assert ":pw@" not in said
