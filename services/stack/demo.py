@@ -52,9 +52,16 @@ def spec(model: Path) -> dict[str, Any]:
     }
 
 
+DEMO_INSTANCE = f"{DEMO_RUNNER}-0"
+"""The demo spec's one instance: what the demo waits for and counts, not recorded jobs or
+other specs' instances placed beside it."""
+
+
 async def _ranks(base: str, token: str | None) -> list[dict[str, Any]]:
     status, placement = await _http(f"{base}/v1/placement/runners", token=token)
-    return placement if status == 200 and isinstance(placement, list) else []
+    if status != 200 or not isinstance(placement, list):
+        return []
+    return [r for r in placement if isinstance(r, dict) and r.get("instanceId") == DEMO_INSTANCE]
 
 
 def _ready(ranks: list[dict[str, Any]]) -> int:
