@@ -42,6 +42,11 @@ TELEMETRY_MAX_MESSAGE = 1 << 20
 """The largest telemetry message JetStream stores: an agent's batch of 64 entries is tens
 of KB; one the size of a timeline answer would fill every timeline that shows it."""
 
+PLACEMENT_MAX_MESSAGE = 16 << 20
+"""The largest placement event JetStream stores: a recorded job of the most ranks it may
+have (4,096, commands cut) is a few MB; nothing larger may push the events that rebuild
+every view out of the stream."""
+
 DUPLICATE_WINDOW_S = 120.0
 """Dedupe window for `Nats-Msg-Id`; covers the longest publish retry of any producer."""
 
@@ -207,6 +212,7 @@ class Layout:
             self._name("PLACEMENT"),
             (self.subjects.placement_all(),),
             max_bytes=256 << 20,
+            max_msg_size=PLACEMENT_MAX_MESSAGE,
             replicas=self.replicas,
         )
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from rankscope.shared.specs import id_problem
 from rankscope.shared.timestamps import from_micros, to_epoch
 from rankscope.shared.wire import (
@@ -27,6 +29,9 @@ from rankscope.shared.wire import (
 
 __all__ = ["LINGER_S", "Decision", "RecordLimits", "RecordedJobs", "Release", "release_due"]
 
+ANNOUNCED_COMMAND = 256
+"""How much of each rank's command line its job's announcement carries (what `rankscope
+record` sends): the announcement of the largest world stays a few MB."""
 LINGER_S = 30.0
 """How long a recorded job whose rank died stays live after its last rank ended."""
 
@@ -199,7 +204,12 @@ class RecordedJobs:
                 )
                 for r in ordered
             ],
-            recorded=RecordedProgram(ranks=ordered),
+            recorded=RecordedProgram(
+                ranks=[
+                    msgspec.structs.replace(r, command=r.command[:ANNOUNCED_COMMAND])
+                    for r in ordered
+                ]
+            ),
         )
         return Decision(_ref(rank, attempt), publish=(*released, created), announced=True)
 

@@ -13,12 +13,16 @@ from rankscope.services.ranktable.recorded import (
     release_due,
 )
 from rankscope.services.ranktable.state import PlacementState, apply_placement
+from rankscope.shared.jetstream import PLACEMENT_MAX_MESSAGE
 from rankscope.shared.timestamps import to_epoch
 from rankscope.shared.wire import (
+    MAX_COMMAND,
+    MAX_WORLD,
     InstanceCreated,
     RecordedRank,
     RunnerStatusChanged,
     RunnerStatusKind,
+    encode,
 )
 from tests.aggregator.builders import at, placed, rank
 
@@ -210,3 +214,18 @@ def test_a_job_a_rank_never_reported_to_goes_after_the_deadline() -> None:
     assert release is not None
     assert release.at == to_epoch(job.at) + 60
     assert release.reason == "rank 1 of job train-7 never reported within 60 s of its announcement"
+
+
+def test_the_announcement_of_the_largest_world_fits_one_placement_message() -> None:
+    jobs, state = RecordedJobs(limits=RecordLimits(ranks_per_node=MAX_WORLD)), PlacementState()
+    for r in range(MAX_WORLD):
+        wide = msgspec.structs.replace(
+            _rank(r, world=MAX_WORLD, job="j" * 400, node=f"{r % 64}".rjust(480, "n")),
+            host="h" * 255,
+            pid=1 << 22,
+            command="c" * MAX_COMMAND,
+        )
+        decision = jobs.register(wide, state.instances, state.attempts, START)
+    (created,) = decision.publish
+    assert isinstance(created, InstanceCreated)
+    assert len(encode(created)) <= PLACEMENT_MAX_MESSAGE
