@@ -18,7 +18,7 @@ __all__ = ["KEPT_BYTES", "DeadLetters"]
 
 log = logging.getLogger(__name__)
 
-KEPT_BYTES = 64 << 10
+KEPT_BYTES = 16 << 10
 """How much of a bad message a dead letter keeps: enough to see what it was, while a
 flood of huge ones cannot fill the dead-letter stream with a few copies."""
 

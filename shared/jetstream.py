@@ -47,6 +47,10 @@ PLACEMENT_MAX_MESSAGE = 16 << 20
 have (4,096, commands cut) is a few MB; nothing larger may push the events that rebuild
 every view out of the stream."""
 
+DEAD_LETTERS_KEPT = 512
+"""Dead letters kept per writer: at most 8 MiB each (16 KiB a letter), so 32 writers
+flooding at once still fit the stream's bytes."""
+
 DUPLICATE_WINDOW_S = 120.0
 """Dedupe window for `Nats-Msg-Id`; covers the longest publish retry of any producer."""
 
@@ -263,12 +267,15 @@ class Layout:
 
     @property
     def deadletter_stream(self) -> StreamSpec:
-        """Messages no consumer could apply, kept for a post-mortem."""
+        """Messages no consumer could apply, kept for a post-mortem. Each writer (service
+        or agent) has its own subject and keeps its newest `DEAD_LETTERS_KEPT`: one that
+        floods evicts its own, not another's."""
         return StreamSpec(
             self._name("DEADLETTER"),
             (self.subjects.deadletter_all(),),
             max_age_s=self.telemetry_max_age_s,
-            max_bytes=64 << 20,
+            max_bytes=256 << 20,
+            max_msgs_per_subject=DEAD_LETTERS_KEPT,
             replicas=self.replicas,
         )
 
@@ -328,6 +335,8 @@ _STREAM_NAME_IN_USE = 10058
 """JetStream's error for a stream made again with another configuration."""
 _NO_PEERS = 10005
 """JetStream's error for a stream whose replicas it cannot place: too few servers up."""
+_NOT_CLUSTERED = 10074
+"""JetStream's error for more than one copy on a server that is not in a cluster."""
 
 
 ELECTION_S = 10.0
@@ -352,7 +361,7 @@ class _UnplacedError(Exception):
     """A stream JetStream cannot place on enough servers yet, in words."""
 
 
-def _refused(stream: StreamSpec | BucketSpec, error: APIError) -> Exception:
+def _refused(layout: Layout, stream: StreamSpec | BucketSpec, error: APIError) -> Exception:
     name = stream.name if isinstance(stream, StreamSpec) else stream.stream_name
     if error.err_code == _NO_PEERS:
         return _UnplacedError(
@@ -360,11 +369,23 @@ def _refused(stream: StreamSpec | BucketSpec, error: APIError) -> Exception:
             f"{error.description}; start more of the cluster's servers, or lower "
             "RANKSCOPE_REPLICAS"
         )
+    if error.err_code == _NOT_CLUSTERED:
+        return LayoutError(
+            f"JetStream cannot keep {stream.replicas} copies of stream {name}: "
+            f"{error.description}; set RANKSCOPE_REPLICAS=1 for one server"
+        )
     reserved = stream.max_bytes if isinstance(stream, StreamSpec) else 0
     size = f"reserving {reserved:,} bytes" if reserved > 0 else "no reservation"
+    whole = sum(max(s.max_bytes, 0) for s in layout.streams)
+    hint = (
+        "lower --telemetry-max-bytes"
+        if stream == layout.runner_stream
+        else f"lower --telemetry-max-bytes: rankscope's streams reserve {whole:,} bytes in "
+        f"all, {layout.telemetry_max_bytes:,} of them telemetry"
+    )
     return LayoutError(
         f"JetStream refused stream {name} ({size}): {error.description}; free space "
-        "in the server's store, or lower --telemetry-max-bytes"
+        f"in the server's store, or {hint}"
     )
 
 
@@ -409,10 +430,10 @@ async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
             except ServiceUnavailableError:
                 raise
             except APIError as exc:
-                raise _refused(stream, exc) from None
+                raise _refused(layout, stream, exc) from None
             log.info("created stream %s", stream.name)
             continue
-        await _update(js, stream, info.config, f"stream {stream.name}")
+        await _update(js, layout, stream, info.config, f"stream {stream.name}")
     for bucket in layout.buckets:
         try:
             info = await js.stream_info(bucket.stream_name)
@@ -421,17 +442,21 @@ async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
                 await js.create_key_value(bucket.config())
                 log.info("created bucket %s", bucket.bucket)
             except APIError as exc:
-                if exc.err_code == _NO_PEERS:
-                    raise _refused(bucket, exc) from None
+                if exc.err_code in (_NO_PEERS, _NOT_CLUSTERED):
+                    raise _refused(layout, bucket, exc) from None
                 if not isinstance(exc, BadRequestError) or exc.err_code != _STREAM_NAME_IN_USE:
                     raise
                 # another service made it meanwhile, and already refused rollups on it
             info = await js.stream_info(bucket.stream_name)
-        await _update(js, bucket, info.config, f"bucket {bucket.bucket}")
+        await _update(js, layout, bucket, info.config, f"bucket {bucket.bucket}")
 
 
 async def _update(
-    js: JetStreamContext, spec: StreamSpec | BucketSpec, current: StreamConfig, what: str
+    js: JetStreamContext,
+    layout: Layout,
+    spec: StreamSpec | BucketSpec,
+    current: StreamConfig,
+    what: str,
 ) -> None:
     """Give an existing stream `spec`'s limits and copies, where they differ."""
     if not spec.differs_from(current):
@@ -441,7 +466,7 @@ async def _update(
     except ServiceUnavailableError:
         raise
     except APIError as exc:
-        raise _refused(spec, exc) from None
+        raise _refused(layout, spec, exc) from None
     log.info("updated %s", what)
 
 

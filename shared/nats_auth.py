@@ -147,7 +147,8 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 # `rankscope record` on this node runs with its agent's credentials
                 subjects.record_register(node_id),
                 *api.everyone(),
-                *api.read(api.stream("PLACEMENT"), api.stream("TASKS")),
+                # no consumer of another's can it delete: its own go once idle
+                *api.read(api.stream("PLACEMENT"), api.stream("TASKS"), delete=False),
                 # a restarted runner resumes its seq from its last stored message
                 f"$JS.API.DIRECT.GET.{api.stream('RUNNER')}.{subjects.runner_of_node(node_id)}",
                 # its own copy of each task of its instances, prompts included

@@ -133,8 +133,12 @@ class Follower:
         start_time: datetime | None = None,
         batch: int = BATCH,
         heartbeat: float = HEARTBEAT_S,
+        deletes: bool = True,
     ) -> None:
         self.caught_up = asyncio.Event()
+        self._deletes = deletes
+        """Whether it removes a consumer it is done with (else the server does, once it
+        has been idle a while: for roles that may delete no consumer)."""
         self.handled = 0
         """Messages handled so far."""
         self.restarts = 0
@@ -258,10 +262,10 @@ class Follower:
             with contextlib.suppress(NatsError, TimeoutError):
                 await self._subscription.unsubscribe()
             self._subscription = None
-        if self._consumer:
+        if self._consumer and self._deletes:
             with contextlib.suppress(NatsError, TimeoutError):
                 await self._js.delete_consumer(self._stream, self._consumer)
-            self._consumer = ""
+        self._consumer = ""
 
     def _nudge(self) -> None:
         """Wake the consumer should it wait for deliveries (its subjects changed)."""
@@ -431,6 +435,7 @@ async def follow(
     after: int = 0,
     batch: int = BATCH,
     heartbeat: float = HEARTBEAT_S,
+    deletes: bool = True,
 ) -> Follower:
     """Follow `subject` (and the subjects `also`, of the same stream, interleaved in stream
     order), calling `handle` for each message in order (and `settle` before other tasks
@@ -439,7 +444,8 @@ async def follow(
     message stored at or after `start_time` when given.
 
     `handle` must not raise for bad payloads: it is the place to count and skip them.
-    Await `follower.caught_up` before trusting state built from the backlog.
+    Await `follower.caught_up` before trusting state built from the backlog. Without
+    `deletes`, consumers it is done with are left to the server to remove once idle.
     """
     follower = Follower(
         js=js,
@@ -451,6 +457,7 @@ async def follow(
         start_time=start_time,
         batch=batch,
         heartbeat=heartbeat,
+        deletes=deletes,
     )
     follower.last_seq = after
     await follower.start()

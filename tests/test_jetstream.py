@@ -10,10 +10,17 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from rankscope.shared.connection import close, connect
-from rankscope.shared.jetstream import DUPLICATE_WINDOW_S, Layout, ensure
+from rankscope.shared.jetstream import (
+    DEAD_LETTERS_KEPT,
+    DUPLICATE_WINDOW_S,
+    Layout,
+    LayoutError,
+    _refused,
+    ensure,
+)
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import Subjects
 
@@ -117,3 +124,38 @@ async def test_latest_rank_table_per_job_stays_readable(nc: Client, layout: Layo
     await js.publish(layout.subjects.ranktable("job-2"), b"other")
     last = await js.get_last_msg(layout.ranktable_stream.name, layout.subjects.ranktable("job-1"))
     assert last.data == b"2"
+
+
+async def test_copies_a_lone_server_cannot_keep_are_refused_naming_the_setting(
+    nc: Client, layout: Layout
+) -> None:
+    with pytest.raises(LayoutError, match=r"cannot keep 3 copies .* set RANKSCOPE_REPLICAS=1"):
+        await ensure(nc.jetstream(), replace(layout, replicas=3), patience=1)
+
+
+def test_a_store_too_small_for_a_fixed_reserve_says_what_rankscope_reserves() -> None:
+    layout = Layout()
+    full = APIError(code=500, err_code=10047, description="insufficient storage resources")
+    said = str(_refused(layout, layout.deadletter_stream, full))
+    whole = sum(s.max_bytes for s in layout.streams if s.max_bytes > 0)
+    assert said == (
+        f"JetStream refused stream RANKSCOPE_DEADLETTER (reserving {256 << 20:,} bytes): "
+        "insufficient storage resources; free space in the server's store, or lower "
+        f"--telemetry-max-bytes: rankscope's streams reserve {whole:,} bytes in all, "
+        f"{1 << 30:,} of them telemetry"
+    )
+
+
+async def test_a_writer_flooding_dead_letters_evicts_only_its_own(
+    nc: Client, layout: Layout
+) -> None:
+    await ensure(nc.jetstream(), layout)
+    js = nc.jetstream()
+    await js.publish(layout.subjects.deadletter("aggregator"), b"kept")
+    flood = layout.subjects.deadletter("agent-node-a")
+    await asyncio.gather(*(js.publish(flood, b"x") for _ in range(DEAD_LETTERS_KEPT + 100)))
+    info = await js.stream_info(layout.deadletter_stream.name, subjects_filter=">")
+    assert info.state.subjects == {
+        layout.subjects.deadletter("aggregator"): 1,
+        flood: DEAD_LETTERS_KEPT,
+    }

@@ -188,6 +188,7 @@ class Agent:
                 subjects.tasks(event.instanceId),
                 self._on_task,
                 also=[subjects.task_statuses(event.instanceId)],
+                deletes=False,  # an agent may delete no consumer, its own neither
             )
             self._task_followers[event.instanceId] = follower
             waiting = asyncio.create_task(self._release_held(event.instanceId, follower))

@@ -85,7 +85,9 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         )
         evidence = await nc.subscribe(layout.subjects.node_evidence(identity), cb=agent.evidence)
         models = await nc.subscribe(layout.subjects.node_model(identity), cb=agent.model)
-        placements = await follow(js, layout.subjects.placement_all(), agent.on_placement)
+        placements = await follow(
+            js, layout.subjects.placement_all(), agent.on_placement, deletes=False
+        )
         await placements.caught_up.wait()
         await agent.catch_up()
         log.info("agent up", extra={"nodeId": identity})

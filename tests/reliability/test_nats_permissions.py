@@ -177,6 +177,21 @@ async def test_an_agent_reads_its_assignments_but_not_the_telemetry_stream(
     await close(agent.nc)
 
 
+async def test_an_agent_deletes_no_consumer_of_the_streams_it_reads(server: EmbeddedNats) -> None:
+    aggregator = await _login(server, "aggregator")
+    theirs = ConsumerConfig(name="theirs", ack_policy=AckPolicy.NONE, inactive_threshold=60)
+    for stream in (LAYOUT.tasks_stream.name, LAYOUT.placement_stream.name):
+        await aggregator.js.add_consumer(stream, theirs)
+    agent = await _login(server, agent_user("node-a"))
+    for stream in (LAYOUT.tasks_stream.name, LAYOUT.placement_stream.name):
+        with pytest.raises((TimeoutError, NatsError)):
+            await agent.js.delete_consumer(stream, "theirs")
+        await agent.refused(f"CONSUMER.DELETE.{stream}.theirs")
+        assert (await aggregator.js.consumer_info(stream, "theirs")).name == "theirs"
+    for session in (agent, aggregator):
+        await close(session.nc)
+
+
 async def test_the_gateway_cannot_publish_telemetry_placements_status_or_output(
     server: EmbeddedNats,
 ) -> None:
