@@ -1015,6 +1015,13 @@ async def test_memory_over_time_keeps_each_slice_s_highest_sample(
     )  # fmt: skip
     bad = await stack.http.get("/v1/cluster/memory", params={"since": "yesterday"})
     assert bad.status_code == 422
+    year_one = "0001-01-01T00:00:00Z"
+    for route in ("/v1/cluster/memory", "/v1/cluster/pace"):
+        from_the_first = await stack.http.get(route, params={**asked, "since": year_one})
+        assert from_the_first.status_code == 200, from_the_first.text
+        assert from_the_first.json()["since"] == "1970-01-01T00:00:00.000000Z"
+        before_anything = await stack.http.get(route, params={"until": year_one})
+        assert before_anything.status_code == 422, before_anything.text
     monkeypatch.setattr("rankscope.services.gateway.routes.cluster.MEMORY_SAMPLES", 50)
     too_many = await stack.http.get("/v1/cluster/memory", params=asked)
     assert too_many.status_code == 413

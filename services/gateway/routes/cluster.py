@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
@@ -82,6 +82,8 @@ async def timeline_trace(filters: Filters, nats: Nats) -> Json:
     )
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_DEFAULT_SPAN = timedelta(minutes=5)
 MEMORY_SAMPLES = 200_000
 """The most memory samples one query reads (about 55 rank-hours at one a second)."""
 
@@ -96,8 +98,10 @@ class Span:
         until: Annotated[str | None, Query(description="RFC 3339; default now")] = None,
         points: Annotated[int, Query(ge=2, le=2000)] = 300,
     ) -> None:
-        end = parse_ts(moment(until, "until") or now())
-        start = parse_ts(moment(since, "since") or format_ts(end - timedelta(minutes=5)))
+        # nothing is older than the epoch: a year-1 time means "from the first"
+        end = max(parse_ts(moment(until, "until") or now()), _EPOCH)
+        given = moment(since, "since")
+        start = max(parse_ts(given) if given else end - _DEFAULT_SPAN, _EPOCH)
         if start >= end:
             raise fail(422, "`since` must come before `until`")
         self.instance_id, self.start, self.points = instanceId, start, points
