@@ -307,6 +307,12 @@ class Settings:
     retention_total: int = _setting(
         2_000_000, _positive_int, "Flight-recorder entries the aggregator keeps in all."
     )
+    retention_bytes: int = _setting(
+        512 << 20,
+        _size,
+        "Bytes of flight-recorder entries the aggregator keeps in all: past it, the node "
+        "holding the most gives up its oldest first.",
+    )
     snapshots: bool = _setting(
         True, _flag_value, "Keep the aggregator's folded state in the data dir between restarts."
     )

@@ -27,7 +27,11 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         part = settings.partition
         kept = f"aggregator-{layout.subjects.prefix}" + ("" if part.whole else f"-{part.name}")
         public = settings.public_url or f"http://{settings.gateway_host}:{settings.gateway_port}"
-        store = EntryStore(per_runner=settings.retention_per_runner, total=settings.retention_total)
+        store = EntryStore(
+            per_runner=settings.retention_per_runner,
+            total=settings.retention_total,
+            max_bytes=settings.retention_bytes,
+        )
         service = AggregatorService(
             nc=nc,
             js=js,

@@ -151,7 +151,10 @@ def restore(state: ClusterState, snapshot: Snapshot, *, moment: float) -> None:
         ValueError: the snapshot does not hold together; `state` is left unchanged.
     """
     store = EntryStore.from_image(
-        snapshot.store, per_runner=state.store.per_runner, total=state.store.total
+        snapshot.store,
+        per_runner=state.store.per_runner,
+        total=state.store.total,
+        max_bytes=state.store.max_bytes,
     )
     runners = Runners()
     for held in snapshot.runners:

@@ -3,13 +3,16 @@
 Entries are kept as they arrived: the JSON of each batch is stored once, and each runner
 indexes its entries with three arrays (time in microseconds, batch, position), about 14
 bytes an entry beside the batch's share. Times stay sorted per runner; a batch is freed
-when its last entry is evicted. Retention is bounded per runner and in total.
+when its last entry is evicted. Retention is bounded per runner and in total, in entries,
+and in bytes: past the bytes, the node holding the most gives up its runners' oldest, so
+a node that floods trims its own history, never another's.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,6 +31,14 @@ __all__ = [
     "StoreImage",
 ]
 
+
+INDEX_BYTES = 14
+"""What an entry's index costs beside its batch (three array slots)."""
+BATCH_BYTES = 64
+"""What a batch costs beside its JSON (its bytes object, its two dict slots)."""
+TRIM_TOLD = 64 << 20
+"""A node's history given up past the byte bound is logged at first and every this much."""
+logger = logging.getLogger(__name__)
 
 MAX_RUNS = 4096
 """Runs of seen seqs kept per runner: past it the oldest gap is closed, so a runner sending
@@ -113,6 +124,7 @@ class LogImage(msgspec.Struct, array_like=True):
     batches: bytes
     positions: bytes
     evicted: int
+    node: str = ""
 
 
 class StoreImage(msgspec.Struct, array_like=True):
@@ -126,10 +138,13 @@ class StoreImage(msgspec.Struct, array_like=True):
 
 @dataclass(slots=True)
 class _RunnerLog:
+    node: str = ""
     times: array[int] = field(default_factory=lambda: array("q"))
     batches: array[int] = field(default_factory=lambda: array("q"))
     positions: array[int] = field(default_factory=lambda: array("H"))
     evicted: int = 0
+    bytes: int = 0
+    """What its entries and their batches hold (`INDEX_BYTES`, `BATCH_BYTES`)."""
 
     def insert(self, at: int, batch: int, position: int) -> None:
         """Put a late entry (a retry after an outage) where its time belongs."""
@@ -146,17 +161,27 @@ class EntryStore:
         per_runner: entries kept per runner at most.
         total: entries kept in all at most; past it the runner with the most entries
             gives up its oldest.
+        max_bytes: bytes kept in all at most; past it the node holding the most gives up
+            the oldest of its runner holding the most.
     """
 
-    def __init__(self, *, per_runner: int = 250_000, total: int = 2_000_000) -> None:
+    def __init__(
+        self, *, per_runner: int = 250_000, total: int = 2_000_000, max_bytes: int = 512 << 20
+    ) -> None:
         self._per_runner = per_runner
         self._total = total
+        self._max_bytes = max_bytes
         self._logs: dict[str, _RunnerLog] = {}
         self._payloads: dict[int, bytes] = {}
         self._live: dict[int, int] = {}
         self._batches = 0
+        self._node_bytes: dict[str, int] = {}
         self.size = 0
+        self.bytes = 0
+        """What every entry held costs, in bytes (`INDEX_BYTES`, `BATCH_BYTES`)."""
         self.evicted = 0
+        self.trimmed: dict[str, int] = {}
+        """Bytes of each node's history given up to stay within `max_bytes`."""
 
     @property
     def per_runner(self) -> int:
@@ -168,6 +193,11 @@ class EntryStore:
         """Entries kept in all at most."""
         return self._total
 
+    @property
+    def max_bytes(self) -> int:
+        """Bytes kept in all at most."""
+        return self._max_bytes
+
     def image(self) -> StoreImage:
         """Everything stored, for a snapshot (arrays as their raw bytes)."""
         return StoreImage(
@@ -177,6 +207,7 @@ class EntryStore:
                     batches=log.batches.tobytes(),
                     positions=log.positions.tobytes(),
                     evicted=log.evicted,
+                    node=log.node,
                 )
                 for runner_id, log in self._logs.items()
             },
@@ -186,17 +217,19 @@ class EntryStore:
         )
 
     @classmethod
-    def from_image(cls, image: StoreImage, *, per_runner: int, total: int) -> EntryStore:
+    def from_image(
+        cls, image: StoreImage, *, per_runner: int, total: int, max_bytes: int = 512 << 20
+    ) -> EntryStore:
         """A store holding what `image` held, trimmed to these limits.
 
         Raises:
             ValueError: the image does not hold together (arrays of different lengths, a
                 batch that is not there).
         """
-        store = cls(per_runner=per_runner, total=total)
+        store = cls(per_runner=per_runner, total=total, max_bytes=max_bytes)
         live: Counter[int] = Counter()
         for runner_id, held in image.logs.items():
-            log = _RunnerLog(evicted=held.evicted)
+            log = _RunnerLog(node=held.node, evicted=held.evicted)
             log.times.frombytes(held.times)
             log.batches.frombytes(held.batches)
             log.positions.frombytes(held.positions)
@@ -215,6 +248,12 @@ class EntryStore:
         )
         store._batches, store.evicted = image.batches, image.evicted
         for log in store._logs.values():
+            store._count(
+                log,
+                len(log.times) * INDEX_BYTES
+                + sum(len(store._payloads[batch]) + BATCH_BYTES for batch in set(log.batches)),
+            )
+        for log in store._logs.values():
             if len(log.times) > per_runner:
                 store._evict(log, len(log.times) - per_runner)
         store._trim()
@@ -227,18 +266,19 @@ class EntryStore:
         positions: Sequence[int],
         times: Sequence[int],
         ceiling: int | None = None,
+        node: str = "",
     ) -> None:
         """Store the new entries of one batch: `payload` is the batch's `PhaseEntries` JSON,
         `positions` where in it the entries not seen before are (dedupe is the caller's),
         `times` their times (µs since the epoch). An entry is filed at its time, or at
         `ceiling` (µs, when it arrived) if later: a clock running ahead cannot keep its
-        entries the newest."""
+        entries the newest. The runner is on `node`."""
         count = len(positions)
         if not count:
             return
         log = self._logs.get(runner_id)
         if log is None:
-            log = self._logs[runner_id] = _RunnerLog()
+            log = self._logs[runner_id] = _RunnerLog(node)
         batch = self._batches
         self._batches += 1
         filed = log.times
@@ -263,7 +303,7 @@ class EntryStore:
                 else:
                     log.insert(at, batch, position)
         self._payloads[batch], self._live[batch] = payload, count
-        self._filed(log, count)
+        self._filed(log, count, len(payload) + BATCH_BYTES)
 
     def add_run(
         self,
@@ -271,19 +311,23 @@ class EntryStore:
         payloads: Sequence[tuple[bytes, int]],
         times: Sequence[int],
         ceiling: int,
+        node: str = "",
     ) -> bool:
-        """Store every entry of several batches of one runner at once (`payloads`: each
-        batch's JSON and how many entries it holds, all new; `times`: theirs, µs, sorted),
-        if they all come after its newest and by `ceiling`; else store nothing and say so."""
+        """Store every entry of several batches of one runner (on `node`) at once
+        (`payloads`: each batch's JSON and how many entries it holds, all new; `times`:
+        theirs, µs, sorted), if they all come after its newest and by `ceiling`; else store
+        nothing and say so."""
         log = self._logs.get(runner_id)
         if log is None:
-            log = self._logs[runner_id] = _RunnerLog()
+            log = self._logs[runner_id] = _RunnerLog(node)
         if (log.times and times[0] < log.times[-1]) or times[-1] > ceiling:
             return False
         first = self._batches
         self._batches += len(payloads)
+        held = 0
         for batch, (payload, count) in enumerate(payloads, first):
             self._payloads[batch], self._live[batch] = payload, count
+            held += len(payload) + BATCH_BYTES
         log.times.extend(times)
         if len(payloads) == len(times):  # a run of lone entries, the usual
             log.batches.extend(range(first, self._batches))
@@ -292,31 +336,66 @@ class EntryStore:
             for batch, (_, count) in enumerate(payloads, first):
                 log.batches.extend(array("q", (batch,)) * count)
                 log.positions.extend(range(count))
-        self._filed(log, len(times))
+        self._filed(log, len(times), held)
         return True
 
-    def _filed(self, log: _RunnerLog, count: int) -> None:
-        """Count `count` entries just filed in `log`, and evict past the limits."""
+    def _filed(self, log: _RunnerLog, count: int, held: int) -> None:
+        """Count `count` entries just filed in `log` with their batches' `held` bytes,
+        and evict past the limits."""
         self.size += count
+        self._count(log, held + count * INDEX_BYTES)
         if len(log.times) > self._per_runner:
             self._evict(log, len(log.times) - self._per_runner)
         self._trim()
 
+    def _count(self, log: _RunnerLog, change: int) -> None:
+        """Add `change` bytes to what `log`, its node and the store hold."""
+        log.bytes += change
+        self.bytes += change
+        self._node_bytes[log.node] = self._node_bytes.get(log.node, 0) + change
+
     def _trim(self) -> None:
-        """Past the total, the runner with the most entries gives up its oldest."""
+        """Past the total, the runner with the most entries gives up its oldest; past the
+        bytes, the node holding the most gives up its largest runner's oldest."""
         while self.size > self._total:
             largest = max(self._logs.values(), key=lambda candidate: len(candidate.times))
             self._evict(largest, min(self.size - self._total, len(largest.times)))
+        while self.bytes > self._max_bytes:
+            node = max(self._node_bytes, key=self._node_bytes.__getitem__)
+            log = max(
+                (held for held in self._logs.values() if held.node == node),
+                key=lambda held: held.bytes,
+            )
+            if not log.times:
+                break  # nothing left to give up: cannot happen while the counts agree
+            share = log.bytes / len(log.times)
+            count = min(len(log.times), int((self.bytes - self._max_bytes) / share) + 1)
+            before = self.trimmed.get(node, 0)
+            self.trimmed[node] = before + self._evict(log, count)
+            if before == 0 or self.trimmed[node] // TRIM_TOLD > before // TRIM_TOLD:
+                logger.warning(
+                    "node %s holds %d MiB, the most of the aggregator's %d MiB bound "
+                    "(RANKSCOPE_RETENTION_BYTES): its oldest entries go first, %d MiB so far",
+                    node or "(unknown)",
+                    self._node_bytes[node] >> 20,
+                    self._max_bytes >> 20,
+                    self.trimmed[node] >> 20,
+                )
 
-    def _evict(self, log: _RunnerLog, count: int) -> None:
+    def _evict(self, log: _RunnerLog, count: int) -> int:
+        """Evict the `count` oldest entries of `log`; the bytes that freed."""
+        freed = count * INDEX_BYTES
         for batch in log.batches[:count]:
             self._live[batch] -= 1
             if not self._live[batch]:
-                del self._live[batch], self._payloads[batch]
+                freed += len(self._payloads.pop(batch)) + BATCH_BYTES
+                del self._live[batch]
         del log.times[:count], log.batches[:count], log.positions[:count]
         log.evicted += count
         self.size -= count
         self.evicted += count
+        self._count(log, -freed)
+        return freed
 
     def count(self, runner_id: str) -> int:
         """Entries kept for one runner."""

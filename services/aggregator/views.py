@@ -206,7 +206,8 @@ class ClusterState:
             self.duplicates += len(seqs) - len(fresh)
             entries, times = [entries[i] for i in fresh], [times[i] for i in fresh]
         if fresh:
-            self.store.add(view.ref.runnerId, raw or encode(event), fresh, times, arrived)
+            payload = raw or encode(event)
+            self.store.add(view.ref.runnerId, payload, fresh, times, arrived, view.ref.nodeId)
             self._unsettle(view, entries, arrived, consecutive=isinstance(fresh, range))
         return len(fresh)
 
@@ -239,7 +240,7 @@ class ClusterState:
             return False
         heard, arrived = self._now or self._moment()
         payloads = [(raw or encode(event), len(event.entries)) for event, raw, _ in batches]
-        if not self.store.add_run(view.ref.runnerId, payloads, times, arrived):
+        if not self.store.add_run(view.ref.runnerId, payloads, times, arrived, view.ref.nodeId):
             return False
         view.seqs.advance(len(seqs))
         self._heard(view, batches[-1][2], heard)

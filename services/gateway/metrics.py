@@ -132,6 +132,14 @@ def cluster_families(
     )
     for kind, count in sorted(health.badMessages.items()):
         bad.add_metric([kind], count)
+    trimmed = CounterMetricFamily(
+        "rankscope_aggregator_trimmed_bytes",
+        "Bytes of a node's history the aggregator gave up to stay within "
+        "RANKSCOPE_RETENTION_BYTES (the node holding the most gives up its oldest first).",
+        labels=["node"],
+    )
+    for node, given_up in sorted(health.trimmedBytes.items()):
+        trimmed.add_metric([node], given_up)
     return [
         runners,
         findings,
@@ -139,6 +147,10 @@ def cluster_families(
         clocks,
         gauge("rankscope_aggregator_entries", "Entries the aggregator holds.",
               health.entries),
+        gauge("rankscope_aggregator_held_bytes",
+              "Bytes of entries the aggregator holds (bounded by RANKSCOPE_RETENTION_BYTES).",
+              health.heldBytes),
+        trimmed,
         _counter("rankscope_aggregator_duplicates", "Telemetry received twice and ignored.",
                  health.duplicates),
         _counter("rankscope_aggregator_slow_consumer_drops",

@@ -298,7 +298,12 @@ class AggregatorHealth(CamelStruct, kw_only=True, frozen=True):
     natsReachable: bool = True
     natsOutages: int = 0
     entries: int = 0
+    heldBytes: int = 0
+    """What the entries held cost, in bytes."""
     evictedEntries: int = 0
+    trimmedBytes: dict[str, int] = {}
+    """Bytes of each node's history given up to stay within the aggregator's byte bound:
+    a node here sent more than its share."""
     runners: int = 0
     duplicates: int = 0
     badMessages: dict[str, int] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import pytest
 from nats.aio.client import Client
@@ -12,10 +13,13 @@ from nats.aio.msg import Msg
 
 from rankscope.services.aggregator.bounds import STACK_CHARS, cut_stack, diagnosis_answer
 from rankscope.services.aggregator.diagnosis import Thresholds
+from rankscope.services.aggregator.store import EntryStore
 from rankscope.shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
+    AggregatorHealth,
+    ClusterTimeline,
     Diagnosis,
     DiagnosisQuery,
     Finding,
@@ -30,7 +34,7 @@ from rankscope.shared.wire import (
 )
 from tests.agents_stand_in import answer_probes
 from tests.aggregator.builders import at, entries, placed, rank
-from tests.aggregator.running import WAIT, aggregator, publish, query
+from tests.aggregator.running import WAIT, aggregator, publish, query, until
 
 
 def _finding(instance: str, kind: FindingKind, stack: str | None = None) -> Finding:
@@ -129,3 +133,28 @@ async def test_a_node_answering_with_a_huge_stack_blinds_nobody(
         assert bad.headers is not None
         assert bad.headers[ERROR_CODE_HEADER] == "422"
         assert "$.kind" in bad.headers[ERROR_HEADER]
+
+
+@pytest.mark.nats
+async def test_a_node_that_floods_the_aggregator_loses_its_own_history_and_is_named(
+    nc: Client, js_ready: Layout
+) -> None:
+    store = EntryStore(max_bytes=60_000)
+    async with aggregator(nc, js_ready, store=store) as running:
+        await publish(nc, js_ready, placed())
+        await publish(nc, js_ready, entries(rank(1), *[(s, s, Phase.IDLE, None) for s in range(5)]))
+        for start in range(0, 2_000, 50):
+            flood = [(s, 10 + s / 1000, Phase.DECODE_STREAM, s) for s in range(start, start + 50)]
+            await publish(nc, js_ready, entries(rank(0), *flood))
+        await until(lambda: running.service.state.runners["i-r0"].seqs.seen == 2_000)
+        health = decode((await query(nc, js_ready, "health")).data, AggregatorHealth)
+        kept = decode(
+            (await query(nc, js_ready, "timeline", {"instanceId": "i", "limit": 5000})).data,
+            ClusterTimeline,
+        )
+    assert health.heldBytes <= 60_000
+    assert list(health.trimmedBytes) == ["node-0"]
+    assert health.trimmedBytes["node-0"] > 0
+    by_rank = Counter(e.deviceRank for e in kept.timeline)
+    assert by_rank[1] == 5  # every entry of the other node
+    assert 0 < by_rank[0] < 2_000

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import bisect
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rankscope.services.aggregator.store import MAX_RUNS, EntryStore, SeqTracker
+from rankscope.services.aggregator.store import (
+    BATCH_BYTES,
+    INDEX_BYTES,
+    MAX_RUNS,
+    EntryStore,
+    SeqTracker,
+    StoreImage,
+)
 from rankscope.shared.inputs import entry_times
 from rankscope.shared.timestamps import micros
 from rankscope.shared.wire import Phase, PhaseEntries, encode
@@ -160,3 +168,40 @@ def test_entries_come_back_as_they_went_in() -> None:
     ((_, _, stored),) = store.newest(["i-r0"], limit=1)
     original = batch.entries[0]
     assert stored == original
+
+
+def _flood(store: EntryStore, node: str, runner: int, count: int, size: int) -> None:
+    """`count` single-entry batches of `size` bytes each from `runner` on `node`."""
+    for seq in range(count):
+        store.add(f"{node}-r{runner}", b"x" * size, [0], [seq], node=node)
+
+
+def test_a_node_that_floods_past_the_byte_bound_gives_up_its_own_history() -> None:
+    store = EntryStore(max_bytes=200_000)
+    _flood(store, "quiet", 0, 100, 500)
+    kept = store.bytes
+    assert kept == 100 * (500 + BATCH_BYTES + INDEX_BYTES)
+    _flood(store, "loud", 0, 2_000, 1_000)
+    _flood(store, "loud", 1, 2_000, 1_000)
+    assert store.bytes <= 200_000
+    assert store.count("quiet-r0") == 100  # none of another node's
+    assert store.trimmed.keys() == {"loud"}
+    assert store.trimmed["loud"] == 4_000 * (1_000 + BATCH_BYTES + INDEX_BYTES) - (
+        store.bytes - kept
+    )
+    assert store.count("loud-r0") + store.count("loud-r1") < 200
+
+
+def test_bytes_held_are_counted_again_from_a_snapshot() -> None:
+    store = EntryStore(max_bytes=100_000)
+    _flood(store, "a", 0, 50, 300)
+    _fill(store, 1, [0, 1, 2])
+    kept = msgspec.msgpack.encode(store.image())
+
+    def image() -> StoreImage:  # a store takes its image's payloads over
+        return msgspec.msgpack.decode(kept, type=StoreImage)
+
+    again = EntryStore.from_image(image(), per_runner=1000, total=1000, max_bytes=10_000)
+    assert again.bytes <= 10_000
+    assert again.count("i-r1") == 3  # node "" holds the least: "a" gave up its own
+    assert EntryStore.from_image(image(), per_runner=1000, total=1000).bytes == store.bytes
