@@ -93,14 +93,20 @@ class Connected:
 
 
 async def connected(
-    stack: AsyncExitStack, settings: Settings, name: str, stop: asyncio.Event
+    stack: AsyncExitStack,
+    settings: Settings,
+    name: str,
+    stop: asyncio.Event,
+    *,
+    owner: bool = True,
 ) -> Connected:
     """Connect service `name` (closed with `stack`; `stop` is set when the connection
-    closes for good) and make sure the installation's streams and buckets are there."""
+    closes for good) and make sure the installation's streams and buckets are there
+    (made or updated by an `owner`, else waited for)."""
     lifeline = stack.enter_context(Lifeline(stop))
     nc = await connect(settings, name, on_lost=lifeline)
     stack.push_async_callback(lifeline.close, nc)
     js = nc.jetstream()
     layout = Layout.from_settings(settings)
-    await ensure(js, layout)
+    await ensure(js, layout, owner=owner)
     return Connected(nc, js, layout)

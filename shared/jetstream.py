@@ -47,8 +47,8 @@ PLACEMENT_MAX_MESSAGE = 16 << 20
 have (4,096, commands cut) is a few MB; nothing larger may push the events that rebuild
 every view out of the stream."""
 
-DEAD_LETTERS_KEPT = 512
-"""Dead letters kept per writer: at most 8 MiB each (16 KiB a letter), so 32 writers
+DEAD_LETTERS_KEPT = 256
+"""Dead letters kept per writer: at most 4 MiB each (16 KiB a letter), so 16 writers
 flooding at once still fit the stream's bytes."""
 
 DUPLICATE_WINDOW_S = 120.0
@@ -274,7 +274,7 @@ class Layout:
             self._name("DEADLETTER"),
             (self.subjects.deadletter_all(),),
             max_age_s=self.telemetry_max_age_s,
-            max_bytes=256 << 20,
+            max_bytes=64 << 20,
             max_msgs_per_subject=DEAD_LETTERS_KEPT,
             replicas=self.replicas,
         )
@@ -390,13 +390,19 @@ def _refused(layout: Layout, stream: StreamSpec | BucketSpec, error: APIError) -
 
 
 async def ensure(
-    js: JetStreamContext, layout: Layout, *, patience: float = ENSURE_PATIENCE_S
+    js: JetStreamContext,
+    layout: Layout,
+    *,
+    patience: float = ENSURE_PATIENCE_S,
+    owner: bool = True,
 ) -> None:
-    """Create every stream and bucket of `layout`, or update those whose limits differ.
+    """Create every stream and bucket of `layout`, or update those whose limits differ;
+    not as an `owner` (a role that may neither, nor read their state: an agent), wait
+    until each exists.
 
     Safe to call from every service at start-up, concurrently and repeatedly. While
-    JetStream does not answer yet (a cluster electing its leaders), tries again for up to
-    `patience` seconds.
+    JetStream does not answer yet (a cluster electing its leaders), or a stream an owner
+    makes is not there yet, tries again for up to `patience` seconds.
 
     Raises:
         LayoutError: the server refused a stream (a store too small for its limits), or
@@ -405,10 +411,10 @@ async def ensure(
     deadline, told = time.monotonic() + patience, False
     while True:
         try:
-            await _ensure_once(js, layout)
+            await (_ensure_once(js, layout) if owner else _exists(js, layout))
             return
-        except (*_UNANSWERED, _UnplacedError) as exc:
-            if isinstance(exc, _UnplacedError):
+        except (*_UNANSWERED, _UnplacedError, _AbsentError) as exc:
+            if isinstance(exc, _UnplacedError | _AbsentError):
                 reason = str(exc)
             else:
                 reason = f"JetStream did not answer: {exc or type(exc).__name__}"
@@ -418,6 +424,27 @@ async def ensure(
                 log.warning("%s; trying again for up to %gs", reason, patience)
                 told = True
             await asyncio.sleep(1.0)
+
+
+class _AbsentError(Exception):
+    """A stream its owners have not made yet."""
+
+
+async def _exists(js: JetStreamContext, layout: Layout) -> None:
+    """Check that every stream and bucket of `layout` is there, by name alone."""
+    wanted = [(s.name, s.subjects[0]) for s in layout.streams] + [
+        (b.stream_name, f"$KV.{b.bucket}.>") for b in layout.buckets
+    ]
+    for name, subject in wanted:
+        try:
+            found = await js.find_stream_name_by_subject(subject)
+        except NotFoundError:
+            found = None
+        if found != name:
+            raise _AbsentError(
+                f"stream {name} is not there yet (the aggregator and the rank-table service "
+                "make it)"
+            )
 
 
 async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:

@@ -91,8 +91,14 @@ class _Api:
         raise KeyError(name)
 
     def everyone(self) -> list[str]:
-        """Checking that the streams exist (every service does at start-up)."""
-        return ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.*"]
+        """Checking that the streams exist (every service does at start-up), and their
+        state (the subjects stored among it)."""
+        return [*self.names(), "$JS.API.STREAM.INFO.*"]
+
+    @staticmethod
+    def names() -> list[str]:
+        """Checking that the streams exist by name alone."""
+        return ["$JS.API.INFO", "$JS.API.STREAM.NAMES"]
 
     def own(self) -> list[str]:
         """Creating and updating rankscope's streams and buckets."""
@@ -146,7 +152,8 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.deadletter(agent_user(node_id)),
                 # `rankscope record` on this node runs with its agent's credentials
                 subjects.record_register(node_id),
-                *api.everyone(),
+                # no stream's state: the subjects in it name other nodes' tasks
+                *api.names(),
                 # no consumer of another's can it delete: its own go once idle
                 *api.read(api.stream("PLACEMENT"), api.stream("TASKS"), delete=False),
                 # a restarted runner resumes its seq from its last stored message

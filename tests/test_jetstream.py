@@ -139,7 +139,7 @@ def test_a_store_too_small_for_a_fixed_reserve_says_what_rankscope_reserves() ->
     said = str(_refused(layout, layout.deadletter_stream, full))
     whole = sum(s.max_bytes for s in layout.streams if s.max_bytes > 0)
     assert said == (
-        f"JetStream refused stream RANKSCOPE_DEADLETTER (reserving {256 << 20:,} bytes): "
+        f"JetStream refused stream RANKSCOPE_DEADLETTER (reserving {64 << 20:,} bytes): "
         "insufficient storage resources; free space in the server's store, or lower "
         f"--telemetry-max-bytes: rankscope's streams reserve {whole:,} bytes in all, "
         f"{1 << 30:,} of them telemetry"
@@ -159,3 +159,13 @@ async def test_a_writer_flooding_dead_letters_evicts_only_its_own(
         layout.subjects.deadletter("aggregator"): 1,
         flood: DEAD_LETTERS_KEPT,
     }
+
+
+async def test_a_role_that_makes_no_stream_waits_for_them_and_says_which_is_missing(
+    nc: Client, layout: Layout
+) -> None:
+    with pytest.raises(LayoutError, match=r"^after 1s: stream \S+_RUNNER is not there yet"):
+        await ensure(nc.jetstream(), layout, owner=False, patience=1)
+    waiting = asyncio.create_task(ensure(nc.jetstream(), layout, owner=False, patience=10))
+    await ensure(nc.jetstream(), layout)
+    await waiting

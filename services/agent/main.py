@@ -62,7 +62,8 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         )
 
     async with contextlib.AsyncExitStack() as stack:
-        bus = await connected(stack, settings, f"rankscope-agent-{identity}", stop)
+        # an agent reads no stream's state: the names of other nodes' tasks are in it
+        bus = await connected(stack, settings, f"rankscope-agent-{identity}", stop, owner=False)
         nc, js, layout = bus.nc, bus.js, bus.layout
         publisher = TelemetryPublisher(nc=nc)
         publishing_stop = asyncio.Event()

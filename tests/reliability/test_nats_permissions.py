@@ -177,6 +177,21 @@ async def test_an_agent_reads_its_assignments_but_not_the_telemetry_stream(
     await close(agent.nc)
 
 
+async def test_an_agent_lists_no_stream_s_subjects_yet_finds_every_stream(
+    server: EmbeddedNats,
+) -> None:
+    gateway = await _login(server, "gateway")
+    await gateway.js.publish(SUBJECTS.task_input("node-b", "i", "their-task"), b"{}")
+    await close(gateway.nc)
+    agent = await _login(server, agent_user("node-a"))
+    await ensure(agent.js, LAYOUT, owner=False, patience=2)  # how an agent starts
+    inputs = LAYOUT.inputs_stream.name
+    with pytest.raises((TimeoutError, NatsError)):
+        await agent.js.stream_info(inputs, subjects_filter=">")
+    await agent.refused(f"STREAM.INFO.{inputs}")
+    await close(agent.nc)
+
+
 async def test_an_agent_deletes_no_consumer_of_the_streams_it_reads(server: EmbeddedNats) -> None:
     aggregator = await _login(server, "aggregator")
     theirs = ConsumerConfig(name="theirs", ack_policy=AckPolicy.NONE, inactive_threshold=60)
