@@ -21,6 +21,7 @@ from nats.js import JetStreamContext
 from rankscope.services.aggregator.alerts import Alerter
 from rankscope.services.aggregator.bounds import cut_stack
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from rankscope.services.aggregator.floods import Floods
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.connection import Reachability
 from rankscope.shared.jetstream import Layout
@@ -58,6 +59,7 @@ RESTORE_INCIDENTS_S = 10.0
 """How long taking up the open incidents may take at start."""
 
 Outage = tuple[FindingKind, str, str]
+_OUTAGES = {FindingKind.NATS_UNREACHABLE, FindingKind.JETSTREAM_STORAGE}
 
 
 class Findings:
@@ -104,7 +106,8 @@ class Findings:
         self._alerter = alerter
         self._clock = clock
         self.incidents: dict[str, Incident] = {}
-        """The open incident of each instance (`""`: of the installation)."""
+        """The open incident of each instance (`""`: an outage; `Floods.key`: a node
+        sending more than is kept)."""
         self._swept = -math.inf
         self._unsettled: dict[str, float] = {}
         """When each instance last had an incident other than `slow_rank` open."""
@@ -116,6 +119,7 @@ class Findings:
         """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
         self._announced: set[tuple[str, str]] = set()
         """Open findings already logged (an update of one is published, not logged)."""
+        self._floods = Floods(partition=str(partition))
 
     def culprits(self) -> set[str]:
         """The runners the open incidents blame."""
@@ -133,10 +137,13 @@ class Findings:
             with contextlib.suppress(WireError):  # only aggregators write there
                 finding = decode(msg.data, Finding)
                 past.append(finding)
-                if finding.open and finding.instanceId and self._partition.owns(finding.instanceId):
-                    found[finding.instanceId] = finding
+                key = finding.instanceId or self._floods.owns(finding)
+                if not key:
+                    return
+                if finding.open and (not finding.instanceId or self._partition.owns(key)):
+                    found[key] = finding
                 else:
-                    found.pop(finding.instanceId, None)
+                    found.pop(key, None)
 
         try:
             follower = await follow(self._js, self._layout.subjects.diagnosis_all(), keep)
@@ -161,9 +168,9 @@ class Findings:
                             RESTORE_INCIDENTS_S)  # fmt: skip
             return
         moment = self._clock()
-        for instance_id, finding in found.items():
-            self.incidents[instance_id] = Incident(finding=finding, opened=moment)
-            self._announced.add((instance_id, finding.since))
+        for key, finding in found.items():
+            self.incidents[key] = Incident(finding=finding, opened=moment)
+            self._announced.add((finding.instanceId, finding.since))
         if self._alerter is not None:
             self._alerter.remember(past)
             self._alerter.update(list(found.values()), [])  # its alert fires on, one alert
@@ -216,6 +223,9 @@ class Findings:
             for instance in judged:
                 found.pop(instance.instanceId, None)
             found |= self._judged(judged, None)
+        found |= self._floods.judge(
+            self._state.store.trimmed, self._state, self.incidents, now=moment, wall=now()
+        )
         return self._settle(found)
 
     def _settle(self, found: dict[str, Incident]) -> tuple[list[Finding], list[Finding]]:
@@ -227,8 +237,8 @@ class Findings:
             if key not in before or before[key].finding.since != i.finding.since
         ]
         for finding in opened:
-            if finding.evidence:
-                self._capture(finding)
+            if finding.evidence and finding.kind is not FindingKind.TELEMETRY_FLOOD:
+                self._capture(finding)  # a flood's ranks have nothing to show of it
         found = {key: self._with_evidence(i) for key, i in found.items()}
         changed = [
             i.finding
@@ -323,8 +333,12 @@ class Findings:
                 elif not finding.open:
                     self._announced.discard(key)
                     log.warning("finding %s cleared: %s", finding.kind.value, finding.summary)
-            # each partition sees the installation's own findings (NATS out): one says so
-            ours = [f for f in [*cleared, *appeared] if f.instanceId or self._partition.index == 0]
+            # every partition sees an outage of NATS or JetStream: one says so
+            ours = [
+                f
+                for f in [*cleared, *appeared]
+                if f.kind not in _OUTAGES or self._partition.index == 0
+            ]
             self._unpublished.extend(ours)
             if self._alerter is not None:
                 self._alerter.update([f for f in ours if f.open], [f for f in ours if not f.open])

@@ -374,12 +374,12 @@ class EntryStore:
             self.trimmed[node] = before + self._evict(log, count)
             if before == 0 or self.trimmed[node] // TRIM_TOLD > before // TRIM_TOLD:
                 logger.warning(
-                    "node %s holds %d MiB, the most of the aggregator's %d MiB bound "
-                    "(RANKSCOPE_RETENTION_BYTES): its oldest entries go first, %d MiB so far",
+                    "node %s holds %.1f MiB, the most of the aggregator's %.1f MiB "
+                    "(RANKSCOPE_RETENTION_BYTES): its oldest entries go first, %.1f MiB so far",
                     node or "(unknown)",
-                    self._node_bytes[node] >> 20,
-                    self._max_bytes >> 20,
-                    self.trimmed[node] >> 20,
+                    self._node_bytes[node] / (1 << 20),
+                    self._max_bytes / (1 << 20),
+                    self.trimmed[node] / (1 << 20),
                 )
 
     def _evict(self, log: _RunnerLog, count: int) -> int:

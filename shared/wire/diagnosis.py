@@ -48,6 +48,10 @@ class FindingKind(StrEnum):
     JETSTREAM_STORAGE = "jetstream_storage"
     """NATS answers but JetStream does not store (its store or disk is full, or it is
     disabled): telemetry is lost meanwhile, so likewise nothing is said of any rank."""
+    TELEMETRY_FLOOD = "telemetry_flood"
+    """A node sends more than the aggregator keeps: its own oldest entries are given up
+    so every other node's stay (a finding of the installation naming the node's ranks;
+    its instances are judged as ever)."""
 
 
 class RankRole(StrEnum):

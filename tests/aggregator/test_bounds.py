@@ -12,8 +12,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from rankscope.services.aggregator.bounds import STACK_CHARS, cut_stack, diagnosis_answer
-from rankscope.services.aggregator.diagnosis import Thresholds
+from rankscope.services.aggregator.diagnosis import Incident, Thresholds
+from rankscope.services.aggregator.floods import FLOOD_HOLD_S, Floods
 from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.timestamps import now
@@ -144,9 +146,14 @@ async def test_a_node_that_floods_the_aggregator_loses_its_own_history_and_is_na
         await publish(nc, js_ready, placed())
         await publish(nc, js_ready, entries(rank(1), *[(s, s, Phase.IDLE, None) for s in range(5)]))
         for start in range(0, 2_000, 50):
-            flood = [(s, 10 + s / 1000, Phase.DECODE_STREAM, s) for s in range(start, start + 50)]
-            await publish(nc, js_ready, entries(rank(0), *flood))
+            burst = [(s, 10 + s / 1000, Phase.DECODE_STREAM, s) for s in range(start, start + 50)]
+            await publish(nc, js_ready, entries(rank(0), *burst))
         await until(lambda: running.service.state.runners["i-r0"].seqs.seen == 2_000)
+        findings = running.service.findings
+        await until(lambda: any(not i.finding.instanceId for i in findings.incidents.values()))
+        said = decode(
+            (await query(nc, js_ready, "diagnosis", {"kind": "telemetry_flood"})).data, Diagnosis
+        )
         health = decode((await query(nc, js_ready, "health")).data, AggregatorHealth)
         kept = decode(
             (await query(nc, js_ready, "timeline", {"instanceId": "i", "limit": 5000})).data,
@@ -155,6 +162,44 @@ async def test_a_node_that_floods_the_aggregator_loses_its_own_history_and_is_na
     assert health.heldBytes <= 60_000
     assert list(health.trimmedBytes) == ["node-0"]
     assert health.trimmedBytes["node-0"] > 0
+    published: asyncio.Queue[Finding] = asyncio.Queue()
+
+    async def keep(msg: Msg) -> None:
+        await published.put(decode(msg.data, Finding))
+
+    await nc.subscribe(js_ready.subjects.diagnosis(""), cb=keep)
+    async with aggregator(nc, js_ready, store=EntryStore(max_bytes=60_000)) as again:
+        await until(lambda: again.service.state.runners["i-r0"].seqs.seen == 2_000)
+        await asyncio.sleep(1.0)  # judged a few times over the replayed flood
+        kept_up = [i.finding for i in again.service.findings.incidents.values()]
+    (flood,) = said.findings
+    assert [f.incidentId for f in kept_up if not f.instanceId] == [flood.incidentId]
+    while not published.empty():  # the restarted aggregator took it up: no second one
+        assert (await published.get()).incidentId == flood.incidentId
+    assert flood.summary.startswith("node node-0 sends more than the aggregator keeps")
+    assert (flood.instanceId, flood.culpritRunnerIds) == ("", ["i-r0"])
     by_rank = Counter(e.deviceRank for e in kept.timeline)
     assert by_rank[1] == 5  # every entry of the other node
     assert 0 < by_rank[0] < 2_000
+
+
+def test_a_flood_is_named_while_the_node_gives_up_history_and_a_while_after() -> None:
+    state = ClusterState(store=EntryStore())
+    floods = Floods(partition="0/1")
+    incidents: dict[str, Incident] = {}
+
+    def judged(trimmed: dict[str, int], moment: float) -> list[str]:
+        found = floods.judge(trimmed, state, incidents, now=moment, wall=at(moment))
+        incidents.clear()
+        incidents.update(found)
+        return [i.finding.since for i in incidents.values()]
+
+    assert judged({}, 0) == []
+    assert judged({"node-a": 100}, 1) == [at(1)]
+    assert judged({"node-a": 200}, 50) == [at(1)]  # one incident while it goes on
+    assert judged({"node-a": 200}, 50 + FLOOD_HOLD_S) == [at(1)]
+    assert judged({"node-a": 200}, 51 + FLOOD_HOLD_S) == []  # cleared a while after
+    (incident,) = floods.judge({"node-a": 300}, state, {}, now=200, wall=at(200)).values()
+    finding = incident.finding
+    assert floods.owns(finding) == floods.key("node-a")
+    assert Floods(partition="1/2").owns(finding) is None  # another partition's
