@@ -16,6 +16,7 @@ from rankscope.services.client.http import ClientError, Gateway
 from rankscope.services.client.verdicts import finding_lines, pace_lines, verdicts
 from rankscope.shared.subjects import token
 from rankscope.shared.timestamps import format_ts
+from rankscope.shared.wire import FindingKind
 
 __all__ = ["add_client_commands", "client_options", "identifier", "ranktable_client"]
 
@@ -149,8 +150,14 @@ def _diagnose(args: argparse.Namespace, gateway: Gateway) -> None:
         told = lines(found)
         _out(args, found, "\n".join([f"{window}: {len(found['findings'])}", *told]))
         return
-    found = gateway.call("GET", "/v1/cluster/diagnosis")
+    narrowed = urlencode(
+        {k: v for k, v in (("instanceId", args.instance), ("kind", args.kind)) if v}
+    )
+    found = gateway.call("GET", f"/v1/cluster/diagnosis?{narrowed}")
     said = "\n".join(lines(found)) or "no findings: every instance is healthy"
+    if found.get("omitted"):
+        said += f"\n{found['omitted']} more left out (over the answer's size): narrow with "
+        said += "--instance or --kind"
     _out(args, found, said if args.json else said + _pace(gateway))
     if found["findings"]:
         raise SystemExit(1)
@@ -312,7 +319,10 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
     diagnose.add_argument("-o", "--output", help="with --bundle: where (incident-ID.tar.gz)")
     diagnose.add_argument("--history", action="store_true", help="past incidents too")
     diagnose.add_argument("--since", help="with --history: from this RFC 3339 time")
-    diagnose.add_argument("--instance", type=identifier, help="with --history: only this instance")
+    diagnose.add_argument("--instance", type=identifier, help="only this instance")
+    diagnose.add_argument(
+        "--kind", choices=[k.value for k in FindingKind], help="only findings of this kind"
+    )
     runners = command("runners", "Runner specs", _runners)
     actions = runners.add_subparsers(dest="action", required=True)
     listing = actions.add_parser("list", help="list Runner specs")

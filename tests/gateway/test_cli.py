@@ -91,6 +91,11 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
     code, out, _ = await cli("diagnose", "--url", url, "--verbose")
     assert code == 1
     assert "\n  CULPRIT rank 0 (node-a): " in out
+    for narrowed in (["--instance", "other"], ["--kind", "stalled_rank"]):
+        code, out, _ = await cli("diagnose", "--url", url, *narrowed)
+        assert (code, out) == (0, "no findings: every instance is healthy\n"), narrowed
+    code, out, _ = await cli("diagnose", "--url", url, "--instance", "llm-0", "--kind", "dead_rank")
+    assert (code, out.startswith("dead_rank llm-0: ")) == (1, True)
     code, out, _ = await cli("placement", "--url", url)
     assert code == 0
     assert out.splitlines()[0].split()[-1] == "DIAGNOSIS"
