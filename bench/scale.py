@@ -51,13 +51,13 @@ from common import free_port
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.shared.heartbeat import Heartbeat
 from rankscope.shared.jetstream import Layout, ensure
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.partitions import partition_of
 from rankscope.shared.subjects import token as subject_token
 from rankscope.shared.subjects import untoken
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
     ClusterTimeline,
@@ -311,9 +311,7 @@ async def _simulate(
 def _worker(
     url: str, names: list[str], load: Load, seconds: float, out: Queue[tuple[int, int]]
 ) -> None:
-    logging.getLogger("rankscope.services.agent.publisher").setLevel(
-        logging.ERROR
-    )  # drops are counted
+    logging.getLogger("rankscope.shared.telemetry").setLevel(logging.ERROR)  # drops are counted
     os.nice(10)  # stands in for agents on other machines: the system under test comes first
     asyncio.run(_simulate(url, names, load, seconds, out))
 

@@ -17,12 +17,12 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import ServiceUnavailableError
 
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.shared.connection import close, connect
 from rankscope.shared.jetstream import Layout, LayoutError, ensure, publish_acked
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.settings import Settings, SettingsError, load
 from rankscope.shared.storage import Storage
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, decode
 from tests.nats_cluster import nats_cluster, until_jetstream_answers

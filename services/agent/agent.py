@@ -20,7 +20,6 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.services.agent.runner.config import RunnerConfig, Timeouts
 from rankscope.services.agent.runner.entry import unsupported
 from rankscope.services.agent.supervisor import RunnerSupervisor
@@ -32,6 +31,7 @@ from rankscope.shared.model_shape import UnreadableModelError, read_shape
 from rankscope.shared.nats_auth import agent_user
 from rankscope.shared.replay import Follower, follow
 from rankscope.shared.subjects import token
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
     EvidenceRequest,

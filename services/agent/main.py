@@ -12,13 +12,13 @@ from pathlib import Path
 from setproctitle import setproctitle
 
 from rankscope.services.agent.agent import Agent
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.services.agent.runner.config import Timeouts
 from rankscope.services.lifecycle import connected, run_until_signalled
 from rankscope.shared.heartbeat import Heartbeat
 from rankscope.shared.host import hostname, memory_bytes
 from rankscope.shared.replay import follow
 from rankscope.shared.settings import Settings
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import NodeInfo
 

@@ -23,7 +23,6 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
 
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.services.agent.runner.channel import (
     PERMANENT_EXIT,
     STACK_SIGNAL,
@@ -44,6 +43,7 @@ from rankscope.services.agent.runner.watchdog import WEDGED_EXIT
 from rankscope.shared.processes import DUMPABLE, dump_stacks, process_state, signal_name
 from rankscope.shared.subjects import Subjects, TelemetryKind
 from rankscope.shared.synopsis import Synopsis, advance
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
     Breadcrumb,

@@ -28,13 +28,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.services.record.hook import STACK_SIGNAL
 from rankscope.shared import logs
 from rankscope.shared.connection import close, connect
 from rankscope.shared.processes import DUMPABLE, dump_stacks, process_state, signal_name
 from rankscope.shared.settings import Settings, SettingsError, load
 from rankscope.shared.subjects import Subjects, TelemetryKind
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
     Attrs,

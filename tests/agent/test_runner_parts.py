@@ -11,7 +11,6 @@ import time
 from typing import Any
 from unittest.mock import MagicMock
 
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.services.agent.runner import watchdog as watchdog_module
 from rankscope.services.agent.runner.channel import Entries, Entry, Output
 from rankscope.services.agent.runner.config import RunnerConfig
@@ -20,6 +19,7 @@ from rankscope.services.agent.runner.shard import ring_hosts
 from rankscope.services.agent.runner.watchdog import WEDGED_EXIT, Watchdog
 from rankscope.services.agent.supervisor import RunnerSupervisor, exit_cause
 from rankscope.shared.subjects import Subjects
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now, parse_ts
 from rankscope.shared.wire import Breadcrumb, MlxMemorySnapshot, Phase, RunnerAssignment, RunnerRef
 

@@ -26,7 +26,6 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from rankscope.services.agent.agent import Agent
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.services.ranktable.grpc_server import serve
 from rankscope.services.ranktable.grpcapi import config_pb2, config_pb2_grpc
 from rankscope.services.ranktable.hub import TableHub
@@ -36,6 +35,7 @@ from rankscope.shared.headers import VERSION_HEADER
 from rankscope.shared.heartbeat import Heartbeat
 from rankscope.shared.jetstream import Layout, ensure
 from rankscope.shared.subjects import MAX_TOKEN, token
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
 from rankscope.shared.wire import (

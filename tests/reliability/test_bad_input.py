@@ -22,7 +22,6 @@ from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
 from rankscope.services.agent.agent import Agent
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
@@ -34,6 +33,7 @@ from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.replay import follow
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import Subjects
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.wire import Phase, RunnerSpecStatus, decode, encode
 from tests.aggregator.builders import entries, placed, rank
 from tests.ranktable.builders import node_info, runner

@@ -12,11 +12,11 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import DeliverPolicy
 
-from rankscope.services.agent.publisher import TelemetryPublisher
 from rankscope.shared.connection import connect
 from rankscope.shared.jetstream import Layout, ensure
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.settings import Settings
+from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import FlightEntry, Phase, PhaseEntries, RunnerRef, decode
 from tests.stack_up import free_port

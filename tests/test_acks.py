@@ -8,7 +8,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError
 
-from rankscope.services.agent.acks import AckInbox
+from rankscope.shared.acks import AckInbox
 from rankscope.shared.jetstream import Layout, ensure
 
 pytestmark = pytest.mark.nats

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
-from rankscope.services.agent.acks import AckInbox
+from rankscope.shared.acks import AckInbox
 from rankscope.shared.wire import FlightEntry, PhaseEntries, RunnerRef, encode
 
 __all__ = ["TelemetryPublisher"]
