@@ -5,11 +5,14 @@ one job id without asking each other."""
 from __future__ import annotations
 
 import os
+import pty
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 
@@ -63,3 +66,105 @@ def test_the_job_id_ranks_see(flags: list[str], launched: dict[str, str], expect
     done = _record(*flags, "--", sys.executable, "-c", show, env=launched)
     assert done.stdout.strip().startswith(expected)
     assert bool(done.stdout.strip()) == bool(expected)
+
+
+COUNTING = (
+    "import signal, sys, time\n"
+    "got = []\n"
+    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+    "    signal.signal(s, lambda n, f: got.append(n))\n"
+    "print('ready', flush=True)\n"
+    "while not got: time.sleep(0.01)\n"
+    "time.sleep(0.5)\n"
+    "print(' '.join(signal.Signals(n).name for n in got), flush=True)\n"
+    "sys.exit(7)\n"
+)
+"""A program that says which signals it received (after a moment for any second one)."""
+
+
+def _running(*args: str) -> subprocess.Popen[str]:
+    started = subprocess.Popen(
+        [sys.executable, "-m", "rankscope.services.cli", "record", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert started.stdout is not None
+    assert started.stdout.readline() == "ready\n"
+    return started
+
+
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_sent_to_record_reaches_the_command_once(sent: signal.Signals) -> None:
+    recording = _running("--", sys.executable, "-c", COUNTING)
+    recording.send_signal(sent)
+    out, _ = recording.communicate(timeout=30)
+    assert (recording.returncode, out) == (7, f"{sent.name}\n")
+
+
+def test_a_terminal_s_ctrl_c_reaches_the_command_once() -> None:
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: record, on the terminal's foreground process group
+        os.execv(
+            sys.executable,
+            [sys.executable, "-m", "rankscope.services.cli", "record", "--",
+             sys.executable, "-c", COUNTING],
+        )  # fmt: skip
+    said = b""
+    while b"ready" not in said:
+        said += os.read(terminal, 1024)
+    os.write(terminal, b"\x03")  # Ctrl-C: the terminal signals its foreground group
+    while b"SIGINT" not in said or not said.endswith(b"\n"):
+        try:
+            said += os.read(terminal, 1024)
+        except OSError:
+            break
+    _, status = os.waitpid(pid, 0)
+    assert said.split(b"ready")[-1].replace(b"^C", b"").split() == [b"SIGINT"]  # not twice
+    assert os.waitstatus_to_exitcode(status) == 7
+
+
+SLEEPING_RANK = (
+    "import os, subprocess, sys, time\n"
+    "aside = [sys.executable, '-c', 'import sys, time; time.sleep(2); open(sys.argv[1], \"w\")']\n"
+    "subprocess.Popen([*aside, sys.argv[1] + os.environ['MLX_RANK']], start_new_session=True)\n"
+    "print('rank', os.environ['MLX_RANK'], os.getpid(), flush=True)\n"
+    "time.sleep(120)\n"
+)
+"""A rank that sleeps, with a process in a session of its own beside it (as a recorded
+rank's watcher is) that leaves a file after 2 s."""
+
+
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_no_rank_of_an_mlx_launch_job_outlives_record_however_it_is_asked_to_end(
+    sent: signal.Signals, tmp_path: Path
+) -> None:
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    recording = subprocess.Popen(
+        [
+            sys.executable, "-m", "rankscope.services.cli", "record", "--",
+            str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--",
+            sys.executable, "-c", SLEEPING_RANK, str(tmp_path / "aside-"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert recording.stdout is not None
+    with recording:
+        ranks = [int(recording.stdout.readline().split()[-1]) for _ in range(2)]
+        recording.send_signal(sent)
+        recording.wait(timeout=30)
+    assert recording.returncode != 0
+    alive = [pid for pid in ranks if psutil.pid_exists(pid) and _not_zombie(pid)]
+    assert alive == []  # mlx.launch itself leaves them running on SIGTERM
+    for _ in range(100):  # what left the job's session ends on its own
+        if len(list(tmp_path.glob("aside-*"))) == 2:
+            break
+        time.sleep(0.05)
+    assert sorted(p.name for p in tmp_path.glob("aside-*")) == ["aside-0", "aside-1"]
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

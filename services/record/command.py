@@ -14,12 +14,13 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+from rankscope.services.record.signals import Relay
 from rankscope.shared.host import hostname
 from rankscope.shared.settings import Settings, to_environ
 
@@ -30,9 +31,6 @@ SITE = Path(__file__).parent / "site"
 LAUNCHED_RANK = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 """Variables a launcher sets for each rank it starts: `rankscope record` runs as one rank,
 and its ranks must agree on a job id among themselves."""
-_FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-_FROM_TERMINAL = (signal.SIGINT, signal.SIGQUIT)
-"""A terminal sends these to COMMAND itself (one process group): not forwarded twice."""
 _EXIT_READ_S = 1.5
 
 
@@ -78,21 +76,18 @@ def record(args: argparse.Namespace, settings: Settings) -> int:
     exits = tempfile.mkdtemp(prefix="rankscope-record-")
     try:
         try:
-            child = subprocess.Popen(command, env=_environment(args, settings, exits))
+            relay = Relay(command, _environment(args, settings, exits))
         except OSError as exc:
             print(f"rankscope record: cannot run {command[0]!r}: {exc}", file=sys.stderr)
             return 127
-        for sig in _FORWARDED:
-            signal.signal(sig, lambda number, _frame: child.send_signal(number))
-        for sig in _FROM_TERMINAL:
-            signal.signal(sig, signal.SIG_IGN)
-        returncode = child.wait()
-        _tell_watcher(Path(exits), child.pid, returncode)
+        returncode = relay.wait()
+        _tell_watcher(Path(exits), relay.child.pid, returncode)
     finally:
         shutil.rmtree(exits, ignore_errors=True)
-    if returncode < 0:  # end as it ended: by the same signal
+    if returncode < 0:  # end as it ended: by the same signal, to this thread (no other)
         signal.signal(-returncode, signal.SIG_DFL)
-        os.kill(os.getpid(), -returncode)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {-returncode})
+        signal.pthread_kill(threading.get_ident(), -returncode)
     return returncode
 
 

@@ -1,0 +1,103 @@
+"""Signals sent to `rankscope record` passed on to the command it runs, as launchers do
+(one that asks to end, to every process under it, as a terminal does), and, once the
+command ended, the ranks it leaves behind ended the same way: a launcher that dies of
+SIGTERM without its ranks (mlx.launch does) leaves no rank running under rankscope.
+
+A terminal's Ctrl-C and Ctrl-\\ reach the command itself (one process group), so on Linux,
+where the sender of a signal can be learnt, those are not passed on twice; on macOS, where
+it cannot, SIGINT and SIGQUIT are left to the terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Sequence
+
+import psutil
+
+__all__ = ["Relay"]
+
+_PASSED_ON = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_FROM_TERMINAL = (signal.SIGINT, signal.SIGQUIT)
+"""A terminal sends these to the command itself (one process group)."""
+_ENDING = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT}
+"""Signals that ask a program to end: what the command leaves behind is ended too."""
+_SI_KERNEL = 0x80
+"""Linux's `si_code` of a signal the kernel sent: the terminal's Ctrl-C and Ctrl-\\."""
+GRACE_S = 5.0
+"""How long a rank left behind has to end after the signal before it is killed."""
+
+
+class Relay:
+    """The command's process, and the signals that asked it to end."""
+
+    def __init__(self, command: Sequence[str], env: dict[str, str]) -> None:
+        self.ending: signal.Signals | None = None
+        """The last signal that asked the command to end, if any did."""
+        self._family: dict[int, psutil.Process] = {}
+        watched = {*_PASSED_ON, *_FROM_TERMINAL}
+        if not hasattr(signal, "sigwaitinfo"):  # macOS
+            self.child = subprocess.Popen(command, env=env)
+            for sig in _PASSED_ON:
+                signal.signal(sig, lambda number, _frame: self._received(number, False))
+            for sig in _FROM_TERMINAL:
+                signal.signal(sig, lambda number, _frame: self._received(number, True))
+            return
+        signal.pthread_sigmask(signal.SIG_BLOCK, watched)  # taken by `_relay` alone
+        self.child = subprocess.Popen(
+            command,
+            env=env,
+            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, watched),
+        )
+        threading.Thread(target=self._relay, args=(watched,), daemon=True).start()
+
+    def _relay(self, watched: set[signal.Signals]) -> None:
+        while True:
+            got = signal.sigwaitinfo(watched)
+            terminal = got.si_signo in _FROM_TERMINAL and got.si_code == _SI_KERNEL
+            self._received(got.si_signo, terminal)
+
+    def _received(self, number: int, terminal: bool) -> None:
+        """Pass the signal on unless the terminal sent it to the command already: one that
+        asks to end to every process under the command, as a terminal does to its process
+        group (a launcher may pass it on to its ranks or not: mlx.launch does not), any
+        other to the command alone."""
+        sig = signal.Signals(number)
+        if sig in _ENDING:
+            self.ending = sig
+            with contextlib.suppress(psutil.Error, OSError):
+                session = os.getsid(self.child.pid)
+                for process in psutil.Process(self.child.pid).children(recursive=True):
+                    # a process in a session of its own (a rank's recording watcher) is
+                    # no part of the job a terminal would signal: it ends on its own
+                    with contextlib.suppress(psutil.Error, OSError):
+                        if os.getsid(process.pid) == session:
+                            self._family.setdefault(process.pid, process)
+        if terminal:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.child.send_signal(sig)
+        for process in self._family.values() if sig in _ENDING else ():
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(sig)
+
+    def wait(self) -> int:
+        """Wait for the command; once it ended, end what it left behind of those a signal
+        asked to end (the signal again, then SIGKILL after `GRACE_S`). Its exit status."""
+        returncode = self.child.wait()
+        if self.ending is None:
+            return returncode
+        left = [p for p in self._family.values() if p.is_running()]
+        for process in left:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(self.ending)
+        _, alive = psutil.wait_procs(left, timeout=GRACE_S)
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(alive, timeout=GRACE_S)
+        return returncode
