@@ -200,6 +200,8 @@ def placement(state: ClusterState, *, local_node_id: str) -> list[PlacementRunne
                     isLocal=rank.nodeId == local_node_id,
                     isMaster=False,
                     tasks=list(_tasks_of(instance, rank.runnerId, tasks.values())),
+                    instanceId=instance.instanceId,
+                    pid=view.status.pid if view and view.status else None,
                 )
             )
     return found

@@ -94,6 +94,15 @@ def _verdicts(gateway: Gateway) -> dict[str, str]:
 
 def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
     found = gateway.call("GET", "/v1/placement/runners")
+    if args.pid is not None:
+        instance, rank = args.pid
+        ranks = [p for p in found if (p.get("instanceId"), p["deviceRank"]) == (instance, rank)]
+        if not ranks:
+            raise ClientError(f"no rank {rank} of {instance} is placed")
+        if ranks[0].get("pid") is None:
+            raise ClientError(f"rank {rank} of {instance} has not said its process id yet")
+        _out(args, ranks[0], str(ranks[0]["pid"]))
+        return
     said = {} if args.json else _verdicts(gateway)
     _out(
         args,
@@ -108,11 +117,12 @@ def _placement(args: argparse.Namespace, gateway: Gateway) -> None:
                     f"[{p['startLayer']}, {p['endLayer']})",
                     p["nLayers"],
                     p["statusKind"],
+                    p.get("pid"),
                     said.get(p["runnerId"]),
                 )
                 for p in found
             ],
-            ["RUNNER", "NODE", "RANK", "WORLD", "LAYERS", "OF", "STATUS", "DIAGNOSIS"],
+            ["RUNNER", "NODE", "RANK", "WORLD", "LAYERS", "OF", "STATUS", "PID", "DIAGNOSIS"],
         ),
     )
 
@@ -238,7 +248,7 @@ def _runners(args: argparse.Namespace, gateway: Gateway) -> None:
             found = gateway.call(
                 "POST", "/v1/runners", body if "runners" in body else {"runners": [body]}
             )
-            _out(args, found, "created " + ", ".join(r["id"] for r in found["runners"]))
+            _out(args, found, "" if args.json else _created(found, gateway))
             return
         said: dict[str, str] = {}
         for runner in body.get("runners", [body]):
@@ -255,10 +265,45 @@ def _runners(args: argparse.Namespace, gateway: Gateway) -> None:
         _out(args, found, f"deleted {args.id}")
 
 
+def _created(found: dict[str, Any], gateway: Gateway) -> str:
+    """Each spec created, and where its instances were placed or why they were not."""
+    placed: dict[str, list[dict[str, Any]]] = {}
+    for rank in gateway.call("GET", "/v1/placement/runners"):
+        placed.setdefault(rank.get("instanceId") or "", []).append(rank)
+    lines = []
+    for judged in found.get("placements", []):
+        said = f"created {judged['runner_id']}"
+        if judged.get("accepted") is None:
+            lines.append(f"{said}, not judged yet: {judged['reason']}")
+        elif not judged["accepted"]:
+            lines.append(f"{said}, refused: {judged['reason']}")
+        elif not judged.get("instances"):
+            why = judged.get("reason") or "no room yet"
+            lines.append(f"{said}, not placed (it waits for room): {why}")
+        else:
+            lines.append(f"{said}, placed:")
+            for instance in judged["instances"]:
+                shards = ", ".join(
+                    f"rank {r['deviceRank']} on {r['nodeId']} layers "
+                    f"[{r['startLayer']}, {r['endLayer']})"
+                    for r in sorted(placed.get(instance, []), key=lambda r: r["deviceRank"])
+                )
+                lines.append(f"  {instance}: {shards or 'its ranks are not reported yet'}")
+    return "\n".join(lines)
+
+
 def ranktable_client(args: argparse.Namespace) -> int:
     """`rankscope ranktable JOB`: print (or follow) a job's rank table."""
     run: Any = _run(_ranktable)
     return int(run(args, None))
+
+
+def _rank_of(text: str) -> tuple[str, int]:
+    """`INSTANCE:RANK` as (instance id, rank)."""
+    instance, _, rank = text.rpartition(":")
+    if not instance or not rank.isdigit():
+        raise argparse.ArgumentTypeError(f"expected INSTANCE:RANK such as demo-0:1, got {text!r}")
+    return identifier(instance), int(rank)
 
 
 def identifier(text: str) -> str:
@@ -271,10 +316,19 @@ def identifier(text: str) -> str:
     return text
 
 
-def client_options(parser: argparse.ArgumentParser) -> None:
-    """The options every client command takes."""
-    parser.add_argument("--url", help="gateway URL [RANKSCOPE_URL, http://127.0.0.1:8000]")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+def client_options(parser: argparse.ArgumentParser, *, nested: bool = False) -> None:
+    """The options every client command takes; `nested`, for an action of a command
+    (`runners create ... --json`), each left as the command's when not given."""
+    unset: Any = argparse.SUPPRESS if nested else None
+    parser.add_argument(
+        "--url", default=unset, help="gateway URL [RANKSCOPE_URL, http://127.0.0.1:8000]"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=unset if nested else False,
+        help="print JSON for scripts",
+    )
 
 
 def _run(handler: Any) -> Any:
@@ -309,7 +363,14 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
     timeline.add_argument("--follow", "-f", action="store_true", help="keep printing new entries")
     timeline.add_argument("--limit", type=int, default=50, help="newest entries (50)")
     timeline.add_argument("--instance", type=identifier, help="only this instance")
-    command("placement", "which layers sit on which node", _placement)
+    placement = command("placement", "which layers sit on which node", _placement)
+    placement.add_argument(
+        "--pid",
+        type=_rank_of,
+        metavar="INSTANCE:RANK",
+        help="print only that rank's process id (kill -STOP \"$(rankscope placement --pid "
+        'demo-0:1)")',
+    )
     diagnose = command("diagnose", "findings that name the stuck rank (exit 1 when any)", _diagnose)
     diagnose.add_argument(
         "--verbose", "-v", action="store_true", help="each rank's evidence, where it waits"
@@ -333,5 +394,8 @@ def add_client_commands(commands: Any) -> list[argparse.ArgumentParser]:
     create.add_argument(
         "--if-missing", action="store_true", help="one that exists already is fine (exit 0)"
     )
-    actions.add_parser("delete", help="delete one").add_argument("id", type=identifier)
+    delete = actions.add_parser("delete", help="delete one")
+    delete.add_argument("id", type=identifier)
+    for action in (listing, create, delete):
+        client_options(action, nested=True)
     return made

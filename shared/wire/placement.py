@@ -34,3 +34,7 @@ class PlacementRunnerDiagnostics(CamelStruct, kw_only=True, frozen=True):
     isLocal: bool
     isMaster: bool
     tasks: list[PlacementTaskDiagnostics] = []
+    instanceId: str | None = None
+    """The instance (job) the runner is a rank of (rankscope's, beyond the seed)."""
+    pid: int | None = None
+    """Its process id on its node, as its last status said (rankscope's, beyond the seed)."""

@@ -50,11 +50,19 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
     url = str(stack.http.base_url).rstrip("/")
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
-    assert await cli("runners", "--url", url, "create", str(spec)) == (0, "created llm\n", "")
-    code, _, err = await cli("runners", "--url", url, "create", str(spec))
+    code, out, _ = await cli("runners", "--url", url, "create", str(spec))
+    assert (code, out.startswith("created llm, placed:\n  llm-0: ")) == (0, True), out
+    code, _, err = await cli("runners", "create", str(spec), "--url", url)
     assert (code, err) == (1, "rankscope: 409: runner 'llm' already exists\n")
-    again = await cli("runners", "--url", url, "create", "--if-missing", str(spec))
-    assert again == (0, "exists llm\n", "")  # as compose's demo service runs it on every up
+    code, out, _ = await cli("runners", "create", "--if-missing", str(spec), "--url", url, "--json")
+    assert (code, json.loads(out)) == (0, {"llm": "exists"})  # as compose's demo runs it
+    huge = tmp_path / "huge.json"
+    huge.write_text(
+        json.dumps({**SPEC, "id": "huge", "metadata": {"nLayers": 8, "modelBytes": "9Ti"}})
+    )
+    code, out, _ = await cli("runners", "create", str(huge), "--url", url)
+    assert (code, out.startswith("created huge, not placed (it waits for room): ")) == (0, True)
+    await cli("runners", "delete", "huge", "--url", url)
     code, out, _ = await cli("runners", "--url", url, "list")
     assert code == 0
     assert out.splitlines()[0].split() == [
@@ -73,6 +81,14 @@ async def test_runners_placement_ranktable_and_diagnose(stack_for: Any, tmp_path
             break
         await asyncio.sleep(0.1)
     assert [p["startLayer"] for p in json.loads(out)] == [0, 6]
+    assert {p["instanceId"] for p in json.loads(out)} == {"llm-0"}
+    code, _, err = await cli("placement", "--url", url, "--pid", "llm-0:1")
+    assert (code, err) == (1, "rankscope: rank 1 of llm-0 has not said its process id yet\n")
+    code, _, err = await cli("placement", "--url", url, "--pid", "llm-0:9")
+    assert (code, err) == (1, "rankscope: no rank 9 of llm-0 is placed\n")
+    code, _, err = await cli("placement", "--url", url, "--pid", "llm-0")
+    assert code == 2
+    assert "expected INSTANCE:RANK such as demo-0:1" in err
     code, out, _ = await cli("ranktable", "llm-0", "--url", url)
     assert code == 0
     assert json.loads(out)["status"] == "initializing"
