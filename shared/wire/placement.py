@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from rankscope.shared.wire.base import CamelStruct
 
 __all__ = ["PlacementRunnerDiagnostics", "PlacementTaskDiagnostics"]
@@ -34,7 +36,9 @@ class PlacementRunnerDiagnostics(CamelStruct, kw_only=True, frozen=True):
     isLocal: bool
     isMaster: bool
     tasks: list[PlacementTaskDiagnostics] = []
-    instanceId: str | None = None
-    """The instance (job) the runner is a rank of (rankscope's, beyond the seed)."""
-    pid: int | None = None
-    """Its process id on its node, as its last status said (rankscope's, beyond the seed)."""
+    instanceId: str | msgspec.UnsetType = msgspec.UNSET
+    """The instance (job) the runner is a rank of (rankscope's, beyond the seed: left
+    out where unknown)."""
+    pid: int | msgspec.UnsetType | None = msgspec.UNSET
+    """Its process id on its node, as its last status said (rankscope's, beyond the seed:
+    null until it said one)."""
