@@ -85,7 +85,9 @@ def _placements(
             modelId=instance.modelId,
             localNodeIsPlacementNode=any(r.nodeId == node_id for r in instance.ranks),
             placementNodeIds=sorted({r.nodeId for r in instance.ranks}),
-            runners=[by_runner[r.runnerId] for r in instance.ranks if r.runnerId in by_runner],
+            runners=[
+                by_runner[r.runnerId].as_seed() for r in instance.ranks if r.runnerId in by_runner
+            ],
         )
         for instance in instances
     ]

@@ -42,3 +42,7 @@ class PlacementRunnerDiagnostics(CamelStruct, kw_only=True, frozen=True):
     pid: int | msgspec.UnsetType | None = msgspec.UNSET
     """Its process id on its node, as its last status said (rankscope's, beyond the seed:
     null until it said one)."""
+
+    def as_seed(self) -> PlacementRunnerDiagnostics:
+        """The row as seed 000 has it, rankscope's own fields left out (for Skulk)."""
+        return msgspec.structs.replace(self, instanceId=msgspec.UNSET, pid=msgspec.UNSET)

@@ -293,7 +293,8 @@ async def test_placement_jobs_rank_tables_and_404s(stack_for: Any) -> None:
 
     ranks = await _until(placed)
     seed = json.loads((FIXTURES / "seeds" / "000_placement_runner_diagnostics.json").read_text())
-    assert set(ranks[0]) == set(seed)
+    assert set(ranks[0]) == set(seed) | {"instanceId", "pid"}  # the seed's, and two more
+    assert (ranks[0]["instanceId"], ranks[0]["pid"]) == ("llm-0", None)
     assert [(r["startLayer"], r["endLayer"]) for r in ranks] == [(0, 6), (6, 8)]
     one = await http.get(f"/v1/placement/runners/{ranks[1]['runnerId']}")
     assert one.json()["deviceRank"] == 1
