@@ -4,6 +4,7 @@ its instance is ready (showing progress), then send a chat completion now and th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,16 +20,23 @@ __all__ = ["DEMO_RUNNER", "drive"]
 log = logging.getLogger("rankscope.demo")
 
 DEMO_RUNNER = "demo"
+STATUS_S = 1.0
+"""How often the status line is told anew."""
 _PROMPTS = ["Which rank is stuck?", "Which node holds layer seven?", "How much memory?"]
 
 
 async def _http(
-    url: str, method: str = "GET", body: Any = None, *, token: str | None = None
+    url: str,
+    method: str = "GET",
+    body: Any = None,
+    *,
+    token: str | None = None,
+    patience: float = 120.0,
 ) -> tuple[int, Any]:
     """Status and JSON of a request (status 0 and the reason when nothing answered)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        async with httpx.AsyncClient(headers=headers, timeout=120) as client:
+        async with httpx.AsyncClient(headers=headers, timeout=patience) as client:
             reply = await client.request(method, url, json=body)
     except httpx.HTTPError as error:
         return 0, {"detail": str(error) or type(error).__name__}
@@ -58,7 +66,9 @@ other specs' instances placed beside it."""
 
 
 async def _ranks(base: str, token: str | None) -> list[dict[str, Any]]:
-    status, placement = await _http(f"{base}/v1/placement/runners", token=token)
+    status, placement = await _http(
+        f"{base}/v1/placement/runners", token=token, patience=STATUS_S * 4
+    )
     if status != 200 or not isinstance(placement, list):
         return []
     return [r for r in placement if isinstance(r, dict) and r.get("instanceId") == DEMO_INSTANCE]
@@ -101,16 +111,36 @@ class _Tally:
     last: str = ""
 
     def line(self, ranks: list[dict[str, Any]], findings: list[dict[str, Any]]) -> str:
-        told = ", ".join(f"{f['kind']} rank {f['culpritRanks']}" for f in findings) or "none"
+        told = "; ".join(_words(f) for f in findings) or "none"
         return (
             f"demo: {_ready(ranks)}/{len(ranks)} ranks ready · {self.served} chats served, "
             f"{self.failed} failed{self.last} · open findings: {told}"
         )
 
 
+def _words(finding: dict[str, Any]) -> str:
+    """One finding in words: `stalled_rank in demo-0 (rank 1)`."""
+    where = f"in {finding['instanceId']}" if finding.get("instanceId") else "of the installation"
+    ranks = ", ".join(str(r) for r in finding.get("culpritRanks", []))
+    return f"{finding['kind']} {where}" + (f" (rank {ranks})" if ranks else "")
+
+
 async def _findings(base: str, token: str | None) -> list[dict[str, Any]]:
-    status, diagnosis = await _http(f"{base}/v1/cluster/diagnosis", token=token)
+    status, diagnosis = await _http(
+        f"{base}/v1/cluster/diagnosis", token=token, patience=STATUS_S * 4
+    )
     return diagnosis.get("findings", []) if status == 200 and isinstance(diagnosis, dict) else []
+
+
+async def _keep_status(
+    base: str, token: str | None, tally: _Tally, terminal: Terminal, stop: asyncio.Event
+) -> None:
+    """The status line anew every `STATUS_S`, whatever the chats do (a hung rank holds
+    a chat up for as long as it hangs)."""
+    while not stop.is_set():
+        terminal.status(tally.line(await _ranks(base, token), await _findings(base, token)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), STATUS_S)
 
 
 async def drive(
@@ -143,6 +173,7 @@ async def drive(
         f"demo ready: chat completions every {every:g}s; watch them in the timeline at {base}/"
     )
     count, tally = 0, _Tally()
+    telling = asyncio.create_task(_keep_status(base, token, tally, terminal, stop))
     while not stop.is_set():
         prompt = _PROMPTS[count % len(_PROMPTS)]
         status, reply = await _http(
@@ -167,9 +198,7 @@ async def drive(
         else:
             tally.failed += 1
             log.warning("completion failed (%s): %s", status, (reply or {}).get("detail"))
-        terminal.status(tally.line(await _ranks(base, token), await _findings(base, token)))
         count += 1
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every)
-        except TimeoutError:
-            continue
+    await telling
