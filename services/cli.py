@@ -84,6 +84,8 @@ def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
     return run(settings)
 
 
+_SETTINGS = "[--SETTING VALUE ...]"
+"""Every setting as a flag, in a usage line (its list follows in --help)."""
 _SERVICES = frozenset({"up", "agent", "aggregator", "gateway", "ranktable"})
 """Subcommands that run a service, named so in `ps`."""
 
@@ -103,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = commands.add_parser("up", help="run the whole stack on this machine")
+    up = commands.add_parser(
+        "up",
+        help="run the whole stack on this machine",
+        usage=f"%(prog)s [-h] [--demo] [--nats-auth] {_SETTINGS}",
+    )
     up.add_argument("--demo", action="store_true", help="add a demo cluster with a tiny model")
     up.add_argument(
         "--nats-auth",
@@ -114,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(up)
 
     nats_config = commands.add_parser(
-        "nats-config", help="print a nats-server config with one user per role and per node"
+        "nats-config",
+        help="print a nats-server config with one user per role and per node",
+        usage=f"%(prog)s [-h] [--node NODE_ID ...] {_SETTINGS}",
     )
     nats_config.add_argument(
         "--node", action="append", default=[], metavar="NODE_ID", help="an agent's node id"
@@ -122,23 +130,32 @@ def build_parser() -> argparse.ArgumentParser:
     nats_config.set_defaults(handler=_nats_config)
     add_arguments(nats_config)
 
-    agent = commands.add_parser("agent", help="run this node's agent (runners, flight recorder)")
+    agent = commands.add_parser(
+        "agent",
+        help="run this node's agent (runners, flight recorder)",
+        usage=f"%(prog)s [-h] {_SETTINGS}",
+    )
     agent.set_defaults(handler=_agent)
     add_arguments(agent)
 
     aggregator = commands.add_parser(
-        "aggregator", help="run the aggregator (timeline, placement views, diagnosis)"
+        "aggregator",
+        help="run the aggregator (timeline, placement views, diagnosis)",
+        usage=f"%(prog)s [-h] {_SETTINGS}",
     )
     aggregator.set_defaults(handler=_aggregator)
     add_arguments(aggregator)
 
-    gateway = commands.add_parser("gateway", help="run the HTTP gateway and web timeline")
+    gateway = commands.add_parser(
+        "gateway", help="run the HTTP gateway and web timeline", usage=f"%(prog)s [-h] {_SETTINGS}"
+    )
     gateway.set_defaults(handler=_gateway)
     add_arguments(gateway)
 
     ranktable = commands.add_parser(
         "ranktable",
         help="run the rank-table service; with JOB, print that job's rank table instead",
+        usage=f"%(prog)s [-h] [JOB [--follow] [--url URL] [--json]] {_SETTINGS}",
     )
     ranktable.add_argument(
         "job", nargs="?", type=identifier, metavar="JOB", help="job id (= instance id)"

@@ -398,7 +398,10 @@ def _flag(name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one `--flag` per setting; unset flags leave the variable or default in force."""
-    group = parser.add_argument_group("settings (flag or RANKSCOPE_* variable)")
+    group = parser.add_argument_group(
+        "settings",
+        "Each a flag or a RANKSCOPE_* variable (a flag wins); docs/CONFIGURATION.md has them all.",
+    )
     for spec in fields(Settings):
         group.add_argument(
             _flag(spec.name),

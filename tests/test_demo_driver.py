@@ -22,9 +22,7 @@ PLACED = [
     _rank(DEMO_INSTANCE, 1, "RunnerReady"),
     *(_rank(f"job-{n}", 0, None) for n in range(500)),  # registered, never reporting
 ]
-STALLED = {
-    "findings": [{"instanceId": DEMO_INSTANCE, "kind": "stalled_rank", "culpritRanks": [1]}]
-}
+STALLED = {"findings": [{"instanceId": DEMO_INSTANCE, "kind": "stalled_rank", "culpritRanks": [1]}]}
 
 
 class _Gateway:

@@ -24,11 +24,14 @@ def test_every_package_of_shared_and_services_is_installed_under_rankscope() -> 
     listed = set(
         tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     )
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = {
         "rankscope." + ".".join(init.parent.relative_to(REPO).parts)
         for room in ("shared", "services")
         for init in (REPO / room).rglob("__init__.py")
     }
+    # directories of data only are packages of their own too, or setuptools warns
+    found |= set(data["package-data"]) - {"rankscope.shared", "rankscope.services"}
     assert found == listed, f"pyproject.toml lists {sorted(listed)}, the tree has {sorted(found)}"
 
 

@@ -110,6 +110,7 @@ def add_record_command(commands: argparse._SubParsersAction) -> argparse.Argumen
     parser: argparse.ArgumentParser = commands.add_parser(
         "record",
         help="run an MLX distributed program with its ranks recorded",
+        usage="%(prog)s [-h] [--job ID] [--node ID] [--SETTING VALUE ...] -- COMMAND [ARGS ...]",
         description=(
             "Run COMMAND with every Python process it starts recorded once it joins an "
             "mlx.core.distributed group: a launcher (rankscope record -- mlx.launch ... "
