@@ -64,10 +64,14 @@ def run_until_signalled(
         uvloop.run(main())  # libuv's loop: less of each message and request is overhead
     except ConnectionLostError:
         return 1  # logged when it closed
-    except LayoutError as exc:
+    except (LayoutError, StartError) as exc:
         log.error("%s", exc)
         return 1
     return 0
+
+
+class StartError(RuntimeError):
+    """A service that cannot start, said in one line (a port taken, ...)."""
 
 
 def quiet_closed_writes(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

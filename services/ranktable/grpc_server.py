@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from rankscope.services.lifecycle import StartError
 from rankscope.services.ranktable.grpcapi import config_pb2, config_pb2_grpc
 from rankscope.services.ranktable.hub import TableHub
 from rankscope.shared.subjects import token
@@ -55,10 +56,19 @@ class ConfigService(config_pb2_grpc.ConfigServicer):
 
 async def serve(hub: TableHub, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC server; returns it and the bound port (`port` 0 picks one)."""
-    server = grpc.aio.server()
+    # no second server on a port one already holds (gRPC shares it by default on Linux):
+    # a rank-table service started twice by mistake fails at once instead of splitting work
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     config_pb2_grpc.add_ConfigServicer_to_server(ConfigService(hub), server)  # type: ignore[no-untyped-call]
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind the rank-table gRPC port {host}:{port}")
+        raise StartError(
+            f"cannot bind the rank-table gRPC port {host}:{port}: is a rank-table service "
+            "running there already? (rankscope ranktable JOB prints a job's rank table; "
+            "--grpc-port picks another port)"
+        )
     await server.start()
     return server, bound

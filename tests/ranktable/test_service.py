@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from rankscope.services.agent.agent import Agent
+from rankscope.services.lifecycle import StartError
 from rankscope.services.ranktable.grpc_server import serve
 from rankscope.services.ranktable.grpcapi import config_pb2, config_pb2_grpc
 from rankscope.services.ranktable.hub import TableHub
@@ -635,3 +636,12 @@ async def test_subscriber_joining_late_gets_the_current_table_first(stack: Stack
         current = await asyncio.wait_for(call.read(), WAIT)
         assert json.loads(current.rankTable)["status"] == "completed"
         call.cancel()
+
+
+async def test_a_second_rank_table_service_on_a_taken_port_stops_with_one_line() -> None:
+    first, port = await serve(TableHub(), "127.0.0.1", 0)
+    try:
+        with pytest.raises(StartError, match=r"is a rank-table service running there already"):
+            await serve(TableHub(), "127.0.0.1", port)
+    finally:
+        await first.stop(0)
