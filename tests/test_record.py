@@ -135,6 +135,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield found
 
 
+def _rank_pids(script: str) -> list[int]:
+    """The processes running `script` that have not ended."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if script in (process.info["cmdline"] or []) and process.info["status"] != "zombie":
+            found.append(process.pid)
+    return found
+
+
 def _rank_pid(script: str, rank: int) -> int:
     """The process of `rank` running `script` (mlx.launch gives each its MLX_RANK)."""
     for process in psutil.process_iter(["cmdline"]):
@@ -247,6 +256,32 @@ def test_a_killed_rank_is_a_dead_rank_with_its_signal(stack: Stack) -> None:
     assert finding["waitingRanks"] == [0]
     assert "rank 0" in finding["summary"]
     _end(job, train)  # mlx.launch stopped the other rank already
+
+
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM])
+def test_a_job_the_user_stops_is_stopped_not_an_incident(
+    stack: Stack, sent: signal.Signals
+) -> None:
+    train = stack.script(f"stopped-{sent.name}.py", TRAIN)
+    job_id = f"stop-{sent.name.lower()}"
+    job = stack.record(job_id, stack.launch(2, train, "100000"))
+    stack.until(
+        lambda: len(stack.get(f"/v1/cluster/timeline?instanceId={job_id}")["runners"]) == 2, 30
+    )
+    time.sleep(2)
+    job.send_signal(sent)  # as Ctrl-C, systemd or `kill <pid>` would
+    job.communicate(timeout=60)
+    assert _rank_pids(train) == []  # none left running
+
+    def stopped() -> bool:
+        runners = stack.get(f"/v1/cluster/timeline?instanceId={job_id}")["runners"]
+        return [r["statusKind"] for r in runners] == ["RunnerShutdown"] * 2
+
+    assert stack.until(stopped, 20)
+    time.sleep(3)  # judged a few times over
+    assert stack.findings(job_id) == []
+    told = stack.get("/v1/cluster/diagnosis/history")["findings"]
+    assert [f for f in told if f["instanceId"] == job_id] == []
 
 
 def test_ranks_waiting_in_different_collectives_are_named_with_both(stack: Stack) -> None:

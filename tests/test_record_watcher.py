@@ -1,11 +1,18 @@
 """A recorded rank's watcher exits once its rank's end is told, even when a library leaves
-a task behind that swallows its cancellation (it would otherwise outlive the job)."""
+a task behind that swallows its cancellation (it would otherwise outlive the job); a rank
+that ended after the user asked its job to stop is told as stopped, not failed."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
-from rankscope.services.record.watcher import let_go
+from rankscope.services.record.hook import STOP_FILE
+from rankscope.services.record.watcher import Hello, _Rank, let_go
+from rankscope.shared.subjects import Subjects
+from rankscope.shared.timestamps import now
+from rankscope.shared.wire import RunnerRef, RunnerStatusKind
 
 
 async def test_letting_go_names_the_tasks_that_ignore_cancellation_and_waits_no_longer() -> None:
@@ -29,3 +36,42 @@ async def test_letting_go_names_the_tasks_that_ignore_cancellation_and_waits_no_
 
 async def test_with_nothing_left_running_letting_go_returns_at_once() -> None:
     assert await let_go(60) == []
+
+
+def _rank_of(exits: Path) -> _Rank:
+    hello = Hello(
+        jobId="j",
+        nodeId="n",
+        deviceRank=1,
+        worldSize=2,
+        pid=4242,
+        host="h",
+        port=0,
+        command="python train.py",
+        startedAt=now(),
+        exitFile=str(exits),
+    )
+    runner = RunnerRef(
+        runnerId="j-0-1", nodeId="n", instanceId="j", modelId="j", deviceRank=1, worldSize=2
+    )
+    return _Rank(hello, runner, Subjects())
+
+
+def test_a_rank_ended_after_the_user_asked_the_job_to_stop_is_stopped_not_failed(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "4242").write_text(json.dumps({"returncode": -6}))  # mlx-lm's server: SIGABRT
+    (tmp_path / STOP_FILE).write_text(json.dumps({"signal": "SIGINT"}))
+    ended = _rank_of(tmp_path).ended(now())
+    assert (ended.statusKind, ended.stoppedByUser, ended.signal) == (
+        RunnerStatusKind.SHUTDOWN,
+        True,
+        "SIGABRT",
+    )
+    assert ended.detail == "stopped by the user (SIGINT); killed by SIGABRT"
+
+
+def test_a_rank_that_failed_with_no_stop_asked_failed(tmp_path: Path) -> None:
+    (tmp_path / "4242").write_text(json.dumps({"returncode": -9}))
+    ended = _rank_of(tmp_path).ended(now())
+    assert (ended.statusKind, ended.stoppedByUser) == (RunnerStatusKind.FAILED, False)

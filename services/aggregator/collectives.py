@@ -123,6 +123,8 @@ def judge_recorded(
         patience: seconds of waiting past which the ranks not waiting are held to account.
         now: the wall clock (seconds since the epoch).
     """
+    if any(v.status is not None and v.status.stoppedByUser for v in views):
+        return None  # the user stopped the job: however its ranks end, it is no fault
     dead = sorted((v for v in views if _ended(v) and not _clean(v)), key=_end)
     if dead:
         near = [v for v in dead if _end(v) - _end(dead[0]) <= CAUSE_WINDOW_S]

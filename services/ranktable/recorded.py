@@ -245,7 +245,8 @@ def release_due(
     limits: RecordLimits,
 ) -> Release | None:
     """When a recorded job may be released, and why: once every rank's process is gone,
-    at once when each exited cleanly, else `LINGER_S` after the last ended, so a death
+    at once when each exited cleanly or the user stopped it, else `LINGER_S` after the
+    last ended, so a death
     stays in the live views long enough to be diagnosed (a launcher stops the other ranks
     the moment one dies); and a deadline after it was announced if a rank never reported.
     None while every rank runs."""
@@ -265,7 +266,7 @@ def release_due(
     if any(e.processAlive for e in reported):
         return None
     last = max(to_epoch(e.at) for e in reported)
-    clean = all(e.exitCode == 0 for e in reported)
+    clean = all(e.exitCode == 0 or e.stoppedByUser for e in reported)
     return Release(
         last if clean else last + LINGER_S,
         ReleaseCause.JOB_ENDED,

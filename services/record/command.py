@@ -18,8 +18,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from rankscope.services.record.hook import STOP_FILE
 from rankscope.services.record.signals import Relay
 from rankscope.shared.host import hostname
 from rankscope.shared.settings import Settings, to_environ
@@ -76,7 +78,9 @@ def record(args: argparse.Namespace, settings: Settings) -> int:
     exits = tempfile.mkdtemp(prefix="rankscope-record-")
     try:
         try:
-            relay = Relay(command, _environment(args, settings, exits))
+            relay = Relay(
+                command, _environment(args, settings, exits), stopping=_stop_asked(Path(exits))
+            )
         except OSError as exc:
             print(f"rankscope record: cannot run {command[0]!r}: {exc}", file=sys.stderr)
             return 127
@@ -91,6 +95,18 @@ def record(args: argparse.Namespace, settings: Settings) -> int:
     return returncode
 
 
+def _stop_asked(exits: Path) -> Callable[[signal.Signals], None]:
+    """What tells the ranks' watchers that the user asked the job to stop (`STOP_FILE`,
+    written before any rank hears of it), so their ends are a stop, not a fault."""
+
+    def write(sig: signal.Signals) -> None:
+        with contextlib.suppress(OSError):
+            (exits / f"{STOP_FILE}.tmp").write_text(json.dumps({"signal": sig.name}))
+            (exits / f"{STOP_FILE}.tmp").rename(exits / STOP_FILE)
+
+    return write
+
+
 def _tell_watcher(exits: Path, pid: int, returncode: int) -> None:
     """Say how a rank this command started ended, for its watcher (it cannot learn it:
     it is not the rank's parent), then wait briefly until every watcher under it has
@@ -101,7 +117,7 @@ def _tell_watcher(exits: Path, pid: int, returncode: int) -> None:
         (exits / f"{pid}.tmp").rename(exits / str(pid))
         marker.unlink()
     deadline = time.monotonic() + _EXIT_READ_S
-    while any(exits.iterdir()) and time.monotonic() < deadline:
+    while any(p.name != STOP_FILE for p in exits.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.02)
 
 

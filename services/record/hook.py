@@ -47,6 +47,7 @@ __all__ = [
     "SAMPLE_EVERY",
     "SAMPLE_GAP_S",
     "STACK_SIGNAL",
+    "STOP_FILE",
     "WAIT_NOTE_S",
     "Recorder",
     "install",
@@ -74,6 +75,10 @@ SAMPLE_ANYWAY_S = 0.15
 """Time after `SAMPLE_GAP_S` when the next step is sampled, however few steps came between:
 steps of a ten-plus milliseconds make two synchronisations cheap, and four samples a
 second tell a slow rank from one its neighbours on the core took turns from."""
+STOP_FILE = "stop-asked"
+"""In `RANKSCOPE_RECORD_EXITS` once the user asked the job to stop (`rankscope record`
+got Ctrl-C or an ending signal): the signal's name, for the watchers to tell a stop from
+a fault."""
 STACK_SIGNAL = signal.SIGUSR1
 """Makes a recorded rank write its stacks, as a runner does."""
 WAIT_NOTE_S = 1.0

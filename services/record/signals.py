@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psutil
 
@@ -35,9 +35,16 @@ GRACE_S = 5.0
 class Relay:
     """The command's process, and the signals that asked it to end."""
 
-    def __init__(self, command: Sequence[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        env: dict[str, str],
+        stopping: Callable[[signal.Signals], None] = lambda _: None,
+    ) -> None:
         self.ending: signal.Signals | None = None
         """The last signal that asked the command to end, if any did."""
+        self._stopping = stopping
+        """Told of each signal that asks the command to end, before it is passed on."""
         self._family: dict[int, psutil.Process] = {}
         watched = {*_PASSED_ON, *_FROM_TERMINAL}
         if not hasattr(signal, "sigwaitinfo"):  # macOS
@@ -69,6 +76,7 @@ class Relay:
         sig = signal.Signals(number)
         if sig in _ENDING:
             self.ending = sig
+            self._stopping(sig)
             with contextlib.suppress(psutil.Error, OSError):
                 session = os.getsid(self.child.pid)
                 for process in psutil.Process(self.child.pid).children(recursive=True):

@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from rankscope.services.record.hook import STACK_SIGNAL
+from rankscope.services.record.hook import STACK_SIGNAL, STOP_FILE
 from rankscope.shared import logs
 from rankscope.shared.connection import close, connect
 from rankscope.shared.processes import DUMPABLE, dump_stacks, process_state, signal_name
@@ -65,6 +65,9 @@ BUFFERED_LINES = 10_000
 """Lines of the rank held while NATS or the rank-table service is away."""
 EXIT_FILE_WAIT_S = 1.0
 """How long to wait for `rankscope record` to say how a rank it started ended."""
+STOP_FILE_WAIT_S = 0.3
+"""How long a rank that did not end cleanly waits for `rankscope record` to say the user
+stopped it (it writes that before it passes the signal on)."""
 LET_GO_S = 5.0
 """How long, once its rank's end is told, the watcher waits for what its libraries left
 running to take their cancellation before it exits regardless."""
@@ -246,16 +249,20 @@ class _Rank:
         if code is None:
             detail = "ended without exiting through Python: a signal it did not handle, or os._exit"
         clean = code == 0
+        asked = None if clean else _stop_asked(self.hello)
+        if asked is not None:
+            detail = f"stopped by the user ({asked}); " + (detail or f"exited with status {code}")
         return RunnerStatusChanged(
             runner=self.runner,
             seq=self.next_seq(),
             at=at,
-            statusKind=RunnerStatusKind.SHUTDOWN if clean else RunnerStatusKind.FAILED,
+            statusKind=RunnerStatusKind.SHUTDOWN if clean or asked else RunnerStatusKind.FAILED,
             pid=self.hello.pid,
             processAlive=False,
             detail=detail or ("exited" if clean else f"exited with status {code}"),
             exitCode=code if sig is None else None,
             signal=sig,
+            stoppedByUser=asked is not None,
         )
 
 
@@ -272,6 +279,21 @@ def _exit_file(hello: Hello) -> int | None:
             return code
         time.sleep(0.05)
     return None
+
+
+def _stop_asked(hello: Hello) -> str | None:
+    """The signal the user stopped the job with through `rankscope record`, if they did;
+    a moment's wait for it, as the rank may have ended before record wrote it down."""
+    if not hello.exitFile:
+        return None
+    path = Path(hello.exitFile) / STOP_FILE
+    deadline = time.monotonic() + STOP_FILE_WAIT_S
+    while True:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return str(json.loads(path.read_text())["signal"])
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _gone(pid: int) -> bool:

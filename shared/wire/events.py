@@ -183,6 +183,9 @@ class RunnerStatusChanged(_Telemetry, kw_only=True, frozen=True):
     detail: str | None = None
     exitCode: int | None = None
     signal: str | None = None
+    stoppedByUser: bool = False
+    """Its end was asked for (Ctrl-C, a signal sent to `rankscope record`): a stop, not a
+    fault, however the process ended."""
 
     def __post_init__(self) -> None:
         _utc(self, "at")

@@ -89,8 +89,10 @@ class Job:
         event = MemorySampled(runner=self.ranks[r], seq=self._seq(r), snapshot=snapshot)
         self.state.apply_telemetry(event, stored_ns=self._ns())
 
-    def ends(self, r: int, code: int | None = None, signal: str | None = None) -> None:
-        clean = code == 0
+    def ends(
+        self, r: int, code: int | None = None, signal: str | None = None, stopped: bool = False
+    ) -> None:
+        clean = code == 0 or stopped
         event = RunnerStatusChanged(
             runner=self.ranks[r],
             seq=self._seq(r),
@@ -99,6 +101,7 @@ class Job:
             processAlive=False,
             exitCode=code,
             signal=signal,
+            stoppedByUser=stopped,
         )
         self.state.apply_telemetry(event, stored_ns=self._ns())
 
@@ -161,6 +164,14 @@ def test_a_killed_rank_is_named_not_the_ranks_its_launcher_stopped_after_it() ->
     assert finding.waitingRanks == [0, 1, 3]
     assert finding.summary.startswith("rank 2 (node-2): process killed by SIGKILL")
     assert "rank 0 (node-0) killed by SIGTERM after it" in finding.summary
+
+
+def test_a_job_the_user_stopped_is_no_incident_however_its_ranks_ended() -> None:
+    job = Job(world=3)
+    job.ends(1, code=-2, signal="SIGINT", stopped=True)
+    job.ends(0, code=-6, signal="SIGABRT", stopped=True)  # mlx-lm's server on Ctrl-C
+    job.pass_time(60, talking=(2,))  # one rank still shutting down, silent in a collective
+    assert job.judge() == []
 
 
 def test_ranks_killed_together_are_named_together() -> None:

@@ -203,6 +203,18 @@ def test_a_job_goes_once_every_rank_ended_later_when_one_died() -> None:
     assert _due(placed(), clean) is None  # a spec's instance is not a recorded job
 
 
+def test_a_job_the_user_stopped_goes_at_once() -> None:
+    service = Service()
+    service.register(_rank(0))
+    service.register(_rank(1))
+    job = service.state.instances["train-7"]
+    stopped = {
+        runner: msgspec.structs.replace(ended, stoppedByUser=True, signal="SIGINT", exitCode=None)
+        for runner, ended in _ended(job, 10, 1).items()
+    }
+    assert _due(job, stopped) == to_epoch(at(11))  # no lingering: nothing to diagnose
+
+
 def test_a_job_a_rank_never_reported_to_goes_after_the_deadline() -> None:
     service = Service()
     service.register(_rank(0))
