@@ -221,6 +221,19 @@ class Layout:
         )
 
     @property
+    def recorded_stream(self) -> StreamSpec:
+        """Recorded jobs' placement events (`rankscope record`), apart from the placed
+        instances': nodes register recorded ranks, and whatever they register pushes out
+        only older recorded jobs' events, never a spec's instance's."""
+        return StreamSpec(
+            self._name("RECORDED"),
+            (self.subjects.recorded_all(),),
+            max_bytes=64 << 20,
+            max_msg_size=PLACEMENT_MAX_MESSAGE,
+            replicas=self.replicas,
+        )
+
+    @property
     def tasks_stream(self) -> StreamSpec:
         """Tasks and task status."""
         return StreamSpec(
@@ -297,6 +310,7 @@ class Layout:
         return (
             self.runner_stream,
             self.placement_stream,
+            self.recorded_stream,
             self.tasks_stream,
             self.inputs_stream,
             self.ranktable_stream,

@@ -184,6 +184,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 *api.read(
                     api.stream("RUNNER"),
                     api.stream("PLACEMENT"),
+                    api.stream("RECORDED"),
                     api.stream("TASKS"),
                     api.stream("DIAGNOSIS"),  # the incidents open when it last stopped
                     nodes_kv,
@@ -196,6 +197,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
         return Permissions(
             publish=(
                 subjects.placement_all(),
+                subjects.recorded_all(),
                 subjects.ranktable_all(),
                 subjects.node_request_all("model"),
                 subjects.canary("ranktable"),
@@ -208,6 +210,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 *api.read(
                     api.stream("RUNNER"),
                     api.stream("PLACEMENT"),
+                    api.stream("RECORDED"),
                     api.stream("RANKTABLE"),
                     runners_kv,
                     nodes_kv,

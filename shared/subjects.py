@@ -124,6 +124,16 @@ class Subjects:
         """Placement decisions of every instance."""
         return f"{self.prefix}.placement.>"
 
+    def recorded(self, job_id: str) -> str:
+        """Announcements and releases of one recorded job (`rankscope record`): placement
+        events too, in a stream of their own, so no node's registrations can push the
+        placed instances' events out of theirs."""
+        return f"{self.prefix}.recorded.{token(job_id)}"
+
+    def recorded_all(self) -> str:
+        """Announcements and releases of every recorded job."""
+        return f"{self.prefix}.recorded.>"
+
     def tasks(self, instance_id: str) -> str:
         """Tasks (and cancels) asked of one instance."""
         return f"{self.prefix}.tasks.{token(instance_id)}"
@@ -239,12 +249,13 @@ class Subjects:
         return f"{self.prefix}.query.>"
 
     def instance_token(self, subject: str) -> str | None:
-        """The instance token of a telemetry, placement or task subject; None for others."""
+        """The instance token of a telemetry, placement (a recorded job's too) or task
+        subject; None for others."""
         head = f"{self.prefix}."
         rest = subject[len(head) :].split(".") if subject.startswith(head) else []
         if len(rest) >= 4 and rest[0] == "runner":
             return rest[2]
-        if len(rest) >= 2 and rest[0] in ("placement", "tasks"):
+        if len(rest) >= 2 and rest[0] in ("placement", "recorded", "tasks"):
             return rest[1]
         return None
 

@@ -54,6 +54,7 @@ def test_each_instance_belongs_to_exactly_one_partition() -> None:
             subjects.placement(raw),
             subjects.tasks(raw),
             subjects.task_status(raw, "node-2"),
+            subjects.recorded(raw),
         ):
             assert [p for p in parts if p.owns_subject(subject, subjects)] == [owner], subject
     assert Partition().owns("anything")

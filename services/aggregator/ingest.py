@@ -175,13 +175,15 @@ class Ingest:
         layout, subjects = self._layout, self._layout.subjects
         for instance_id in self._state.instances:  # restored from a snapshot
             self.placed_at[instance_id] = self._clock()
-        placements = await follow(
-            self._js,
-            subjects.placement_all(),
-            self.on_placement,
-            after=after.get(layout.placement_stream.name, 0),
-        )
-        await placements.caught_up.wait()  # a runner's telemetry counts once it is placed
+        placed = {}
+        for stream, subject in (
+            (layout.placement_stream.name, subjects.placement_all()),
+            (layout.recorded_stream.name, subjects.recorded_all()),  # recorded jobs'
+        ):
+            placed[stream] = await follow(
+                self._js, subject, self.on_placement, after=after.get(stream, 0)
+            )
+            await placed[stream].caught_up.wait()  # telemetry counts once its rank is placed
         if self._partition.whole:
             runner, tasks = [subjects.runner_all()], [subjects.tasks_all()]
         else:
@@ -190,7 +192,7 @@ class Ingest:
                 followed |= self.wanted  # from the start: nothing to go over again
             self.followed = followed
             runner, tasks = self._filters([None, *sorted(followed)])
-        self.folding = {layout.placement_stream.name: placements}
+        self.folding = dict(placed)
         for name, (filters, handle) in {
             layout.tasks_stream.name: (tasks, self.on_task),
             layout.runner_stream.name: (runner, self.on_telemetry),

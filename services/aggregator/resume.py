@@ -61,6 +61,7 @@ class Snapshots:
         found = {}
         for stream in (
             self._layout.placement_stream,
+            self._layout.recorded_stream,
             self._layout.tasks_stream,
             self._layout.runner_stream,
         ):

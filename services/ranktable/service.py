@@ -223,9 +223,13 @@ class RankTableService:
                 msg, PlacementEvent, "placement_undecodable"
             )
             if event is not None:
-                self._state = apply_placement(self._state, event, msg.metadata.sequence.stream)
+                sequence = msg.metadata.sequence.stream
+                stream = msg.metadata.stream
+                self._state = apply_placement(self._state, event, sequence, stream)
 
-        await self._drain(follow(self._js, self._layout.subjects.placement_all(), handle))
+        subjects = self._layout.subjects
+        for subject in (subjects.placement_all(), subjects.recorded_all()):  # the older first
+            await self._drain(follow(self._js, subject, handle))
         for instance in self._state.instances.values():
             if self._shapes and instance.modelPath and instance.modelBytes:
                 layers = instance.assignments[0].nLayers
@@ -381,9 +385,16 @@ class RankTableService:
     async def _publish_placement(
         self, event: InstanceCreated | InstanceReleased, msg_id: str
     ) -> None:
-        subject = self._layout.subjects.placement(event.instanceId)
+        concerned = (
+            self._state.instances.get(event.instanceId)
+            if isinstance(event, InstanceReleased)
+            else event
+        )  # a recorded job's events go to its own stream
+        recorded = concerned is not None and concerned.recorded is not None
+        subjects = self._layout.subjects
+        subject = (subjects.recorded if recorded else subjects.placement)(event.instanceId)
         ack = await publish_acked(self._js, subject, encode(event), msg_id=msg_id)
-        self._state = apply_placement(self._state, event, ack.seq)
+        self._state = apply_placement(self._state, event, ack.seq, ack.stream)
 
     def _jobs(self) -> set[str]:
         """Jobs that have a rank table: every replica of a spec, and what is placed."""

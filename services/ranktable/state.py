@@ -26,26 +26,31 @@ class PlacementState:
     instances: dict[str, InstanceCreated] = field(default_factory=dict)
     attempts: dict[str, int] = field(default_factory=dict)
     preempted_pods: dict[str, int] = field(default_factory=dict)
-    last_seq: int = 0
+    last_seqs: dict[str, int] = field(default_factory=dict)
+    """The last sequence applied of each stream (the placed instances', the recorded
+    jobs')."""
 
 
-def apply_placement(state: PlacementState, event: PlacementEvent, seq: int) -> PlacementState:
-    """Apply one placement event at stream sequence `seq`; a sequence already applied
+def apply_placement(
+    state: PlacementState, event: PlacementEvent, seq: int, stream: str = ""
+) -> PlacementState:
+    """Apply one placement event at sequence `seq` of `stream`; a sequence already applied
     changes nothing, so redelivery is harmless."""
-    if seq <= state.last_seq:
+    if seq <= state.last_seqs.get(stream, 0):
         return state
+    last_seqs = state.last_seqs | {stream: seq}
     instances = dict(state.instances)
     if isinstance(event, InstanceCreated):
         instances[event.instanceId] = event
         attempts = state.attempts | {event.instanceId: event.attempt + 1}
-        return replace(state, instances=instances, attempts=attempts, last_seq=seq)
+        return replace(state, instances=instances, attempts=attempts, last_seqs=last_seqs)
     released = instances.pop(event.instanceId, None)
     preempted = state.preempted_pods
     if released is not None and event.cause is ReleaseCause.PREEMPTED:
         spec_id = released.runnerSpecId
         pods = len(released.assignments)
         preempted = preempted | {spec_id: preempted.get(spec_id, 0) + pods}
-    return replace(state, instances=instances, preempted_pods=preempted, last_seq=seq)
+    return replace(state, instances=instances, preempted_pods=preempted, last_seqs=last_seqs)
 
 
 def misplaced(state: PlacementState, ref: RunnerRef) -> str | None:

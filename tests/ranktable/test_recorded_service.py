@@ -65,10 +65,10 @@ class Cluster:
         while True:
             try:
                 msg = await js.get_msg(
-                    LAYOUT.placement_stream.name,
+                    LAYOUT.recorded_stream.name,
                     seq + 1,
                     next=True,
-                    subject=SUBJECTS.placement(job),
+                    subject=SUBJECTS.recorded(job),
                 )
             except NotFoundError:
                 break
@@ -160,6 +160,10 @@ async def test_another_node_cannot_take_a_live_job_and_is_told_why(cluster: Clus
         InstanceReleased,
         InstanceCreated,
     ]
+    operator = await _login(cluster.server, OPERATOR)
+    placed = await operator.jetstream().stream_info(LAYOUT.placement_stream.name)
+    assert placed.state.messages == 0  # the placed instances' stream holds none of them
+    await close(operator)
 
 
 async def test_a_node_cannot_register_on_another_node_s_subject(cluster: Cluster) -> None:
