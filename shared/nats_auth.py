@@ -152,8 +152,10 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.deadletter(agent_user(node_id)),
                 # `rankscope record` on this node runs with its agent's credentials
                 subjects.record_register(node_id),
-                # no stream's state: the subjects in it name other nodes' tasks
+                # no stream's state but its heartbeat bucket's (nats-py reads it to open
+                # the bucket): the subjects of the others name other nodes' tasks
                 *api.names(),
+                f"$JS.API.STREAM.INFO.{nodes_kv}",
                 # no consumer of another's can it delete: its own go once idle
                 *api.read(api.stream("PLACEMENT"), api.stream("TASKS"), delete=False),
                 # a restarted runner resumes its seq from its last stored message

@@ -185,6 +185,7 @@ async def test_an_agent_lists_no_stream_s_subjects_yet_finds_every_stream(
     await close(gateway.nc)
     agent = await _login(server, agent_user("node-a"))
     await ensure(agent.js, LAYOUT, owner=False, patience=2)  # how an agent starts
+    await agent.js.key_value(LAYOUT.nodes_bucket.bucket)  # where its heartbeat goes
     inputs = LAYOUT.inputs_stream.name
     with pytest.raises((TimeoutError, NatsError)):
         await agent.js.stream_info(inputs, subjects_filter=">")
