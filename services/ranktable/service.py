@@ -187,13 +187,17 @@ class RankTableService:
     async def _on_register(self, msg: Msg) -> None:
         """A recorded rank asks who it is; its job is announced once its world is whole."""
         answer = await self._registered(msg)
+        if answer is None:
+            return  # not answered: the rank asks again
         if answer.refused is not None:
             self.dead_letters.reject(msg.subject, msg.data, "registration_refused", answer.refused)
         if msg.reply:
             with contextlib.suppress(NatsError):
                 await msg.respond(encode(answer))
 
-    async def _registered(self, msg: Msg) -> Registered:
+    async def _registered(self, msg: Msg) -> Registered | None:
+        """The answer to a registration; None when its job could not be announced now
+        (NATS away): a rank that hears nothing asks again, one refused gives up."""
         node = untoken(msg.subject.rsplit(".", 1)[-1])
         try:
             rank = decode(msg.data, RecordedRank)
@@ -211,7 +215,8 @@ class RankTableService:
                 for event in decision.publish:
                     await self._publish_placement(event, msg_id=self._msg_id(event))
         except (TimeoutError, NatsError, OSError) as exc:
-            return Registered(refused=f"could not announce the job now: {exc}")
+            log.warning("job %s not announced now, its rank will ask again: %s", rank.jobId, exc)
+            return None
         self._dirty.set()  # its rank table, the deadline of its gathering
         return Registered(
             runner=decision.runner, announced=decision.announced, refused=decision.refused

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -215,3 +216,22 @@ async def test_a_node_holds_only_its_share_and_silent_ranks_are_let_go(cluster: 
         f"rank 0 of job j0 never reported within {DEADLINE_S:g} s of its announcement"
     )
     assert (await cluster.register("node-a", jobId="j5")).announced
+
+
+async def test_a_job_that_cannot_be_announced_now_is_asked_for_again_not_refused(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    publish = cluster.service._publish_placement
+    failures = [TimeoutError("JetStream did not acknowledge")]
+
+    async def flaky(*args: Any, **kwargs: Any) -> None:
+        if failures:
+            raise failures.pop()
+        await publish(*args, **kwargs)
+
+    monkeypatch.setattr(cluster.service, "_publish_placement", flaky)
+    body = encode(_rank("node-a"))
+    with pytest.raises((TimeoutError, NatsError)):  # no answer: the rank asks again
+        await cluster.nodes["node-a"].request(SUBJECTS.record_register("node-a"), body, timeout=1)
+    assert (await cluster.ask("node-a", body)).announced
+    assert await cluster.dead_letters() == []
