@@ -211,11 +211,13 @@ class Layout:
 
     @property
     def placement_stream(self) -> StreamSpec:
-        """Placement decisions, kept as long as their bytes fit: they rebuild the views."""
+        """Placement decisions, kept as long as their bytes fit: they rebuild the views.
+        Only the rank-table service writes them, from the specs (recorded jobs have a
+        stream of their own): a few KB a placement, tens of thousands of them."""
         return StreamSpec(
             self._name("PLACEMENT"),
             (self.subjects.placement_all(),),
-            max_bytes=256 << 20,
+            max_bytes=128 << 20,
             max_msg_size=PLACEMENT_MAX_MESSAGE,
             replicas=self.replicas,
         )
