@@ -54,17 +54,26 @@ $(BIN)/python:
 	@$(PYTHON) -m venv $(VENV)
 
 # What the demo runs; the test tools come on top of it. Each is installed again only
-# when pyproject.toml is newer; pip's output goes to $(INSTALL_LOG), shown if it fails.
+# when pyproject.toml is newer; pip's output goes to $(INSTALL_LOG), each package it
+# fetches said as it goes, the whole log shown if it fails.
+PIP_FAILED := pip failed
+PROGRESS := grep --line-buffered -E '^(Collecting|Successfully installed|$(PIP_FAILED))' | sed -u 's/^/  /'
+define pip_install
+	@{ $(BIN)/python -m pip install $(1) 2>&1 || echo "$(PIP_FAILED)"; } | tee -a $(INSTALL_LOG) | $(PROGRESS)
+	@! grep -q '^$(PIP_FAILED)' $(INSTALL_LOG) || { cat $(INSTALL_LOG); exit 1; }
+endef
+
 $(RUNS): pyproject.toml | $(BIN)/python
 	@echo "installing rankscope and what it runs (MLX, mlx-lm, NATS, FastAPI) into $(VENV);"
 	@echo "a minute or two the first time"
-	@$(BIN)/python -m pip install --upgrade pip > $(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); exit 1; }
-	@$(BIN)/python -m pip install -e . >> $(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); exit 1; }
+	@: > $(INSTALL_LOG)
+	$(call pip_install,--upgrade pip)
+	$(call pip_install,-e .)
 	@touch $@
 
 $(TESTS): $(RUNS)
 	@echo "installing the test and lint tools into $(VENV)"
-	@$(BIN)/python -m pip install -e '.[dev]' >> $(INSTALL_LOG) 2>&1 || { cat $(INSTALL_LOG); exit 1; }
+	$(call pip_install,-e '.[dev]')
 	@touch $@
 
 clean:

@@ -464,6 +464,8 @@ async def _exists(js: JetStreamContext, layout: Layout) -> None:
 
 
 async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
+    made: list[str] = []
+    changed: list[str] = []
     for stream in layout.streams:
         try:
             info = await js.stream_info(stream.name)
@@ -474,16 +476,17 @@ async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
                 raise
             except APIError as exc:
                 raise _refused(layout, stream, exc) from None
-            log.info("created stream %s", stream.name)
+            made.append(stream.name)
             continue
-        await _update(js, layout, stream, info.config, f"stream {stream.name}")
+        if await _update(js, layout, stream, info.config):
+            changed.append(stream.name)
     for bucket in layout.buckets:
         try:
             info = await js.stream_info(bucket.stream_name)
         except NotFoundError:
             try:
                 await js.create_key_value(bucket.config())
-                log.info("created bucket %s", bucket.bucket)
+                made.append(bucket.bucket)
             except APIError as exc:
                 if exc.err_code in (_NO_PEERS, _NOT_CLUSTERED):
                     raise _refused(layout, bucket, exc) from None
@@ -491,26 +494,29 @@ async def _ensure_once(js: JetStreamContext, layout: Layout) -> None:
                     raise
                 # another service made it meanwhile, and already refused rollups on it
             info = await js.stream_info(bucket.stream_name)
-        await _update(js, layout, bucket, info.config, f"bucket {bucket.bucket}")
+        if await _update(js, layout, bucket, info.config) and bucket.bucket not in made:
+            changed.append(bucket.bucket)
+    # a line each, not one a stream: an installation's first start makes them all
+    if made:
+        log.info("made %d streams and buckets: %s", len(made), ", ".join(made))
+    if changed:
+        log.info("gave %d streams and buckets new limits: %s", len(changed), ", ".join(changed))
 
 
 async def _update(
-    js: JetStreamContext,
-    layout: Layout,
-    spec: StreamSpec | BucketSpec,
-    current: StreamConfig,
-    what: str,
-) -> None:
-    """Give an existing stream `spec`'s limits and copies, where they differ."""
+    js: JetStreamContext, layout: Layout, spec: StreamSpec | BucketSpec, current: StreamConfig
+) -> bool:
+    """Give an existing stream `spec`'s limits and copies, where they differ; whether they
+    did."""
     if not spec.differs_from(current):
-        return
+        return False
     try:
         await js.update_stream(spec.applied_to(current))
     except ServiceUnavailableError:
         raise
     except APIError as exc:
         raise _refused(layout, spec, exc) from None
-    log.info("updated %s", what)
+    return True
 
 
 async def publish_acked(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -169,3 +170,19 @@ async def test_a_role_that_makes_no_stream_waits_for_them_and_says_which_is_miss
     waiting = asyncio.create_task(ensure(nc.jetstream(), layout, owner=False, patience=10))
     await ensure(nc.jetstream(), layout)
     await waiting
+
+
+async def test_a_first_start_says_in_one_line_what_it_made_and_a_second_says_nothing(
+    nc: Client, layout: Layout, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rankscope.shared.jetstream")
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "rankscope.shared.jetstream"]
+
+    await ensure(nc.jetstream(), layout)
+    everything = len(layout.streams) + len(layout.buckets)
+    assert [s.split(":")[0] for s in said()] == [f"made {everything} streams and buckets"]
+    caplog.clear()
+    await ensure(nc.jetstream(), layout)
+    assert said() == []
