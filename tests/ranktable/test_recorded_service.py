@@ -14,6 +14,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from rankscope.services.ranktable.hub import TableHub
@@ -59,40 +60,27 @@ class Cluster:
         return decode(reply.data, Registered)
 
     async def placements(self, job: str) -> list[PlacementEvent]:
-        operator = await _login(self.server, OPERATOR)
-        js = operator.jetstream(timeout=2)
-        events: list[PlacementEvent] = []
-        seq = 0
-        while True:
-            try:
-                msg = await js.get_msg(
-                    LAYOUT.recorded_stream.name,
-                    seq + 1,
-                    next=True,
-                    subject=SUBJECTS.recorded(job),
-                )
-            except NotFoundError:
-                break
-            seq = msg.seq or 0
-            events.append(decode(msg.data or b"", PlacementEvent))
-        await close(operator)
-        return events
+        stored = await self._stored(LAYOUT.recorded_stream.name, SUBJECTS.recorded(job))
+        return [decode(msg.data or b"", PlacementEvent) for msg in stored]
 
     async def dead_letters(self) -> list[str]:
         await self.service.dead_letters.settled()
+        stored = await self._stored(LAYOUT.deadletter_stream.name)
+        return [(msg.headers or {}).get("Rankscope-Kind", "") for msg in stored]
+
+    async def _stored(self, stream: str, subject: str | None = None) -> list[RawStreamMsg]:
+        """Every message `stream` holds (of `subject`), read as the operator."""
         operator = await _login(self.server, OPERATOR)
         js = operator.jetstream(timeout=2)
-        kinds: list[str] = []
-        seq = 0
+        found: list[RawStreamMsg] = []
         while True:
+            after = found[-1].seq or 0 if found else 0
             try:
-                msg = await js.get_msg(LAYOUT.deadletter_stream.name, seq + 1, next=True)
+                found.append(await js.get_msg(stream, after + 1, next=True, subject=subject))
             except NotFoundError:
                 break
-            seq = msg.seq or 0
-            kinds.append((msg.headers or {}).get("Rankscope-Kind", ""))
         await close(operator)
-        return kinds
+        return found
 
 
 def _rank(node: str, **fields: object) -> RecordedRank:
