@@ -5,14 +5,15 @@ request, on the path of every query."""
 from __future__ import annotations
 
 import hmac
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from rankscope.services.gateway.bus import Bus
 from rankscope.services.gateway.responses import fail
 from rankscope.shared.settings import Settings
 
-__all__ = ["NOT_YET", "bus", "reader", "settings", "writer"]
+__all__ = ["NOT_YET", "Nats", "bus", "reader", "settings", "writer"]
 
 NOT_YET = "NATS has not answered yet"
 
@@ -23,6 +24,10 @@ async def bus(request: Request) -> Bus:
     if found is None:
         raise fail(503, NOT_YET)
     return found
+
+
+Nats = Annotated[Bus, Depends(bus)]
+"""A route's bus to the services, once the gateway is connected (503 until then)."""
 
 
 def settings(request: Request) -> Settings:

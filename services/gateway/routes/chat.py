@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from rankscope.services.gateway.bodies import strict
 from rankscope.services.gateway.bus import Bus, BusError
-from rankscope.services.gateway.deps import bus, writer
+from rankscope.services.gateway.deps import Nats, writer
 from rankscope.services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
 from rankscope.services.gateway.scatter import missing
 from rankscope.shared.settings import Settings
@@ -47,7 +47,6 @@ __all__ = ["ChatRequest", "router"]
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["chat"])
-Nats = Annotated[Bus, Depends(bus)]
 GENERATION_TIMEOUT_S = 300.0
 RANK_CHECK_S = 2.0
 """Seconds without output after which a chat checks that every rank of its instance lives."""

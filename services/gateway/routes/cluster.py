@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from rankscope.services.gateway.bus import Bus, BusError
-from rankscope.services.gateway.deps import bus, reader
+from rankscope.services.gateway.deps import Nats, reader
 from rankscope.services.gateway.memory import pace_series, series
 from rankscope.services.gateway.responses import Json, fail, schema_ref
 from rankscope.services.gateway.trace import to_trace
@@ -26,7 +26,7 @@ from rankscope.shared.wire import (
     decode,
 )
 
-__all__ = ["Filters", "Nats", "moment", "router", "timeline"]
+__all__ = ["Filters", "moment", "router", "timeline"]
 
 router = APIRouter(dependencies=[Depends(reader)], tags=["cluster"])
 
@@ -62,7 +62,6 @@ async def _filters(
 
 
 Filters = Annotated[dict[str, object], Depends(_filters)]
-Nats = Annotated[Bus, Depends(bus)]
 
 
 @router.get(

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Query, Response
 
 from rankscope.services.gateway.bundle import Bundle
 from rankscope.services.gateway.bus import Bus
-from rankscope.services.gateway.deps import bus, reader
+from rankscope.services.gateway.deps import Nats, reader
 from rankscope.services.gateway.responses import Json, fail, schema_ref
 from rankscope.services.gateway.routes.cluster import moment
 from rankscope.services.gateway.trace import to_trace
@@ -35,7 +35,6 @@ EVERY = 10**9
 """No limit: signatures count over everything the diagnosis stream holds."""
 
 router = APIRouter(dependencies=[Depends(reader)], tags=["cluster"])
-Nats = Annotated[Bus, Depends(bus)]
 
 BEFORE_S = 60.0
 """How much of the timeline before an incident opened its bundle holds."""

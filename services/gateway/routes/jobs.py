@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from nats.aio.msg import Msg
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from rankscope.services.gateway.bus import Bus
-from rankscope.services.gateway.deps import bus, reader
+from rankscope.services.gateway.deps import Nats, reader
 from rankscope.services.gateway.responses import SSE_PING_S, Json, fail, schema_ref
 from rankscope.shared.headers import VERSION_HEADER
 from rankscope.shared.wire import RankTable, RankTableStream, decode, encode
@@ -20,7 +18,6 @@ from rankscope.shared.wire import RankTable, RankTableStream, decode, encode
 __all__ = ["router"]
 
 router = APIRouter(dependencies=[Depends(reader)], tags=["jobs"])
-Nats = Annotated[Bus, Depends(bus)]
 
 
 @router.get("/v1/jobs", response_class=Json)

@@ -4,12 +4,12 @@ serves (`worker.model.id`), as the chat route takes either."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends
 
 from rankscope.services.gateway.bus import Bus
-from rankscope.services.gateway.deps import bus, reader
+from rankscope.services.gateway.deps import Nats, reader
 from rankscope.services.gateway.responses import Json, fail
 from rankscope.shared.timestamps import to_epoch
 from rankscope.shared.wire import Runner, decode
@@ -17,7 +17,6 @@ from rankscope.shared.wire import Runner, decode
 __all__ = ["router"]
 
 router = APIRouter(tags=["chat"])
-Nats = Annotated[Bus, Depends(bus)]
 
 
 def _created(runner: Runner) -> int:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, Metric
 from starlette.responses import PlainTextResponse, Response
 
 from rankscope.services.gateway.bus import Bus, BusError
-from rankscope.services.gateway.deps import NOT_YET, bus, reader
+from rankscope.services.gateway.deps import NOT_YET, Nats, reader
 from rankscope.services.gateway.metrics import cluster_families, exposition, gauge
 from rankscope.services.gateway.responses import Json
 from rankscope.shared.connection import slow_consumer_drops
@@ -26,7 +24,6 @@ from rankscope.shared.wire import (
 __all__ = ["router"]
 
 router = APIRouter(tags=["operations"])
-Nats = Annotated[Bus, Depends(bus)]
 
 
 @router.get("/healthz", response_class=Json)

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from rankscope.services.gateway.bodies import strict
 from rankscope.services.gateway.bus import Bus
-from rankscope.services.gateway.deps import bus, reader, settings, writer
+from rankscope.services.gateway.deps import Nats, reader, settings, writer
 from rankscope.services.gateway.responses import Json, fail, schema_ref
 from rankscope.shared.settings import Settings
 from rankscope.shared.specs import SpecError, validate
@@ -24,7 +24,6 @@ from rankscope.shared.wire.base import SnakeStruct
 __all__ = ["router"]
 
 router = APIRouter(tags=["runners"])
-Nats = Annotated[Bus, Depends(bus)]
 
 
 async def _settings(request: Request) -> Settings:

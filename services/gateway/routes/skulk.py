@@ -13,9 +13,9 @@ from fastapi import APIRouter, Depends, Request
 
 from rankscope.services.gateway.bodies import strict
 from rankscope.services.gateway.bus import Bus, BusError
-from rankscope.services.gateway.deps import reader, writer
+from rankscope.services.gateway.deps import Nats, reader, writer
 from rankscope.services.gateway.responses import Json, fail, schema_ref
-from rankscope.services.gateway.routes.cluster import Filters, Nats, timeline
+from rankscope.services.gateway.routes.cluster import Filters, timeline
 from rankscope.services.gateway.skulk import node_bundle
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
