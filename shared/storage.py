@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 STORAGE_CHECK_S = 2.0
 """Seconds between canary writes of a service watching JetStream."""
 ATTEMPTS = 2
+CANARY_BYTES = 16 << 10
+"""The canary's size: larger than the slack a store file keeps at its end (a file system
+block, a page), so a canary is stored only while the disk has room for new data. A tiny
+one still fits that slack for tens of seconds after a disk filled."""
 """Tries of a check whose answers do not come in time before it counts as failed."""
 
 
@@ -94,7 +98,8 @@ class Storage:
         for attempt in range(ATTEMPTS):
             try:
                 await asyncio.gather(*(self._led(name) for name in self._streams))
-                await self._js.publish(self._subject, now().encode(), timeout=self._timeout)
+                canary = now().encode().ljust(CANARY_BYTES)
+                await self._js.publish(self._subject, canary, timeout=self._timeout)
             except _NotStoredError as exc:
                 reason, late = str(exc), exc.late
             except (NatsError, APIError, TimeoutError) as exc:

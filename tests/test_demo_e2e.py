@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,8 @@ import pytest
 
 from rankscope.shared.processes import PORTABLE_ENV
 from tests import skulk_shapes
-from tests.stack_up import free_port, free_ports, up_command
+from tests.demo_up import Demo, launch_demo, stop_up
+from tests.stack_up import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -100,73 +101,6 @@ def _shown(page: str) -> str:
     return " | ".join(p.group(1)[:2000] if p else "(missing)" for p in parts)
 
 
-class Demo:
-    def __init__(self, process: subprocess.Popen[str], base: str, data: Path) -> None:
-        self.process = process
-        self.base = base
-        self.data = data
-
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.base + path, timeout=30) as reply:
-            return json.loads(reply.read())
-
-    def post(self, path: str, body: Any) -> Any:
-        request = urllib.request.Request(
-            self.base + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return json.loads(reply.read())
-
-    def until(self, check: Callable[[], Any], seconds: float) -> Any:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            try:
-                found = check()
-            except (urllib.error.URLError, OSError, KeyError, IndexError):
-                found = None
-            if found:
-                return found
-            time.sleep(0.25)
-        raise AssertionError(f"not reached within {seconds:g}s")
-
-
-def _launch(data: Path, port: int, *flags: str, **extra: str) -> subprocess.Popen[str]:
-    """`rankscope up --demo` on `port` with `data` (and `extra` variables), returned once
-    its demo is ready."""
-    env = {**os.environ, "RANKSCOPE_STALL_THRESHOLD": "3s", "RANKSCOPE_LOG_LEVEL": "warning"}
-    env.update(extra)
-    ring = ("--ring-port-base", str(free_ports(2)))
-    process = subprocess.Popen(
-        up_command(data, "--demo", *ring, *flags, gateway_port=port),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        cwd=REPO,
-        env=env,
-    )
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith("demo ready"):
-            return process
-    raise AssertionError("the demo never became ready")
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    """Stop `up` as Ctrl-C does, so it stops its NATS server too (on the portable path
-    nothing else would), and by force only if it does not end."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    process.wait()
-    assert process.stdout is not None
-    process.stdout.close()
-
-
 @pytest.fixture(
     scope="module",
     params=[((), {}), (("--nats-auth",), {PORTABLE_ENV: "1"})],
@@ -179,15 +113,15 @@ def demo(
     (no Linux-only process ties: what runs on macOS)."""
     port, data = free_port(), tmp_path_factory.mktemp("demo") / ".rankscope"
     flags, env = request.param
-    process = _launch(data, port, *flags, **env)
+    process = launch_demo(data, port, *flags, extra=env)
     yield Demo(process, f"http://127.0.0.1:{port}", data)
-    _stop(process)
+    stop_up(process)
 
 
 def test_the_demo_runs_behind_an_api_token_that_closes_reads_too(tmp_path: Path) -> None:
     port = free_port()
     secret = {"RANKSCOPE_API_TOKEN": "s3cret", "RANKSCOPE_API_TOKEN_READS": "true"}
-    process = _launch(tmp_path / ".rankscope", port, **secret)  # it creates its spec, chats
+    process = launch_demo(tmp_path / ".rankscope", port, extra=secret)  # it creates its spec, chats
     try:
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/runners", timeout=10)
@@ -197,7 +131,7 @@ def test_the_demo_runs_behind_an_api_token_that_closes_reads_too(tmp_path: Path)
         page = _browse(base, ARTIFACTS / "timeline-token.png", "/#token=s3cret")
         assert "2 ranks ·" in page, _shown(page)  # the page reads with the token it was given
     finally:
-        _stop(process)
+        stop_up(process)
 
 
 def _acknowledged(demo: Demo, since: str) -> set[str]:
@@ -217,7 +151,7 @@ def test_restarting_up_keeps_its_placement_runs_no_past_chat_and_opens_no_incide
     placed, served = [], set[str]()
     for _ in range(3):
         started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        process = _launch(data, port)
+        process = launch_demo(data, port)
         try:
             demo = Demo(process, f"http://127.0.0.1:{port}", data)
             placed.append(sorted(r["runnerId"] for r in demo.get("/v1/placement/runners")))
@@ -234,7 +168,7 @@ def test_restarting_up_keeps_its_placement_runs_no_past_chat_and_opens_no_incide
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=20) == 0
         finally:
-            _stop(process)
+            stop_up(process)
     assert placed[0] == placed[1] == placed[2], "placed again on restart"
     assert all("-a0-" in runner for runner in placed[2])  # the first and only incarnation
 

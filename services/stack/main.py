@@ -99,6 +99,12 @@ def demo_model(settings: Settings) -> Path:
     return directory
 
 
+def node_password(settings: Settings, node: str) -> Path:
+    """Where `up --demo --nats-auth` keeps the password of demo node `node`'s user, for
+    `rankscope record` on this machine to report as that node."""
+    return settings.data_dir / node / "nats.password"
+
+
 def _keep_secret(path: Path, secret: str) -> Path:
     """Write `secret` to `path`, readable by this user alone; returns the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +165,8 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool, terminal: T
                 passwords[OPERATOR] = secrets.token_urlsafe(24)
                 secret = _keep_secret(settings.data_dir / "operator.password", passwords[OPERATOR])
                 watch += f' --user {OPERATOR} --password "$(cat {secret})"'
+                for node in DEMO_NODES if demo else ():
+                    _keep_secret(node_password(settings, node), passwords[agent_user(node)])
                 config = render(
                     Layout.from_settings(settings), DEMO_NODES if demo else (), passwords
                 )
@@ -201,6 +209,13 @@ async def _serve(settings: Settings, *, demo: bool, nats_auth: bool, terminal: T
         terminal.say(f"watch       {watch} --server {servers[0]}")
         terminal.say(f"try         {_command()} timeline --url {web}")
         terminal.say(f"            curl -s {web}/v1/cluster/diagnosis")
+        if demo and nats_auth:
+            node = DEMO_NODES[0]
+            terminal.say(
+                f'record      RANKSCOPE_NATS_PASSWORD="$(cat {node_password(settings, node)})"'
+                f" {_command()} record --node {node} --nats-user {agent_user(node)}"
+                f" --nats-url {servers[0]} -- COMMAND"
+            )
         terminal.say("Ctrl-C stops everything.")
         driving = (
             asyncio.create_task(

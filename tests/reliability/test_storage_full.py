@@ -4,10 +4,12 @@ there is room again; `up` on a store too small for its streams says so in one li
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from rankscope.shared.connection import close, connect
 from rankscope.shared.jetstream import Layout, ensure
 from rankscope.shared.nats_server import CONFIG, EmbeddedNats
 from rankscope.shared.settings import Settings
+from rankscope.shared.storage import Storage
 from rankscope.shared.wire import Diagnosis, FindingKind, decode
 from tests.aggregator.running import aggregator, query, until
 
@@ -92,3 +95,46 @@ def test_up_on_a_store_too_small_for_its_streams_says_so_in_one_line(tmp_path: P
         "1,000,000,000,000,000,000 bytes): insufficient storage resources available; free "
         "space in the server's store, or lower --telemetry-max-bytes"
     ]
+
+
+@contextlib.contextmanager
+def _small_disk(where: Path, size: str) -> Iterator[Path]:
+    """A file system of `size` mounted at `where` (a tmpfs: root only)."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)])
+    if mounted.returncode != 0:
+        pytest.skip("a real full disk needs a tmpfs mounted, which needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _fill_disk(disk: Path) -> None:
+    room = os.statvfs(disk)
+    with (disk / "filler").open("wb") as filler:
+        os.posix_fallocate(filler.fileno(), 0, room.f_bavail * room.f_frsize)
+    assert os.statvfs(disk).f_bavail == 0
+
+
+async def test_a_disk_that_just_filled_fails_the_very_next_check(tmp_path: Path) -> None:
+    """On a real disk the store's files keep slack at their ends: a tiny canary went on
+    being stored for ~45 s after every other stream failed, and `/readyz` said ready."""
+    config = CONFIG.read_text() + "\njetstream { max_file_store: 2GB }\n"  # the disk is less
+    with (
+        _small_disk(tmp_path / "disk", "24m") as disk,
+        EmbeddedNats(store_dir=disk / "nats", config=config) as server,
+    ):
+        nc = await connect(Settings(nats_url=server.url), "test")
+        try:
+            js = nc.jetstream(timeout=2)
+            await ensure(js, LAYOUT)
+            storage = Storage(js, LAYOUT.subjects.canary("test"), timeout=1.0)
+            assert await storage.check()
+            _fill_disk(disk)
+            with pytest.raises((APIError, TimeoutError)):  # no rank table is stored now
+                await js.publish(LAYOUT.subjects.ranktable("job"), os.urandom(64 << 10))
+            assert not await storage.check()
+            assert storage.why().startswith("JetStream not storing since ")
+        finally:
+            await close(nc)
