@@ -16,6 +16,7 @@ from rankscope.services.client.commands import (
     identifier,
     ranktable_client,
 )
+from rankscope.services.fr.command import add_fr_command
 from rankscope.services.record.command import add_record_command
 from rankscope.shared import logs
 from rankscope.shared.processes import watch_parent_from_env
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     recorder = add_record_command(commands)
     recorder.set_defaults(handler=_record)
     add_arguments(recorder)
+
+    add_fr_command(commands)
 
     tiny = commands.add_parser("tiny-model", help="write a tiny mlx-lm model directory")
     tiny.add_argument("directory", help="where to write the model")

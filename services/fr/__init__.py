@@ -1,0 +1,1 @@
+"""PyTorch Flight Recorder dumps: read without torch, judged, loaded into rankscope."""
