@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
@@ -26,6 +23,7 @@ import pytest
 
 from rankscope.shared.processes import PORTABLE_ENV
 from tests import skulk_shapes
+from tests.browser import ARTIFACTS, browse, shown
 from tests.demo_up import Demo, launch_demo, stop_up
 from tests.stack_up import free_port
 
@@ -48,57 +46,6 @@ def _descendants(pid: int) -> set[int]:
                     found.add(child)
                     stack.append(child)
     return found
-
-
-ARTIFACTS = REPO / "artifacts"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def _browse(url: str, screenshot: Path, page: str = "/") -> str:
-    """The `page` of `url` as headless Chromium renders it after its scripts ran; saves a
-    screenshot."""
-    assert CHROMIUM, "headless Chromium is needed (Debian package chromium; .ci/run installs it)"
-    screenshot.parent.mkdir(exist_ok=True)
-    flags = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tempfile.mkdtemp()}",
-        "--window-size=1400,820",
-        "--virtual-time-budget=5000",
-    ]
-    subprocess.run(
-        [*flags, f"--screenshot={screenshot}", url + page],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    for _ in range(3):  # as an operator reloads a page whose first refresh did not finish
-        shown = subprocess.run(
-            [*flags, "--dump-dom", url + page],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-        if "ranks ·" in shown:
-            break
-    return shown
-
-
-def _shown(page: str) -> str:
-    """What the page says it did (its status line) and which findings it shows."""
-    parts = (
-        re.search(f'id="{part}"[^>]*>(.*?)</(span|section)>', page, re.S)
-        for part in ("status", "findings")
-    )
-    return " | ".join(p.group(1)[:2000] if p else "(missing)" for p in parts)
 
 
 @pytest.fixture(
@@ -128,8 +75,8 @@ def test_the_demo_runs_behind_an_api_token_that_closes_reads_too(tmp_path: Path)
         assert refused.value.code == 401
         refused.value.close()
         base = f"http://127.0.0.1:{port}"
-        page = _browse(base, ARTIFACTS / "timeline-token.png", "/#token=s3cret")
-        assert "2 ranks ·" in page, _shown(page)  # the page reads with the token it was given
+        page = browse(base, ARTIFACTS / "timeline-token.png", "/#token=s3cret")
+        assert "2 ranks ·" in page, shown(page)  # the page reads with the token it was given
     finally:
         stop_up(process)
 
@@ -314,10 +261,11 @@ def test_a_frozen_runner_is_named_and_clears(demo: Demo) -> None:
             return next((f for f in found if any(e.get("stack") for e in f["evidence"])), None)
 
         finding = demo.until(with_stacks, 15)  # captured by the agents as it opened
-        page = _browse(demo.base, ARTIFACTS / "timeline.png")
+        page = browse(demo.base, ARTIFACTS / "timeline.png")
         stopped = f"{time.monotonic() - frozen_at:.0f}s after SIGSTOP"
-        assert "stalled rank" in page.lower(), f"{stopped}: {_shown(page)}"  # on the page
+        assert "stalled rank" in page.lower(), f"{stopped}: {shown(page)}"  # on the page
         assert "process stopped" in page  # the frozen rank, as the kernel says
+        assert "its process is stopped (SIGSTOP or a debugger)" in page  # why no stack
         assert "culprit rank 1 · since " in page  # the culprit leads the banner
         assert re.search(r"rank [01] · node-[ab]: active \d", page)  # each rank's MLX memory
         assert re.search(r"rank [01] · node-[ab]: [\d.]+ ms work, [\d.]+ ms wait", page)  # pace

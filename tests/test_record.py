@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import pytest
 from rankscope.shared.partitions import partition_of
 from rankscope.shared.subjects import token
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
+from tests.browser import ARTIFACTS, browse, shown
 from tests.stack_up import free_port, free_ports, running_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(240)]
@@ -145,15 +147,12 @@ def _rank_pids(script: str) -> list[int]:
 
 
 def _rank_pid(script: str, rank: int) -> int:
-    """The process of `rank` running `script` (mlx.launch gives each its MLX_RANK)."""
+    """The process of `rank` running `script`, by the title recording gives it
+    (`python train.py [rankscope train-7 rank 1]`)."""
     for process in psutil.process_iter(["cmdline"]):
-        try:
-            if script in (process.info["cmdline"] or []) and process.environ().get(
-                "MLX_RANK"
-            ) == str(rank):
-                return int(process.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+        title = process.info["cmdline"] or []
+        if script in title and " ".join(title).endswith(f" rank {rank}]"):
+            return int(process.pid)
     raise AssertionError(f"no rank {rank} of {script}")
 
 
@@ -198,6 +197,35 @@ def test_a_recorded_run_prints_and_ends_as_it_does_unrecorded(stack: Stack) -> N
         15,
     )
     assert stack.get("/v1/cluster/diagnosis/history?instanceId=run-1")["findings"] == []
+
+
+def test_a_recorded_job_reads_in_its_own_words_in_ps_the_api_and_the_page(stack: Stack) -> None:
+    train = stack.script("steps.py", TRAIN)
+    job = stack.record("words-1", stack.launch(2, train, "100000"))
+    try:
+
+        def stepping() -> list[dict[str, Any]]:
+            timeline = stack.get("/v1/cluster/timeline?instanceId=words-1")["timeline"]
+            return [e for e in timeline if e["event"] == "steps"]
+
+        steps = stack.until(
+            lambda: len({e["deviceRank"] for e in stepping()}) == 2 and stepping(), 30
+        )
+        assert steps[-1]["detail"].endswith(
+            f" collectives, the last all_sum #{steps[-1]['attrs']['step']} (group world)"
+        )
+        runners = stack.get("/v1/cluster/timeline?instanceId=words-1")["runners"]
+        assert [r.get("recorded") for r in runners] == [True, True]
+        title = psutil.Process(_rank_pid(train, 1)).cmdline()
+        assert title[-4:] == ["[rankscope", "words-1", "rank", "1]"]
+        page = browse(stack.base, ARTIFACTS / "timeline-recorded.png")
+        assert "job words-1 (recorded): 2 ranks on " in page, shown(page)  # no layer bars
+        lanes = re.search(r'<canvas id="lanes"[^>]*>(.*?)</canvas>', page, re.S)
+        assert lanes is not None
+        assert re.search(r"rank 1 · \S+ · \d+ collectives, the last all_sum #\d+", lanes.group(1))
+    finally:
+        job.send_signal(signal.SIGINT)
+        _ended(job)
 
 
 def test_a_stopped_rank_is_named_within_10s_and_in_every_sample_until_continued(

@@ -112,6 +112,7 @@ def _synopsis(state: ClusterState, view: RunnerView, moment: float) -> RunnerSyn
         activeTaskId=view.synopsis.task_id,
         activeCommandId=view.synopsis.command_id,
         lastMlxMemory=view.synopsis.memory,
+        recorded=True if state.recorded(view) else msgspec.UNSET,
     )
 
 

@@ -161,6 +161,9 @@ class Recorder:
         self.waiting_since: float | None = None
         self.waiting_call = ""
         self.noted = False
+        self.issued: tuple[str, str, int] | None = None
+        """The newest collective issued: (op, group, number)."""
+        self._told: tuple[str, str, int] | None = None
         self.dropped = 0
         self.exit_code: int | None = None
         self.error: str | None = None
@@ -259,10 +262,23 @@ class Recorder:
                     cache=self.mx.get_cache_memory(),
                     pace=self.take_pace(),
                 )
+                self._note_steps()
             since, pending = self.waiting_since, self.pending
             if since is not None and not self.noted and moment - since >= WAIT_NOTE_S:
                 self.noted = True
                 self._note_wait(pending)
+
+    def _note_steps(self) -> None:
+        """Say how far the rank got, once a second while it issues collectives: its lane
+        shows it stepping (the entry's phase is a resting one: no stall rule reads it)."""
+        issued = self.issued
+        if issued is None or issued == self._told:
+            return
+        self._told = issued
+        op, group, number = issued
+        made = self.counts.get("world", 0)
+        last = f"{op} #{number} (group {group})"
+        self.entry("idle", "steps", f"{made} collectives, the last {last}", step=made, last=last)
 
     def take_pace(self) -> dict[str, float]:
         """The sampled steps' sums since the last take (`StepPace`'s fields), reset."""
@@ -311,6 +327,7 @@ class Recorder:
         shape, nbytes = result.shape, result.nbytes
         name = "world" if group is None or group.size() == self.size else f"of {group.size()}"
         number = self.counts[name] = self.counts.get(name, 0) + 1
+        self.issued = (op, name, number)
         attrs: dict[str, Any] = {"shape": "x".join(map(str, shape)) or "scalar", "bytes": nbytes}
         if peer is not None:
             attrs["peer"] = peer
@@ -383,6 +400,16 @@ def _node_id() -> str:
     return os.environ.get("RANKSCOPE_RECORD_NODE") or os.uname().nodename
 
 
+def _name_process(job: str, rank: int) -> None:
+    """Add the job and rank to the process's title (`ps`: `python train.py [rankscope
+    train-7 rank 1]`) where setproctitle can be imported (a Python without it keeps its)."""
+    try:
+        from setproctitle import getproctitle, setproctitle
+    except ImportError:
+        return
+    setproctitle(f"{getproctitle()} [rankscope {job} rank {rank}]")
+
+
 def _wrap_init(
     mx: Any, init: Callable[..., Any], all_sum: Callable[..., Any], plain_eval: Callable[..., Any]
 ) -> Callable[..., Any]:
@@ -392,7 +419,9 @@ def _wrap_init(
         group = init(*args, **kwargs)
         if _recorder is None and group.size() > 1:
             recorder = Recorder(mx, group.rank(), group.size(), plain_eval)
-            recorder.attach(_job_id(mx, all_sum, group), _node_id())
+            job = _job_id(mx, all_sum, group)
+            recorder.attach(job, _node_id())
+            _name_process(job, group.rank())
             recorder.entry("connect_group", "group_ready", rank=group.rank(), size=group.size())
             _recorder = recorder
         return group

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from rankscope.shared.wire.base import CamelStruct
 from rankscope.shared.wire.enums import Phase
 from rankscope.shared.wire.memory import MlxMemorySnapshot
@@ -57,6 +59,10 @@ class RunnerSynopsis(CamelStruct, kw_only=True, frozen=True):
     activeTaskId: str | None = None
     activeCommandId: str | None = None
     lastMlxMemory: MlxMemorySnapshot | None = None
+    recorded: bool | msgspec.UnsetType = msgspec.UNSET
+    """True for a rank of a program rankscope did not start (`rankscope record`): its
+    entries tell collectives and steps, not a runner's phases (rankscope's, beyond the
+    seed: left out for rankscope's own runners)."""
 
 
 class UnreachableNode(CamelStruct, kw_only=True, frozen=True):

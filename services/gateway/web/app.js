@@ -16,6 +16,9 @@ PHASES.forEach((phase, i) => { COLORS[phase] = `hsl(${(i * 137.5) % 360} 60% 55%
 COLORS.idle = "#3a4150"; COLORS.error = "#ff3b3b"; COLORS.decode_stream = "#4aa3ff";
 COLORS.prefill_pipeline = "#b084ff";
 
+// a recorded job's lanes (`rankscope record`) tell what the program did, not a runner's phases
+const RECORDED = { group_ready: "hsl(137 60% 55%)", steps: "#4aa3ff", collective_resumed: "#4aa3ff",
+  collective_wait: "#ffb347", program_exit: "#3a4150" };
 const LANE = 30, LABEL = 330, AXIS = 26, MEMORY_ROW = 46, PACE_ROW = 18, WAIT_FRAMES = 4;
 const MEMORY = { active: "#58d68d", peak: "#ffb347", cache: "#7fb3ff" };
 const canvas = document.getElementById("lanes");
@@ -44,8 +47,14 @@ function bytes(n) {
   while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
   return `${n.toFixed(n < 10 && i ? 1 : 0)} ${units[i]}`;
 }
-// a runner id ends in -a<attempt>-r<rank>: the attempt is the instance's incarnation
-const incarnation = (runnerId) => (runnerId.match(/-(a\d+)-r\d+$/) || [null, ""])[1];
+// a runner id ends in -a<attempt>-r<rank> (rankscope's runners) or -<run>-<rank> (a recorded
+// job's ranks): the attempt, or the run, is the instance's incarnation
+function incarnation(runnerId) {
+  const attempt = runnerId.match(/-(a\d+)-r\d+$/);
+  if (attempt) return attempt[1];
+  const run = runnerId.match(/-(\d+)-\d+$/);
+  return run ? `run ${run[1]}` : "";
+}
 
 const seconds = (at) => Date.parse(at) / 1000;
 
@@ -85,6 +94,9 @@ function legend() {
     swatch("rgba(255,60,60,.5)", "incident: the lane of its culprit") +
     swatch("rgba(255,180,70,.3)", "incident: a rank waiting on it") +
     swatch(COLORS.idle, "faded: its last phase, said before the window and held since", "opacity:.35") +
+    `<span class="legend-title">recorded jobs</span>` +
+    swatch(RECORDED.group_ready, "joined its group") + swatch(RECORDED.steps, "stepping (collectives issued)") +
+    swatch(RECORDED.collective_wait, "waiting in a collective") + swatch(RECORDED.program_exit, "ended") +
     `<span class="legend-title">memory</span>` +
     swatch(MEMORY.active, "active") + swatch(MEMORY.peak, "peak") + swatch(MEMORY.cache, "cache");
 }
@@ -164,10 +176,16 @@ function axis(width, height, x) {
   }
 }
 
+// what a rank does now: a runner's phase, or a recorded rank's own words (its newest entry)
+const doing = (runner) => runner.recorded ? (runner.phaseDetail || "joined its group") : runner.phase;
+const colorOf = (entry, runner) =>
+  (runner.recorded ? RECORDED[entry.event] : COLORS[entry.phase]) || COLORS[entry.phase] || "#777";
+const instanceWord = (runner) => runner.recorded ? "job" : "instance";
+
 function label(lane) {
   const runner = lane.runner;
-  if (lane.folded) return `instance ${runner.instanceId} ${incarnation(runner.runnerId)}: ${lane.ranks} ranks, ended`;
-  return `rank ${runner.deviceRank} · ${runner.nodeId} · ${runner.phase}${lane.silent}${lane.gaps}`;
+  if (lane.folded) return `${instanceWord(runner)} ${runner.instanceId} ${incarnation(runner.runnerId)}: ${lane.ranks} ranks, ended`;
+  return `rank ${runner.deviceRank} · ${runner.nodeId} · ${doing(runner)}${lane.silent}${lane.gaps}`;
 }
 
 function draw() {
@@ -189,8 +207,9 @@ function draw() {
     if (lane.group !== group) {
       group = lane.group;
       ctx.fillStyle = "#8a93a5";
-      ctx.fillText(`instance ${lane.runner.instanceId} · ${incarnation(lane.runner.runnerId) || "?"}` +
-        (lane.ended ? " (ended)" : ""), 4, y - 8);
+      const runner = lane.runner;
+      ctx.fillText(`${instanceWord(runner)} ${runner.instanceId} · ${incarnation(runner.runnerId)}` +
+        (runner.recorded ? " (recorded)" : "") + (lane.ended ? " (ended)" : ""), 4, y - 8);
     }
     for (const band of view.incidents) {  // past and open incidents of this instance
       if (band.finding.instanceId !== lane.runner.instanceId) continue;
@@ -215,7 +234,7 @@ function draw() {
     for (const s of lane.segments) {
       if (s.to < view.start) continue;
       const from = Math.max(x(s.from), LABEL), to = Math.max(x(s.to), from + 1);
-      ctx.fillStyle = COLORS[s.entry.phase] || "#777";
+      ctx.fillStyle = colorOf(s.entry, lane.runner);
       ctx.fillRect(from, y + 2, to - from, LANE - 10);
     }
   });
@@ -239,10 +258,11 @@ function sized(target, context, width, rows, row, empty) {
   return null;
 }
 
-// each rank's work per sampled decode step on the lanes' time axis, one row per rank,
-// colored by how many times its own quickest slice it took (green 1×, red 2× or more):
-// ranks differ by design, so each is held to itself; a slow rank's row turns red while
-// its peers' stay green (they wait longer, they do not work longer)
+// each rank's work per sampled step on the lanes' time axis, one row per rank, colored by
+// how far it strays from its own median: green within 1.25× (what a busy machine's noise
+// does to a healthy rank), red at 2× or more. Ranks differ by design, so each is held to
+// itself; a rank that turns slow turns red while its peers stay green (they wait longer,
+// they do not work longer)
 function drawPace(width, x) {
   const rows = pace.filter((p) => p.points.length);
   const c = sized(paceCanvas, paceCtx, width, rows.length, PACE_ROW, "no decode steps in this window");
@@ -250,17 +270,17 @@ function drawPace(width, x) {
   const said = [];
   rows.forEach((series, row) => {
     const y = row * PACE_ROW + 4, works = series.points.map((p) => p.workMs).sort((a, b) => a - b);
-    const quickest = works[Math.floor(works.length / 10)] || works[0];
+    const median = works[Math.floor(works.length / 2)] || works[0];
     const last = series.points[series.points.length - 1];
-    const words = `rank ${series.deviceRank} · ${series.nodeId}: ${last.workMs.toFixed(2)} ms work, ` +
-      `${last.waitMs.toFixed(2)} ms wait a step`;
-    said.push(`${series.instanceId} ${words}`);
+    const words = `${series.instanceId} rank ${series.deviceRank} · ${series.nodeId}: ` +
+      `${last.workMs.toFixed(2)} ms work, ${last.waitMs.toFixed(2)} ms wait a step`;
+    said.push(words);
     c.fillStyle = "#d8dee9"; c.fillText(words, 4, y + PACE_ROW / 2 - 2);
     const points = series.points.filter((p) => seconds(p.at) >= view.start);
     points.forEach((point, i) => {
       const from = x(seconds(point.at));
       const to = i + 1 < points.length ? x(seconds(points[i + 1].at)) : from + 3;
-      const slower = Math.min(Math.max(point.workMs / quickest - 1, 0), 1);
+      const slower = Math.min(Math.max((point.workMs / median - 1.25) / 0.75, 0), 1);
       c.fillStyle = `hsl(${120 - 120 * slower} 70% ${45 + 10 * slower}%)`;
       c.fillRect(from, y, Math.max(to - from, 2), PACE_ROW - 4);
     });
@@ -281,7 +301,8 @@ function drawMemory(width, x) {
     const words = `rank ${series.deviceRank} · ${series.nodeId}: active ${bytes(last.active || 0)}, ` +
       `peak ${bytes(last.peak || 0)}, cache ${bytes(last.cache || 0)}`;
     said.push(`${series.instanceId} ${words}`);
-    c.fillStyle = "#d8dee9"; c.fillText(`rank ${series.deviceRank} · ${series.nodeId}`, 4, y + 10);
+    c.fillStyle = "#d8dee9";
+    c.fillText(`${series.instanceId} rank ${series.deviceRank} · ${series.nodeId}`, 4, y + 10);
     c.fillStyle = "#8a93a5";
     c.fillText(`${bytes(last.active || 0)} active`, 4, y + 24);
     c.fillText(`${bytes(last.peak || 0)} peak · ${bytes(last.cache || 0)} cache`, 4, y + 37);
@@ -317,10 +338,18 @@ function evidence(rank, culprit) {
     .map((k) => `${k} ${escape(rank[k])}`).join(" · ");
   const stack = rank.stack
     ? `<pre>${escape(waitsIn(rank.stack))}</pre><details class="full"><summary>full stack, every thread</summary><pre>${escape(rank.stack)}</pre></details>`
-    : "";
+    : culprit ? `<p class="why">${escape(noStack(rank))}</p>` : "";
   const role = culprit ? "culprit" : "waiting";
   return `<details class="${role}"${culprit ? " open" : ""}><summary><span class="role">${role}</span> ` +
     `rank ${rank.deviceRank} ${escape(rank.nodeId)}: ${said || "no data"}</summary>${stack}</details>`;
+}
+
+// why a culprit shows no stack or memory: what the capture could see of it
+function noStack(rank) {
+  if (rank.process === "stopped") return "no stack or memory: its process is stopped (SIGSTOP or a debugger) and runs no code, not even to write them; continue it (kill -CONT) to see where it was";
+  if (rank.process === "gone" || rank.processAlive === false) return "no stack or memory: its process has ended";
+  if (!rank.capturedAt) return "no stack or memory yet: its node has not answered the capture (asked as the incident opened; at most 5 s)";
+  return "no stack: its node captured none (the process did not answer the stack signal in time)";
 }
 
 // the culprits and their evidence first, open; the ranks waiting on them after, closed
@@ -358,14 +387,18 @@ function showIncidents(past) {
     : "<h2>incidents</h2><p>none in the diagnosis stream</p>";
 }
 
-function showPlacement(placement) {
+function showPlacement(placement, recorded) {
   const byInstance = new Map();
   for (const p of placement) {
-    const instance = p.runnerId.replace(/-a\d+-r\d+$/, "");
+    const instance = p.instanceId || p.runnerId.replace(/-a\d+-r\d+$/, "");
     if (!byInstance.has(instance)) byInstance.set(instance, []);
     byInstance.get(instance).push(p);
   }
   document.getElementById("placement").innerHTML = [...byInstance].map(([instance, ranks]) => {
+    if (recorded.has(instance)) {  // a program's ranks hold no layers rankscope placed
+      const nodes = [...new Set(ranks.map((r) => r.nodeId))].join(", ");
+      return `<span class="bar-label">job ${escape(instance)} (recorded): ${ranks.length} ranks on ${escape(nodes)}</span>`;
+    }
     const cells = ranks.map((r) => `<div style="flex:${r.endLayer - r.startLayer};background:hsl(${r.deviceRank * 67} 45% 35%)"
       title="${r.nodeId}: layers [${r.startLayer}, ${r.endLayer})">${r.nodeId} [${r.startLayer}, ${r.endLayer})</div>`).join("");
     return `<span class="bar-label">${instance}: ${ranks[0].nLayers} layers</span><div class="bar">${cells}</div>`;
@@ -413,7 +446,7 @@ async function refresh() {
     const fetched = performance.now();
     view = build(timeline, diagnosis.findings, history, [...incidents, ...diagnosis.findings], placement);
     showFindings(diagnosis.findings);
-    showPlacement(placement);
+    showPlacement(placement, new Set(timeline.runners.filter((r) => r.recorded).map((r) => r.instanceId)));
     draw();
     const drawn = performance.now();
     const lost = timeline.unreachableNodes.map((u) => `${u.nodeId}: ${u.error}`).join("; ");
