@@ -167,8 +167,10 @@ class Findings:
                 log.warning("open incidents not taken up in %gs: they may open again",
                             RESTORE_INCIDENTS_S)  # fmt: skip
             return
-        moment = self._clock()
+        moment, wall = self._clock(), now()
         for key, finding in found.items():
+            if finding.unwatchedSince and not finding.unwatchedUntil:  # watched again now
+                finding = msgspec.structs.replace(finding, unwatchedUntil=wall)
             self.incidents[key] = Incident(finding=finding, opened=moment)
             self._announced.add((finding.instanceId, finding.since))
         if self._alerter is not None:
@@ -239,7 +241,9 @@ class Findings:
         for finding in opened:
             if finding.evidence and finding.kind is not FindingKind.TELEMETRY_FLOOD:
                 self._capture(finding)  # a flood's ranks have nothing to show of it
-        found = {key: self._with_evidence(i) for key, i in found.items()}
+        found = {
+            key: _unwatched(before.get(key), self._with_evidence(i)) for key, i in found.items()
+        }
         changed = [
             i.finding
             for key, i in found.items()
@@ -321,6 +325,22 @@ class Findings:
         finding = msgspec.structs.replace(incident.finding, evidence=ranks)
         return dataclasses.replace(incident, finding=finding)
 
+    async def stop_watching(self) -> None:
+        """Say of each open incident of its instances that rankscope stops watching it now:
+        whatever follows until an aggregator takes it up again goes unseen."""
+        wall = now()
+        for incident in self.incidents.values():
+            finding = incident.finding
+            if not finding.instanceId or finding.kind in _OUTAGES:
+                continue  # an outage is of rankscope itself
+            told = msgspec.structs.replace(finding, unwatchedSince=wall, unwatchedUntil=None)
+            try:
+                await self._js.publish(
+                    self._layout.subjects.diagnosis(finding.instanceId), encode(told)
+                )
+            except (NatsError, TimeoutError) as exc:
+                log.warning("could not say incident %s goes unwatched: %s", finding.incidentId, exc)
+
     async def publish_forever(self, stop: asyncio.Event) -> None:
         """Judge every `ROUND_S`; log, alert and publish what opened, changed or cleared."""
         while not stop.is_set():
@@ -353,6 +373,18 @@ class Findings:
                 self._unpublished.popleft()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), ROUND_S)
+
+
+def _unwatched(before: Incident | None, incident: Incident) -> Incident:
+    """`incident` judged anew, keeping the time rankscope did not watch it (if it is the
+    same incident)."""
+    kept = before.finding if before is not None else None
+    if kept is None or not kept.unwatchedSince or kept.since != incident.finding.since:
+        return incident
+    finding = msgspec.structs.replace(
+        incident.finding, unwatchedSince=kept.unwatchedSince, unwatchedUntil=kept.unwatchedUntil
+    )
+    return dataclasses.replace(incident, finding=finding)
 
 
 def _told(finding: Finding) -> tuple[object, ...]:

@@ -179,6 +179,7 @@ class AggregatorService:
         for task in busy:
             task.cancel()
         await asyncio.gather(*busy, return_exceptions=True)
+        await self.findings.stop_watching()
         await self.snapshot()  # a restart right after this replays nothing
         await queries.stop()
         for follower in self._followers:

@@ -75,6 +75,12 @@ def finding_lines(finding: dict[str, Any], verbose: bool, stacks: bool = False) 
         f"{finding['kind']} {where}: {finding['summary']} "
         f"(since {clock(finding['since'])}{state}{named})"
     ]
+    if unwatched := finding.get("unwatchedSince"):
+        until = clock(finding["unwatchedUntil"]) if finding.get("unwatchedUntil") else "now"
+        lines.append(
+            f"  rankscope did not watch it from {clock(unwatched)} to {until}: what happened "
+            "meanwhile was not seen"
+        )
     if seen := finding.get("seenBefore"):
         times = "once" if seen["count"] == 1 else f"{seen['count']} times"
         lines.append(

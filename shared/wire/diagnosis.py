@@ -151,6 +151,11 @@ class Finding(CamelStruct, kw_only=True, frozen=True):
     in the incident history."""
     seenBefore: SeenBefore | None = None
     """In the incident history: the incidents of the same signature before it."""
+    unwatchedSince: str | None = None
+    """When rankscope stopped watching while it was open (its aggregator stopped): what
+    happened from then on was not seen."""
+    unwatchedUntil: str | None = None
+    """When an aggregator took it up again: its duration leaves the time between out."""
 
 
 class Diagnosis(CamelStruct, kw_only=True, frozen=True):

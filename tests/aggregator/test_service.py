@@ -127,6 +127,10 @@ async def test_an_incident_outlasting_a_restart_is_one_incident_closed_once(
         opened = await asyncio.wait_for(findings.get(), WAIT)
         assert opened.open
         assert opened.incidentId
+    unwatched = await asyncio.wait_for(findings.get(), WAIT)  # said as it stopped
+    assert (unwatched.incidentId, unwatched.open) == (opened.incidentId, True)
+    assert unwatched.unwatchedSince is not None
+    assert unwatched.unwatchedUntil is None
     async with aggregator(nc, js_ready, thresholds=limits) as restarted:
         await asyncio.sleep(1.5)  # judged again, and again, as the stall goes on
         (kept,) = restarted.service.findings.incidents.values()
@@ -137,7 +141,12 @@ async def test_an_incident_outlasting_a_restart_is_one_incident_closed_once(
             said.append(await asyncio.wait_for(findings.get(), WAIT))
     assert {f.incidentId for f in said} == {opened.incidentId}  # no second incident
     assert [f.open for f in said].count(False) == 1  # closed once
-    assert said[-1].since == opened.since
+    cleared = said[-1]
+    assert cleared.since == opened.since
+    assert cleared.unwatchedSince == unwatched.unwatchedSince  # its downtime is said, and
+    assert cleared.unwatchedUntil is not None  # left out of how long it was seen open
+    assert opened.since <= unwatched.unwatchedSince <= cleared.unwatchedUntil
+    assert cleared.unwatchedUntil <= (cleared.clearedAt or "")
 
 
 async def test_changed_instances_are_judged_at_once_and_every_instance_as_time_passes(

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from rankscope.services.client.verdicts import finding_lines
 from tests.gateway.conftest import Stack
 
 pytestmark = pytest.mark.nats
@@ -237,3 +238,21 @@ async def test_following_a_job_with_no_table_yet_says_it_waits(stack_for: Any) -
     finally:
         follower.kill()
         await follower.wait()
+
+
+def test_an_incident_rankscope_did_not_watch_for_a_while_says_from_when_to_when() -> None:
+    finding = {
+        "instanceId": "demo-0",
+        "kind": "stalled_rank",
+        "summary": "rank 1 (node-b) went silent",
+        "since": "2026-01-02T12:00:00Z",
+        "open": False,
+        "clearedAt": "2026-01-02T12:20:00Z",
+        "culpritRunnerIds": [],
+        "unwatchedSince": "2026-01-02T12:00:10Z",
+        "unwatchedUntil": "2026-01-02T12:15:57Z",
+    }
+    said = finding_lines(finding, verbose=False)[1]
+    assert said.startswith("  rankscope did not watch it from 2026-01-02 12:00:10Z")
+    assert " to 2026-01-02 12:15:57Z" in said
+    assert said.endswith(": what happened meanwhile was not seen")

@@ -372,12 +372,21 @@ function showFindings(findings) {
     `${evidenceOf(f)}</div>`).join("");
 }
 
+// how long an incident was seen open: the time rankscope did not watch it left out
+function watched(f) {
+  const total = seconds(f.clearedAt) - seconds(f.since);
+  if (!f.unwatchedSince) return Math.round(total);
+  const back = f.unwatchedUntil ? seconds(f.unwatchedUntil) : seconds(f.clearedAt);
+  return Math.round(total - Math.max(back - seconds(f.unwatchedSince), 0));
+}
+
 // past incidents, newest first, each opening to its last word and evidence
 function showIncidents(past) {
   const shown = [...past].reverse().slice(0, 20);
   document.getElementById("incidents").innerHTML = shown.length
     ? `<h2>incidents (${past.length})</h2>` + shown.map((f) => {
-      const end = f.open === false ? `cleared ${when(f.clearedAt)}, after ${Math.round(seconds(f.clearedAt) - seconds(f.since))}s` : "open";
+      const end = (f.open === false ? `cleared ${when(f.clearedAt)}, after ${watched(f)}s` : "open") +
+        (f.unwatchedSince ? ` · not watched ${clock(seconds(f.unwatchedSince))}–${f.unwatchedUntil ? clock(seconds(f.unwatchedUntil)) : "now"} (rankscope stopped)` : "");
       const seen = f.seenBefore
         ? ` · <b class="seen">seen ${f.seenBefore.count}× before</b>, first ${when(f.seenBefore.first)}`
         : "";
