@@ -110,7 +110,11 @@ async def _bare(url: str, layout: Layout, count: int) -> float:
 
 async def _aggregator(url: str, layout: Layout) -> tuple[float, int]:
     nc = await nats.connect(url)
-    state = ClusterState(store=EntryStore(total=10_000_000, per_runner=10_000_000))
+    state = ClusterState(
+        store=EntryStore(total=10_000_000, per_runner=10_000_000),
+        clock=time.monotonic,
+        wall=time.time,
+    )
     service = AggregatorService(
         nc=nc, js=nc.jetstream(), layout=layout, state=state, node_id="bench"
     )
@@ -156,7 +160,9 @@ def _ingest(entries: int, per_batch: int) -> None:
 
 
 def _query_and_memory(stored: int) -> None:
-    state = ClusterState(store=EntryStore(total=stored, per_runner=stored))
+    state = ClusterState(
+        store=EntryStore(total=stored, per_runner=stored), clock=time.monotonic, wall=time.time
+    )
     for created in placements(RUNNERS):
         state.apply_placement(created)
     tracemalloc.start()

@@ -36,7 +36,9 @@ LAYOUT = Layout()
 
 
 def _state(stored: int) -> ClusterState:
-    state = ClusterState(store=EntryStore(total=stored, per_runner=stored))
+    state = ClusterState(
+        store=EntryStore(total=stored, per_runner=stored), clock=time.monotonic, wall=time.time
+    )
     for created in placements(RUNNERS):
         state.apply_placement(created)
     per_runner = stored // RUNNERS

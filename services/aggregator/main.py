@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 
 from rankscope.services.aggregator.alerts import Alerter
 from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.services.aggregator.pace import PaceLimits
 from rankscope.services.aggregator.service import AggregatorService
-from rankscope.services.aggregator.snapshot import SnapshotFile
+from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.services.lifecycle import connected, run_until_signalled
@@ -36,7 +37,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             nc=nc,
             js=js,
             layout=layout,
-            state=ClusterState(store=store),
+            state=ClusterState(store=store, clock=time.monotonic, wall=time.time),
             node_id=settings.node_id or "aggregator",
             thresholds=Thresholds(
                 working=settings.stall_threshold,

@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping
 
 from nats.js import JetStreamContext
 
-from rankscope.services.aggregator.snapshot import Position, SnapshotFile, restore
+from rankscope.services.aggregator.snapshot import Position, restore
+from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.replay import Follower

@@ -22,7 +22,7 @@ from rankscope.services.aggregator.ingest import Ingest
 from rankscope.services.aggregator.liveness import Liveness
 from rankscope.services.aggregator.queries import Queries
 from rankscope.services.aggregator.resume import Snapshots
-from rankscope.services.aggregator.snapshot import SnapshotFile
+from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.connection import Reachability, slow_consumer_drops
 from rankscope.shared.deadletter import DeadLetters

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -85,16 +84,17 @@ class ClusterState:
 
     Args:
         store: where entries are kept.
-        clock: monotonic seconds, for progress (the runners' clocks are not trusted here).
-        wall: seconds since the epoch (`time.time`, or a virtual clock in tests).
+        clock: monotonic seconds, for progress (the runners' clocks are not trusted here):
+            `time.monotonic` in the service, a virtual clock in tests.
+        wall: seconds since the epoch (`time.time`, or a virtual clock).
     """
 
     def __init__(
         self,
         *,
         store: EntryStore,
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
     ) -> None:
         self.store = store
         self._clock = clock

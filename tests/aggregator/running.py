@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ async def aggregator(
         nc=nc,
         js=nc.jetstream(),
         layout=layout,
-        state=ClusterState(store=store or EntryStore()),
+        state=ClusterState(store=store or EntryStore(), clock=time.monotonic, wall=time.time),
         node_id="agg",
         **options,
     )

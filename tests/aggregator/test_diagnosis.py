@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
@@ -39,7 +41,7 @@ class Clock:
 
 def _setup(world: int = 2) -> tuple[ClusterState, Clock]:
     clock = Clock()
-    state = ClusterState(store=EntryStore(), clock=clock)
+    state = ClusterState(store=EntryStore(), clock=clock, wall=time.time)
     state.apply_placement(placed(world=world))
     return state, clock
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import msgspec
@@ -52,7 +53,7 @@ class Job:
         preempted: float = 0.0,
     ) -> None:
         self.now = 1000.0
-        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now)
+        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now, wall=time.time)
         self.state.apply_placement(placed(world=len(usual)), stored_ns=self._ns())
         self.usual, self.slowdown = usual, [1.0] * len(usual)
         self.ranks = [rank(r, world=len(usual)) for r in range(len(usual))]
@@ -341,7 +342,7 @@ def test_a_restart_from_a_snapshot_keeps_the_pace_and_the_finding() -> None:
     image = msgspec.json.decode(
         msgspec.json.encode(capture(job.state, {})), type=type(capture(job.state, {}))
     )
-    fresh = ClusterState(store=EntryStore(), clock=lambda: job.now)
+    fresh = ClusterState(store=EntryStore(), clock=lambda: job.now, wall=time.time)
     restore(fresh, image, moment=job.now)
     job.state = fresh
     job.incidents = {}  # the incident history is the diagnosis stream's, not the snapshot's

@@ -3,6 +3,8 @@ the rank at fault is named, the ranks waiting on it never are."""
 
 from __future__ import annotations
 
+import time
+
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
@@ -58,7 +60,7 @@ class Job:
 
     def __init__(self, world: int = 2) -> None:
         self.now = 1000.0
-        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now)
+        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now, wall=time.time)
         self.state.apply_placement(_recorded(world), stored_ns=self._ns())
         self.incidents: dict[str, Incident] = {}
         self.seqs = dict.fromkeys(range(world), 0)

@@ -13,7 +13,7 @@ from nats.aio.client import Client
 
 from rankscope.services.aggregator import answers
 from rankscope.services.aggregator.service import AggregatorService
-from rankscope.services.aggregator.snapshot import SnapshotFile
+from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.shared.jetstream import Layout, ensure
 from rankscope.shared.wire import (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from rankscope.services.aggregator import answers
@@ -41,7 +42,7 @@ class Clock:
 
 
 def _state() -> ClusterState:
-    state = ClusterState(store=EntryStore(), clock=Clock())
+    state = ClusterState(store=EntryStore(), clock=Clock(), wall=time.time)
     state.apply_placement(placed())
     return state
 

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,11 @@ async def test_an_aggregator_stopped_mid_stream_serves_identical_views(
     await ensure(js, layout)
     await js.publish(layout.subjects.placement("i"), encode(placed(world=RUNNERS, layers=16)))
     reference = AggregatorService(
-        nc=nc, js=js, layout=layout, state=ClusterState(store=EntryStore()), node_id="aggregator"
+        nc=nc,
+        js=js,
+        layout=layout,
+        state=ClusterState(store=EntryStore(), clock=time.monotonic, wall=time.time),
+        node_id="aggregator",
     )
     stop = asyncio.Event()
     running = asyncio.create_task(reference.run(stop))
