@@ -77,7 +77,7 @@ def alert(
         "instance": finding.instanceId or "(installation)",
         "culprit_rank": ",".join(map(str, finding.culpritRanks)),
         "culprit_node": ",".join(sorted({e.nodeId for e in culprits})),
-        "incident_id": finding.incidentId or f"{finding.instanceId}@{finding.since}",
+        "incident_id": finding.key,
     }
     return {
         "labels": {k: v for k, v in labels.items() if v},
@@ -226,4 +226,4 @@ def _hidden(text: str, url: str) -> str:
 
 
 def _key(finding: Finding) -> str:
-    return finding.incidentId or f"{finding.instanceId}@{finding.since}"
+    return finding.key

@@ -17,7 +17,6 @@ named `slow_rank` (`pace`), until it is back in line.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,9 +37,10 @@ from rankscope.shared.wire import (
     RankPace,
     RankRole,
     RunnerStatusKind,
+    incident_id,
 )
 
-__all__ = ["PHASE_ORDER", "Incident", "Thresholds", "diagnose", "incident_id"]
+__all__ = ["PHASE_ORDER", "Incident", "Thresholds", "diagnose"]
 
 PHASE_ORDER = {phase: index for index, phase in enumerate(Phase)}
 """Phases in the order a request goes through them (the seed's order)."""
@@ -443,6 +443,7 @@ def diagnose(
             culpritRunnerIds=[],
             summary=why,
             since=since,
+            incidentId=incident_id(kind.value, since),
         )
         return {**incidents, "": Incident(bus, previous.opened if previous else now)}
     found: dict[str, Incident] = {}
@@ -482,12 +483,6 @@ def _widens(previous: Incident, verdict: _Verdict | None) -> bool:
     if verdict is None or verdict.kind is not previous.finding.kind:
         return False
     return set(previous.finding.culpritRunnerIds) < {v.ref.runnerId for v in verdict.culprits}
-
-
-def incident_id(instance_id: str, since: str) -> str:
-    """The id of the incident of `instance_id` that opened at `since`: the same wherever
-    and however often it is worked out, so a restart that keeps the incident keeps it."""
-    return hashlib.sha256(f"{instance_id}\0{since}".encode()).hexdigest()[:16]
 
 
 def _sharpens(previous: Incident, verdict: _Verdict | None) -> bool:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rankscope.services.aggregator.diagnosis import Incident, incident_id
+from rankscope.services.aggregator.diagnosis import Incident
 from rankscope.services.aggregator.views import ClusterState
-from rankscope.shared.wire import Finding, FindingKind, RankEvidence, RankRole
+from rankscope.shared.wire import Finding, FindingKind, RankEvidence, RankRole, incident_id
 
 __all__ = ["FLOOD_HOLD_S", "Floods"]
 

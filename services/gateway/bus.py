@@ -41,10 +41,19 @@ from rankscope.shared.wire import (
     encode,
 )
 
-__all__ = ["EVIDENCE_WAIT_S", "Bus", "BusError"]
+__all__ = ["EVIDENCE_WAIT_S", "Bus", "BusError", "last_words"]
 
 EVIDENCE_WAIT_S = 5.0
 """How long an agent may take to capture its runners' stacks and memory."""
+
+
+def last_words(published: Iterable[Finding]) -> list[Finding]:
+    """The last word of each incident among `published` (in the order published), oldest
+    incident first."""
+    incidents: dict[str, Finding] = {}
+    for finding in published:
+        incidents[finding.key] = finding
+    return sorted(incidents.values(), key=lambda f: f.since)
 
 
 class BusError(Exception):
@@ -375,22 +384,9 @@ class Bus:
         Raises:
             BusError: 503 when the diagnosis stream cannot be read in time.
         """
-        incidents: dict[object, Finding] = {}
-        for finding in await self._published(since=since, instance_id=instance_id):
-            key = finding.incidentId or (finding.instanceId, finding.kind, finding.since)
-            incidents[key] = finding
-        return sorted(incidents.values(), key=lambda f: f.since)[-limit:]
+        return last_words(await self.published(since=since, instance_id=instance_id))[-limit:]
 
-    async def incident(self, incident_id: str) -> list[Finding]:
-        """Every word published of one incident, oldest first (none: no such incident in
-        the diagnosis stream).
-
-        Raises:
-            BusError: 503 when the diagnosis stream cannot be read in time.
-        """
-        return [f for f in await self._published() if f.incidentId == incident_id]
-
-    async def _published(
+    async def published(
         self, *, since: str | None = None, instance_id: str | None = None
     ) -> list[Finding]:
         """The findings in the diagnosis stream from `since` on, of one instance or all."""

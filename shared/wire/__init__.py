@@ -20,6 +20,7 @@ from rankscope.shared.wire.diagnosis import (
     RunnerHistory,
     SeenBefore,
     TimelineQuery,
+    incident_id,
 )
 from rankscope.shared.wire.enums import Breadcrumb, Phase, RunnerStatusKind, TaskKind, TaskStatus
 from rankscope.shared.wire.events import (
@@ -204,4 +205,5 @@ __all__ = [
     "decode",
     "decoder",
     "encode",
+    "incident_id",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from enum import StrEnum
 from typing import Annotated
 
@@ -29,6 +30,7 @@ __all__ = [
     "RunnerHistory",
     "SeenBefore",
     "TimelineQuery",
+    "incident_id",
 ]
 
 
@@ -126,6 +128,13 @@ class FaultSignature(CamelStruct, kw_only=True, frozen=True):
     """The last word of the latest of them."""
 
 
+def incident_id(scope: str, since: str) -> str:
+    """The id of the incident of `scope` (an instance, a node's flood, an outage's kind)
+    that opened at `since`: the same wherever and however often it is worked out, so a
+    restart that keeps the incident keeps it."""
+    return hashlib.sha256(f"{scope}\0{since}".encode()).hexdigest()[:16]
+
+
 class Finding(CamelStruct, kw_only=True, frozen=True):
     """One problem of one instance: the ranks at fault, the ranks waiting on them, why.
 
@@ -156,6 +165,12 @@ class Finding(CamelStruct, kw_only=True, frozen=True):
     happened from then on was not seen."""
     unwatchedUntil: str | None = None
     """When an aggregator took it up again: its duration leaves the time between out."""
+
+    @property
+    def key(self) -> str:
+        """Its incident's id: the one the history, the bundle and the alert all use (worked
+        out for a finding published without one, by an older release)."""
+        return self.incidentId or incident_id(self.instanceId or self.kind.value, self.since)
 
 
 class Diagnosis(CamelStruct, kw_only=True, frozen=True):

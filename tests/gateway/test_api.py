@@ -44,6 +44,7 @@ from rankscope.shared.wire import (
     TokenChunk,
     decode,
     encode,
+    incident_id,
 )
 from tests.agents_stand_in import answer_probes
 from tests.aggregator.builders import placed
@@ -887,6 +888,35 @@ async def test_an_incident_is_one_file_to_hand_over(stack_for: Any) -> None:
     assert "not held:" in files["README.txt"].decode()
     missing = await stack.http.get("/v1/cluster/diagnosis/history/nope/bundle")
     assert missing.status_code == 404
+
+
+async def test_an_outage_and_an_incident_without_an_id_have_bundles_too(stack_for: Any) -> None:
+    """Every incident has one key, the history's, the alert's and the bundle's: an outage
+    of NATS (of no instance) as much as a finding an older release published with no id."""
+    stack: Stack = await stack_for()
+    js, subjects = stack.nc.jetstream(), stack.layout.subjects
+    since = "2026-11-23T10:00:00Z"
+    outage = Finding(
+        instanceId="",
+        kind=FindingKind.NATS_UNREACHABLE,
+        culpritRanks=[],
+        culpritRunnerIds=[],
+        summary="NATS unreachable",
+        since=since,
+        incidentId=incident_id(FindingKind.NATS_UNREACHABLE.value, since),
+    )
+    await js.publish(subjects.diagnosis(""), encode(outage))
+    await js.publish(subjects.diagnosis("old"), _finding("old", since))  # no incidentId
+    history = (await stack.http.get("/v1/cluster/diagnosis/history")).json()["findings"]
+    keys = {f["instanceId"]: f.get("incidentId") for f in history}
+    assert keys[""] == outage.incidentId
+    old = decode(_finding("old", since), Finding).key
+    for incident in (outage.incidentId, old):
+        reply = await stack.http.get(f"/v1/cluster/diagnosis/history/{incident}/bundle")
+        assert reply.status_code == 200, reply.text
+    with tarfile.open(fileobj=io.BytesIO(reply.content)) as tar:
+        names = {m.name.split("/", 1)[1] for m in tar.getmembers()}
+    assert "incident.json" in names
 
 
 async def test_diagnosis_history_serves_every_incident_open_or_cleared(stack_for: Any) -> None:

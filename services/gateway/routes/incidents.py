@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Response
 
 from rankscope.services.gateway.bundle import Bundle
-from rankscope.services.gateway.bus import Bus
+from rankscope.services.gateway.bus import Bus, last_words
 from rankscope.services.gateway.deps import Nats, reader
 from rankscope.services.gateway.responses import Json, fail, schema_ref
 from rankscope.services.gateway.routes.cluster import moment
@@ -102,7 +102,8 @@ async def incident_bundle(incidentId: str, nats: Nats) -> Response:  # noqa: N80
     captured: stacks, process state, MLX memory), its instance's timeline from a minute
     before it opened to its close (JSON and Perfetto trace), the placement and the rank
     table, the versions known, and a README saying what it could not hold."""
-    updates = await nats.incident(incidentId)
+    published = await nats.published()  # one read: the incident and what was seen before
+    updates = [f for f in published if f.key == incidentId]
     if not updates:
         raise fail(
             404, f"no incident {incidentId!r} in the diagnosis stream (or past its retention)"
@@ -110,9 +111,8 @@ async def incident_bundle(incidentId: str, nats: Nats) -> Response:  # noqa: N80
     last = updates[-1]
     bundle = Bundle(incidentId)
     bundle.add("incident.json", updates)
-    told = seen_before(await nats.findings(since=None, instance_id=None, limit=EVERY))
-    for finding in told:
-        if finding.incidentId == incidentId:
+    for finding in seen_before(last_words(published)):
+        if finding.key == incidentId:
             bundle.add(
                 "seen_before.json",
                 {"signature": finding.signature, "seenBefore": finding.seenBefore},
