@@ -236,6 +236,19 @@ class Layout:
         )
 
     @property
+    def fr_stream(self) -> StreamSpec:
+        """PyTorch jobs' Flight Recorder dumps loaded into rankscope (`rankscope fr load`):
+        the newest load of each job, read again by an aggregator that restarts."""
+        return StreamSpec(
+            self._name("FR"),
+            (self.subjects.fr_load_all(),),
+            max_bytes=64 << 20,
+            max_msg_size=PLACEMENT_MAX_MESSAGE,
+            max_msgs_per_subject=1,
+            replicas=self.replicas,
+        )
+
+    @property
     def tasks_stream(self) -> StreamSpec:
         """Tasks and task status."""
         return StreamSpec(
@@ -313,6 +326,7 @@ class Layout:
             self.runner_stream,
             self.placement_stream,
             self.recorded_stream,
+            self.fr_stream,
             self.tasks_stream,
             self.inputs_stream,
             self.ranktable_stream,

@@ -187,6 +187,7 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                     api.stream("RUNNER"),
                     api.stream("PLACEMENT"),
                     api.stream("RECORDED"),
+                    api.stream("FR"),
                     api.stream("TASKS"),
                     api.stream("DIAGNOSIS"),  # the incidents open when it last stopped
                     nodes_kv,
@@ -230,11 +231,13 @@ def permissions(layout: Layout, user: str, node_id: str | None = None) -> Permis
                 subjects.task_inputs_all(),
                 subjects.node_request_all("diagnostics"),
                 subjects.node_request_all("evidence"),  # Skulk's capture route
+                subjects.fr_load_all(),  # `rankscope fr load`, through the API
                 kv_key(layout.runners_bucket.bucket),
                 *api.everyone(),
                 *api.read(
                     api.stream("RANKTABLE"),
                     api.stream("DIAGNOSIS"),
+                    api.stream("FR"),  # a loaded job's incident bundle holds its verdict
                     runners_kv,
                     nodes_kv,
                     status_kv,

@@ -134,6 +134,15 @@ class Subjects:
         """Announcements and releases of every recorded job."""
         return f"{self.prefix}.recorded.>"
 
+    def fr_load(self, job_id: str) -> str:
+        """A PyTorch job's Flight Recorder dumps as `rankscope fr load` gave them (the
+        newest load of each job is kept)."""
+        return f"{self.prefix}.fr.{token(job_id)}"
+
+    def fr_load_all(self) -> str:
+        """Every job's loaded Flight Recorder dumps."""
+        return f"{self.prefix}.fr.>"
+
     def tasks(self, instance_id: str) -> str:
         """Tasks (and cancels) asked of one instance."""
         return f"{self.prefix}.tasks.{token(instance_id)}"
@@ -249,13 +258,13 @@ class Subjects:
         return f"{self.prefix}.query.>"
 
     def instance_token(self, subject: str) -> str | None:
-        """The instance token of a telemetry, placement (a recorded job's too) or task
-        subject; None for others."""
+        """The instance token of a telemetry, placement (a recorded job's too), loaded
+        dump or task subject; None for others."""
         head = f"{self.prefix}."
         rest = subject[len(head) :].split(".") if subject.startswith(head) else []
         if len(rest) >= 4 and rest[0] == "runner":
             return rest[2]
-        if len(rest) >= 2 and rest[0] in ("placement", "recorded", "tasks"):
+        if len(rest) >= 2 and rest[0] in ("placement", "recorded", "fr", "tasks"):
             return rest[1]
         return None
 

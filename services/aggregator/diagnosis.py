@@ -454,6 +454,8 @@ def diagnose(
         views = [state.runners[a.runnerId] for a in instance.assignments]
         judge = _Judge(state, views, now, wall, placed_at(instance.instanceId), thresholds)
         previous = incidents.get(instance.instanceId)
+        if instance.recorded is not None and instance.recorded.dump is not None:
+            continue  # a post-mortem: its dumps were judged as they were loaded
         if instance.recorded is not None:
             verdict = judge.recorded()
         else:

@@ -76,6 +76,7 @@ class Findings:
         reach: whether NATS answers (an outage is the only finding then).
         storage: whether JetStream stores.
         alerter: where findings go as alerts, if anywhere.
+        loaded: the incidents of loaded dumps to publish, once each.
         clock: monotonic seconds.
     """
 
@@ -92,6 +93,7 @@ class Findings:
         reach: Reachability,
         storage: Storage,
         alerter: Alerter | None,
+        loaded: deque[Finding],
         clock: Callable[[], float],
     ) -> None:
         self._nc = nc
@@ -104,6 +106,9 @@ class Findings:
         self._reach = reach
         self._storage = storage
         self._alerter = alerter
+        self._loaded = loaded
+        self._known: set[str] = set()
+        """Every incident the diagnosis stream held as this aggregator started."""
         self._clock = clock
         self.incidents: dict[str, Incident] = {}
         """The open incident of each instance (`""`: an outage; `Floods.key`: a node
@@ -167,6 +172,7 @@ class Findings:
                 log.warning("open incidents not taken up in %gs: they may open again",
                             RESTORE_INCIDENTS_S)  # fmt: skip
             return
+        self._known = {finding.key for finding in past}
         moment, wall = self._clock(), now()
         for key, finding in found.items():
             if finding.unwatchedSince and not finding.unwatchedUntil:  # watched again now
@@ -325,6 +331,14 @@ class Findings:
         finding = msgspec.structs.replace(incident.finding, evidence=ranks)
         return dataclasses.replace(incident, finding=finding)
 
+    def _take_loaded(self) -> list[Finding]:
+        """The incidents of dumps loaded since the last round, but those the diagnosis
+        stream has already (an aggregator that restarts reads the loads again)."""
+        taken = [finding for finding in self._loaded if finding.key not in self._known]
+        self._loaded.clear()
+        self._known |= {finding.key for finding in taken}  # the same dumps again: not again
+        return taken
+
     async def stop_watching(self) -> None:
         """Say of each open incident of its instances that rankscope stops watching it now:
         whatever follows until an aggregator takes it up again goes unseen."""
@@ -356,7 +370,7 @@ class Findings:
             # every partition sees an outage of NATS or JetStream: one says so
             ours = [
                 f
-                for f in [*cleared, *appeared]
+                for f in [*cleared, *appeared, *self._take_loaded()]
                 if f.kind not in _OUTAGES or self._partition.index == 0
             ]
             self._unpublished.extend(ours)

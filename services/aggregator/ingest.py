@@ -1,17 +1,19 @@
-"""Folding the streams into the views: placements, tasks and telemetry, replayed then
-followed; of a partition, only its own instances' tasks and telemetry."""
+"""Folding the streams into the views: placements, loaded dumps, tasks and telemetry,
+replayed then followed; of a partition, only its own instances' tasks and telemetry."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
+from rankscope.services.aggregator.dumps import loaded
 from rankscope.services.aggregator.parking import PARK_S, Parked, Parking
 from rankscope.services.aggregator.views import ClusterState, Held
 from rankscope.shared.deadletter import DeadLetters
@@ -20,7 +22,8 @@ from rankscope.shared.jetstream import Layout
 from rankscope.shared.partitions import Partition
 from rankscope.shared.replay import Follower, follow, stored_ns
 from rankscope.shared.subjects import token
-from rankscope.shared.wire import InstanceCreated
+from rankscope.shared.wire import Finding, InstanceCreated, WireError, decode, encode
+from rankscope.shared.wire.fr import FrLoad
 
 __all__ = ["FOLLOW_RELEASED_S", "UNPLACED", "Ingest"]
 
@@ -78,6 +81,8 @@ class Ingest:
         self._more = asyncio.Event()
         self._parking = Parking()
         """Telemetry of runners no placement read so far names, waiting for one."""
+        self.loaded: deque[Finding] = deque()
+        """The incidents of loaded dumps, for the findings to publish (once)."""
         state.refused = self._refused_when_filed
 
     def _reject(self, msg: Msg, error: BadInputError) -> None:
@@ -160,6 +165,26 @@ class Ingest:
                 for item in self._parking.take(assignment.runnerId):
                     self._apply_telemetry(item)
 
+    def on_dump(self, msg: Msg) -> None:
+        """A job's loaded Flight Recorder dumps: its ranks and entries into the views, its
+        verdict to the findings."""
+        if self._foreign(msg):
+            return
+        try:
+            made = loaded(decode(msg.data, FrLoad))
+        except WireError as exc:
+            self._reject(msg, BadInputError("dump_undecodable", str(exc)))
+            return
+        stored = stored_ns(msg.reply)
+        self._state.apply_placement(made.instance, stored)
+        self.placed_at[made.instance.instanceId] = self._clock()
+        for batch in made.batches:
+            try:
+                self._state.apply_telemetry(batch, encode(batch), stored)
+            except BadInputError as exc:
+                self._reject(msg, exc)
+        self.loaded.extend(made.incident)
+
     def on_task(self, msg: Msg) -> None:
         if self._foreign(msg):
             return
@@ -176,13 +201,12 @@ class Ingest:
         for instance_id in self._state.instances:  # restored from a snapshot
             self.placed_at[instance_id] = self._clock()
         placed = {}
-        for stream, subject in (
-            (layout.placement_stream.name, subjects.placement_all()),
-            (layout.recorded_stream.name, subjects.recorded_all()),  # recorded jobs'
+        for stream, subject, handle in (
+            (layout.placement_stream.name, subjects.placement_all(), self.on_placement),
+            (layout.recorded_stream.name, subjects.recorded_all(), self.on_placement),
+            (layout.fr_stream.name, subjects.fr_load_all(), self.on_dump),  # loaded dumps
         ):
-            placed[stream] = await follow(
-                self._js, subject, self.on_placement, after=after.get(stream, 0)
-            )
+            placed[stream] = await follow(self._js, subject, handle, after=after.get(stream, 0))
             await placed[stream].caught_up.wait()  # telemetry counts once its rank is placed
         if self._partition.whole:
             runner, tasks = [subjects.runner_all()], [subjects.tasks_all()]

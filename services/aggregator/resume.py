@@ -63,6 +63,7 @@ class Snapshots:
         for stream in (
             self._layout.placement_stream,
             self._layout.recorded_stream,
+            self._layout.fr_stream,
             self._layout.tasks_stream,
             self._layout.runner_stream,
         ):

@@ -116,6 +116,7 @@ class AggregatorService:
             reach=self.reach,
             storage=self.storage,
             alerter=alerter,
+            loaded=self.ingest.loaded,
             clock=clock,
         )
         self.liveness = Liveness(

@@ -32,7 +32,7 @@ from rankscope.shared.wire.fr import (
     FrVerdict,
 )
 
-__all__ = ["judge"]
+__all__ = ["judge", "op_of", "outstanding"]
 
 STACK_FRAMES = 12
 """Frames of a rank's stack kept in the verdict."""
@@ -66,7 +66,7 @@ def _shape(sizes: list[object]) -> str:
     return ", ".join("x".join(str(d) for d in s) if isinstance(s, list) else str(s) for s in sizes)
 
 
-def _op(entry: Entry, desc: str) -> FrOp:
+def op_of(entry: Entry, desc: str) -> FrOp:
     return FrOp(
         group=entry.group,
         groupDesc=desc or entry.process_group[1],
@@ -178,7 +178,7 @@ class _Judge:
                 )
                 for rank in entered:
                     self.waits[rank].update(missing)
-                collective = _op(first, desc) if first else FrOp(group=name, op="?", seq=number)
+                collective = op_of(first, desc) if first else FrOp(group=name, op="?", seq=number)
                 found.append(
                     FrGroupStuck(
                         group=name,
@@ -296,9 +296,9 @@ def _ranks(judge: _Judge, culprits: set[int], without: list[int]) -> list[FrRank
             FrRank(
                 rank=rank,
                 role=role,
-                waitingIn=_op(waiting, judge.desc(waiting.group)) if waiting else None,
+                waitingIn=op_of(waiting, judge.desc(waiting.group)) if waiting else None,
                 waitingOn=sorted(judge.waits.get(rank, ())),
-                lastOp=_op(last, judge.desc(last.group)) if last else None,
+                lastOp=op_of(last, judge.desc(last.group)) if last else None,
                 stack=_stack(waiting or last),
                 dump=held.dump.source,
             )
@@ -342,6 +342,11 @@ def _summary(
     m = next(m for m in mismatches if set(m.culprits) & set(culprits))
     group = f"{m.groupDesc or 'group'} {m.group}"
     return f"{who} the culprit: the {m.field} of #{m.seq} of {group} differs; {waits}"
+
+
+def outstanding(dump: Dump) -> set[int]:
+    """The `record_id`s of the dump's records not completed."""
+    return {entry.record_id for entry in _Rank.of(dump).active}
 
 
 def judge(dumps: Sequence[Dump], unread: Sequence[DumpError] = ()) -> FrVerdict:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 from rankscope.shared.wire.fr import FrOp, FrRank, FrVerdict
 
-__all__ = ["ranks_said", "verdict_words"]
+__all__ = ["operation", "ranks_said", "verdict_words"]
 
 STACK_SHOWN = 6
 """Frames of a culprit's stack printed (the JSON has more)."""
@@ -28,7 +28,8 @@ def _plural(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {ranks_said(ranks)}"
 
 
-def _op(op: FrOp) -> str:
+def operation(op: FrOp) -> str:
+    """`all_reduce #6 [4 Float] of default_pg (group 0)`."""
     group = f"{op.groupDesc} (group {op.group})" if op.groupDesc else f"group {op.group}"
     shape = " ".join(part for part in (op.sizes, op.dtypes) if part)
     return f"{op.op} #{op.seq}{f' [{shape}]' if shape else ''} of {group}"
@@ -46,16 +47,18 @@ def _culprit(rank: FrRank, verdict: FrVerdict) -> Iterator[str]:
     else:
         yield f"rank {rank.rank}:"
     for stuck in missing:
-        yield (f"  missing from {_op(stuck.collective)}, which {_plural(stuck.entered)} entered")
+        yield (
+            f"  missing from {operation(stuck.collective)}, which {_plural(stuck.entered)} entered"
+        )
     for mismatch in disagrees:
         sides = "; ".join(f"{value} by {_plural(r)}" for value, r in mismatch.values.items())
         where = f"#{mismatch.seq} of group {mismatch.group}"
         yield f"  disagrees on the {mismatch.field} of {where}: {sides}"
     if rank.waitingIn is not None:
         on = f", waiting on {_plural(rank.waitingOn)}" if rank.waitingOn else ""
-        yield f"  itself inside {_op(rank.waitingIn)}{_since(rank.waitingIn)}{on}"
+        yield f"  itself inside {operation(rank.waitingIn)}{_since(rank.waitingIn)}{on}"
     elif rank.dump is not None:
-        last = f"; its last: {_op(rank.lastOp)}" if rank.lastOp else ""
+        last = f"; its last: {operation(rank.lastOp)}" if rank.lastOp else ""
         yield f"  inside no collective: stuck outside them (its own code, a lock, I/O){last}"
     for frame in rank.stack[:STACK_SHOWN]:
         yield f"    {frame}"
@@ -71,7 +74,7 @@ def _waiting(ranks: list[FrRank]) -> Iterator[str]:
             alike.setdefault(key, (op, []))[1].append(rank.rank)
     for (_, _, _, on), (op, held) in sorted(alike.items(), key=lambda kv: kv[1][1][0]):
         waits = f", waiting on {_plural(list(on))}" if on else ""
-        yield f"  {_plural(held)}: in {_op(op)}{_since(op)}{waits}"
+        yield f"  {_plural(held)}: in {operation(op)}{_since(op)}{waits}"
 
 
 def verdict_words(verdict: FrVerdict) -> str:
@@ -91,7 +94,7 @@ def verdict_words(verdict: FrVerdict) -> str:
         lines.append("process groups stopped (the first collective not every member entered)")
         for stuck in verdict.stuck:
             lines.append(
-                f"  {_op(stuck.collective)}: entered by {ranks_said(stuck.entered)}; "
+                f"  {operation(stuck.collective)}: entered by {ranks_said(stuck.entered)}; "
                 f"missing {ranks_said(stuck.missing)}"
             )
     victims = [r for r in verdict.ranks if r.role == "waiting"]

@@ -27,6 +27,7 @@ from rankscope.services.gateway.responses import ERRORS, Json, openapi_component
 from rankscope.services.gateway.routes import (
     chat,
     cluster,
+    dumps,
     incidents,
     jobs,
     models,
@@ -150,7 +151,7 @@ def create_app(settings: Settings, on_lost: Callable[[str], None] | None = None)
     app.state.settings = settings
     app.state.capturing = set()  # nodes a capture is under way of
     app.state.metrics = RequestMetrics()
-    for module in (cluster, incidents, runners, jobs, chat, models, skulk, ops):
+    for module in (cluster, incidents, runners, jobs, dumps, chat, models, skulk, ops):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=WEB), name="static")
 

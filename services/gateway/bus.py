@@ -40,6 +40,7 @@ from rankscope.shared.wire import (
     decode,
     encode,
 )
+from rankscope.shared.wire.fr import FrLoad
 
 __all__ = ["EVIDENCE_WAIT_S", "Bus", "BusError", "last_words"]
 
@@ -361,6 +362,21 @@ class Bus:
             await publish_acked(self.js, subject, payload, msg_id=msg_id)
         except (NatsError, TimeoutError) as exc:
             raise BusError(503, f"NATS publish failed: {exc}") from None
+
+    async def fr_load(self, job_id: str) -> FrLoad | None:
+        """The newest Flight Recorder dumps loaded as `job_id`, or None."""
+        try:
+            raw = await self.js.get_last_msg(
+                self.layout.fr_stream.name, self.layout.subjects.fr_load(job_id)
+            )
+        except NotFoundError:
+            return None
+        except (NatsError, TimeoutError) as exc:
+            raise BusError(503, f"NATS read failed: {exc}") from None
+        try:
+            return decode(raw.data or b"", FrLoad)
+        except WireError:
+            return None  # the gateway checked it as it came: a stream of another release
 
     async def ranktable(self, job_id: str) -> tuple[int, RankTableStream] | None:
         """The latest rank table of a job and its version, or None."""

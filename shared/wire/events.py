@@ -281,6 +281,10 @@ class RecordedProgram(CamelStruct, kw_only=True, frozen=True):
     its ranks and no spec placed them; each rank registered itself, in rank order here."""
 
     ranks: list[RecordedRank]
+    dump: str | None = None
+    """Set when the ranks come from Flight Recorder dumps (`rankscope fr load`, with where
+    they were read): nothing runs, so nothing is probed or judged live; the dumps' verdict
+    is the job's incident."""
 
 
 class Registered(CamelStruct, kw_only=True, frozen=True):

@@ -3,11 +3,23 @@ prints, and what `rankscope fr load` gives the aggregator as an incident's evide
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+import msgspec
 
 from rankscope.shared.wire.base import CamelStruct
+from rankscope.shared.wire.events import MAX_JOB_ID, MAX_WORLD, FlightEntry
 
-__all__ = ["FrGroupStuck", "FrMismatch", "FrOp", "FrRank", "FrRole", "FrVerdict"]
+__all__ = [
+    "FrGroupStuck",
+    "FrLoad",
+    "FrMismatch",
+    "FrOp",
+    "FrRank",
+    "FrRankEntries",
+    "FrRole",
+    "FrVerdict",
+]
 
 FrRole = Literal["culprit", "waiting", "done", "no dump"]
 
@@ -88,3 +100,22 @@ class FrVerdict(CamelStruct, kw_only=True, frozen=True):
     """Files not read, each with why."""
     version: str = ""
     commLib: str = ""
+
+
+class FrRankEntries(CamelStruct, kw_only=True, frozen=True):
+    """One rank's newest records of a dump, as flight-recorder entries for its lane."""
+
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]
+    entries: list[FlightEntry]
+
+
+class FrLoad(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A job's dumps put into rankscope (`rankscope fr load`, `POST /v1/fr/loads`): its
+    ranks shown as instance `jobId`, the verdict as an incident of it."""
+
+    jobId: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]
+    verdict: FrVerdict
+    ranks: Annotated[list[FrRankEntries], msgspec.Meta(min_length=1, max_length=MAX_WORLD)]
+    loadedAt: str
+    files: str = ""
+    """Where the dumps were read, in words."""

@@ -219,7 +219,14 @@ async def test_the_gateway_cannot_publish_telemetry_placements_status_or_output(
     await gateway.nc.publish(SUBJECTS.output("cmd", "node-a"), b"{}")
     await gateway.refused(SUBJECTS.output("cmd", "node-a"))
     await gateway.js.publish(SUBJECTS.tasks("i"), b"{}")  # its own work
+    await gateway.js.publish(SUBJECTS.fr_load("i"), b"{}")  # `rankscope fr load`'s too
     await close(gateway.nc)
+
+
+async def test_no_agent_loads_dumps_as_the_gateway_does(server: EmbeddedNats) -> None:
+    agent = await _login(server, agent_user("node-a"))
+    await agent.publish_refused(SUBJECTS.fr_load("i"))
+    await close(agent.nc)
 
 
 async def test_the_gateway_reads_memory_samples_and_no_other_telemetry(

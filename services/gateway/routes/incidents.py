@@ -120,6 +120,8 @@ async def incident_bundle(incidentId: str, nats: Nats) -> Response:  # noqa: N80
     if last.instanceId:
         await _timeline(nats, bundle, last.instanceId, last.since, last.clearedAt)
         await _placement(nats, bundle, last.instanceId)
+        if (dumps := await nats.fr_load(last.instanceId)) is not None:  # `rankscope fr load`
+            bundle.add("fr_verdict.json", dumps.verdict)
     else:
         bundle.lacks("a timeline: the incident is of the installation (NATS), not of one instance")
     await _versions(nats, bundle, {e.nodeId for f in updates for e in f.evidence})

@@ -18,7 +18,7 @@ COLORS.prefill_pipeline = "#b084ff";
 
 // a recorded job's lanes (`rankscope record`) tell what the program did, not a runner's phases
 const RECORDED = { group_ready: "hsl(137 60% 55%)", steps: "#4aa3ff", collective_resumed: "#4aa3ff",
-  collective_wait: "#ffb347", program_exit: "#3a4150" };
+  collective_done: "#4aa3ff", collective_wait: "#ffb347", program_exit: "#3a4150" };
 const LANE = 30, LABEL = 330, AXIS = 26, MEMORY_ROW = 46, PACE_ROW = 18, WAIT_FRAMES = 4;
 const MEMORY = { active: "#58d68d", peak: "#ffb347", cache: "#7fb3ff" };
 const canvas = document.getElementById("lanes");
