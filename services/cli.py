@@ -78,6 +78,13 @@ def _record(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _ranktable(args: argparse.Namespace, settings: Settings) -> int:
+    if (args.job is None) == (not args.serve):
+        print(
+            "rankscope ranktable: give a JOB to print its rank table, or --serve to run the "
+            "rank-table service (see --help)",
+            file=sys.stderr,
+        )
+        return 2
     if args.job is not None:
         return ranktable_client(args)
     from rankscope.services.ranktable.main import run
@@ -155,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ranktable = commands.add_parser(
         "ranktable",
-        help="run the rank-table service; with JOB, print that job's rank table instead",
-        usage=f"%(prog)s [-h] [JOB [--follow] [--url URL] [--json]] {_SETTINGS}",
+        help="print a job's rank table; with --serve, run the rank-table service",
+        usage=f"%(prog)s [-h] JOB [--follow] [--url URL] [--json] | --serve {_SETTINGS}",
+    )
+    ranktable.add_argument(
+        "--serve", action="store_true", help="run the rank-table service (`up` starts it so)"
     )
     ranktable.add_argument(
         "job", nargs="?", type=identifier, metavar="JOB", help="job id (= instance id)"
@@ -196,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rankscope: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_format, settings.log_level)
-    if args.command in _SERVICES:
+    if args.command in _SERVICES and getattr(args, "serve", True):  # not a client call
         watch_parent_from_env()  # a service `up` started ends with it, on every platform
         setproctitle(f"rankscope {args.command}")  # an agent adds its node once it knows it
     handler: Callable[[argparse.Namespace, Settings], int] = args.handler

@@ -26,15 +26,17 @@ pytestmark = pytest.mark.nats
 REPO = Path(__file__).parent.parent
 
 
-@pytest.mark.parametrize("service", ["aggregator", "ranktable", "agent"])
-def test_sigterm_after_nats_is_gone_still_ends_the_process(tmp_path: Path, service: str) -> None:
+@pytest.mark.parametrize("service", [["aggregator"], ["ranktable", "--serve"], ["agent"]])
+def test_sigterm_after_nats_is_gone_still_ends_the_process(
+    tmp_path: Path, service: list[str]
+) -> None:
     server = EmbeddedNats(store_dir=tmp_path / "nats").start()
     process = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "rankscope.services.cli",
-            service,
+            *service,
             "--grpc-port",
             "0",
             "--data-dir",

@@ -44,7 +44,7 @@ def services(settings: Settings) -> tuple[ChildSpec, ...]:
     )
     return (
         *(aggregators if count > 1 else [ChildSpec("aggregator", ["aggregator"])]),
-        ChildSpec("ranktable", ["ranktable"]),
+        ChildSpec("ranktable", ["ranktable", "--serve"]),
         ChildSpec("gateway", ["gateway"]),
     )
 

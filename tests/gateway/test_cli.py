@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import re
+import subprocess
 import sys
 import tarfile
 import threading
@@ -256,3 +257,18 @@ def test_an_incident_rankscope_did_not_watch_for_a_while_says_from_when_to_when(
     assert said.startswith("  rankscope did not watch it from 2026-01-02 12:00:10Z")
     assert " to 2026-01-02 12:15:57Z" in said
     assert said.endswith(": what happened meanwhile was not seen")
+
+
+def test_ranktable_without_a_job_starts_no_service_but_says_what_to_give() -> None:
+    for args in ([], ["job-0", "--serve"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "rankscope.services.cli", "ranktable", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [
+            "rankscope ranktable: give a JOB to print its rank table, or --serve to run the "
+            "rank-table service (see --help)"
+        ]

@@ -198,8 +198,8 @@ async def deployed(
     nc = await connect(config, "fault-test")
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway}", timeout=30) as http:
         built = Deployment(root=root, server=server, env=env, http=http, nc=nc)
-        for service in ("aggregator", "ranktable", "gateway"):
-            built.start(service, service)
+        for service, *flags in (("aggregator",), ("ranktable", "--serve"), ("gateway",)):
+            built.start(service, service, *flags)
         for node, agent in agents.items():
             own = {"RANKSCOPE_NODE_ID": node, "RANKSCOPE_DATA_DIR": str(root / node)}
             if agent.nats_url:

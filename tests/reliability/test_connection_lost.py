@@ -56,7 +56,7 @@ def _revoke(server: EmbeddedNats, user: str) -> None:
     ("command", "user", "name"),
     [
         (["aggregator"], "aggregator", "rankscope-aggregator"),
-        (["ranktable"], "ranktable", "rankscope-ranktable"),
+        (["ranktable", "--serve"], "ranktable", "rankscope-ranktable"),
         (["gateway"], "gateway", "rankscope-gateway"),
         (["agent"], agent_user("node-a"), "rankscope-agent-node-a"),
     ],
