@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -14,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.stack_up import REPO, free_ports, up_command
+from tests.stack_up import REPO, free_ports, stop_up, up_command
 
 __all__ = ["Demo", "launch_demo", "stop_up"]
 
@@ -78,17 +77,3 @@ def launch_demo(
         if line.startswith("demo ready"):
             return process
     raise AssertionError("the demo never became ready")
-
-
-def stop_up(process: subprocess.Popen[str]) -> None:
-    """Stop `up` as Ctrl-C does, so it stops its NATS server too (on the portable path
-    nothing else would), and by force only if it does not end."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    process.wait()
-    assert process.stdout is not None
-    process.stdout.close()

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["free_port", "free_ports", "running_up", "up_command"]
+__all__ = ["free_port", "free_ports", "running_up", "stop_up", "up_command"]
 
 REPO = Path(__file__).parent.parent
 
@@ -89,13 +89,19 @@ def running_up(
     try:
         yield process, shown
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        process.wait()
-        process.stdout.close()
-        assert process.stderr is not None
-        process.stderr.close()
+        stop_up(process)
+
+
+def stop_up(process: subprocess.Popen[str]) -> None:
+    """Stop `up` as Ctrl-C does, so it stops its NATS server too (on the portable path
+    nothing else would), and by force only if it does not end."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    process.wait()
+    for pipe in (process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()
