@@ -8,8 +8,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from rankscope.services.record.hook import STOP_FILE
 from rankscope.services.record.watcher import Hello, _Rank, let_go
+from rankscope.shared.recording import STOP_FILE
 from rankscope.shared.subjects import Subjects
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import RunnerRef, RunnerStatusKind

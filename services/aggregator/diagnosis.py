@@ -26,6 +26,7 @@ from rankscope.services.aggregator.collectives import judge_recorded
 from rankscope.services.aggregator.pace import PaceLimits, judge_pace, paces_of
 from rankscope.services.aggregator.runners import RunnerView
 from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.recording import WAIT_NOTE_S
 from rankscope.shared.timestamps import format_ts, parse_ts, to_epoch
 from rankscope.shared.wire import (
     Breadcrumb,
@@ -45,8 +46,6 @@ __all__ = ["PHASE_ORDER", "Incident", "Thresholds", "diagnose"]
 PHASE_ORDER = {phase: index for index, phase in enumerate(Phase)}
 """Phases in the order a request goes through them (the seed's order)."""
 
-WAIT_NOTED_S = 1.0
-"""How long a recorded rank waits in a collective before it says so."""
 STEPPING_S = 1.2
 """Seconds since a rank's newest sampled step (it samples every second) after which it
 counts as not stepping (idle, or held by a peer), unless it steps that slowly."""
@@ -258,7 +257,7 @@ class _Judge:
             return _Verdict(FindingKind.MISSING_DATA, silent, [])
         found = judge_recorded(
             self.views,
-            waited=lambda v: self.now - (v.progressed or self.now) + WAIT_NOTED_S,
+            waited=lambda v: self.now - (v.progressed or self.now) + WAIT_NOTE_S,
             silent=lambda v: self.last_heard(v) if self.frozen(v) else None,
             patience=self.limits.working,
             now=to_epoch(self.wall),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from rankscope.services.record.hook import step
+from rankscope.shared.recording import Handoff
 
 __all__ = ["start", "step"]
 
@@ -27,7 +28,7 @@ def start(job: str | None = None, node: str | None = None) -> None:
     from rankscope.services.record import hook
 
     if job:
-        os.environ["RANKSCOPE_RECORD_JOB"] = job
+        os.environ[Handoff.JOB] = job
     if node:
-        os.environ["RANKSCOPE_RECORD_NODE"] = node
+        os.environ[Handoff.NODE] = node
     hook.install(mx)

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rankscope.services.record.hook import STOP_FILE
 from rankscope.services.record.signals import Relay
 from rankscope.shared.host import hostname
+from rankscope.shared.recording import STOP_FILE, Handoff, rank_marker
 from rankscope.shared.settings import Settings, to_environ
 
 __all__ = ["LAUNCHED_RANK", "add_record_command", "record"]
@@ -53,15 +53,15 @@ def _environment(args: argparse.Namespace, settings: Settings, exits: str) -> di
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{SITE}{os.pathsep}{path}" if path else str(SITE)
     env["RANKSCOPE_RECORD"] = "1"
-    env["RANKSCOPE_RECORD_PYTHON"] = sys.executable
-    env["RANKSCOPE_RECORD_NODE"] = _node(args.node, settings)
-    env["RANKSCOPE_RECORD_HOST"] = settings.node_address
-    env["RANKSCOPE_RECORD_EXITS"] = exits
+    env[Handoff.PYTHON] = sys.executable
+    env[Handoff.NODE] = _node(args.node, settings)
+    env[Handoff.HOST] = settings.node_address
+    env[Handoff.EXITS] = exits
     if args.job:
-        env["RANKSCOPE_RECORD_JOB"] = args.job
+        env[Handoff.JOB] = args.job
     elif not any(name in os.environ for name in LAUNCHED_RANK):
         # around a launcher: every rank it starts inherits this one id
-        env["RANKSCOPE_RECORD_JOB"] = f"job-{secrets.token_hex(4)}"
+        env[Handoff.JOB] = f"job-{secrets.token_hex(4)}"
     return env
 
 
@@ -111,7 +111,7 @@ def _tell_watcher(exits: Path, pid: int, returncode: int) -> None:
     """Say how a rank this command started ended, for its watcher (it cannot learn it:
     it is not the rank's parent), then wait briefly until every watcher under it has
     read how its rank ended (a launcher under it wrote theirs)."""
-    marker = exits / f"{pid}.rank"
+    marker = exits / rank_marker(pid)
     if marker.exists():
         (exits / f"{pid}.tmp").write_text(json.dumps({"returncode": returncode}))
         (exits / f"{pid}.tmp").rename(exits / str(pid))

@@ -76,13 +76,12 @@ SAMPLE_ANYWAY_S = 0.15
 steps of a ten-plus milliseconds make two synchronisations cheap, and four samples a
 second tell a slow rank from one its neighbours on the core took turns from."""
 STOP_FILE = "stop-asked"
-"""In `RANKSCOPE_RECORD_EXITS` once the user asked the job to stop (`rankscope record`
-got Ctrl-C or an ending signal): the signal's name, for the watchers to tell a stop from
-a fault."""
+"""`shared/recording.py`'s, kept here as this module's other shared names are (it is loaded
+by path where rankscope may not be installed; tests/test_recording.py checks the copy)."""
 STACK_SIGNAL = signal.SIGUSR1
 """Makes a recorded rank write its stacks, as a runner does."""
 WAIT_NOTE_S = 1.0
-"""How long an evaluation waits on its collectives before the rank says so."""
+"""How long an evaluation waits on its collectives before the rank says so (as above)."""
 _EVALUATIONS = ("eval", "async_eval")  # async_eval too waits when the last one has not finished
 _ARRAY_EVALUATIONS = ("item", "tolist")
 _TICK_S = 0.25

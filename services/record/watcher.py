@@ -28,10 +28,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from rankscope.services.record.hook import STACK_SIGNAL, STOP_FILE
+from rankscope.services.record.hook import STACK_SIGNAL
 from rankscope.shared import logs
 from rankscope.shared.connection import close, connect
 from rankscope.shared.processes import DUMPABLE, dump_stacks, process_state, signal_name
+from rankscope.shared.recording import STOP_FILE
 from rankscope.shared.settings import Settings, SettingsError, load
 from rankscope.shared.subjects import Subjects, TelemetryKind
 from rankscope.shared.telemetry import TelemetryPublisher
