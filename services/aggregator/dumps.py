@@ -97,10 +97,9 @@ def _incident(load: FrLoad, refs: dict[int, RunnerRef]) -> list[Finding]:
 
 def loaded(load: FrLoad) -> Loaded:
     """The views' share of `load` and its incident."""
-    world = max((r.rank for r in load.verdict.ranks), default=0) + 1
-    world = max(world, max(r.rank for r in load.ranks) + 1)
-    refs = {rank: _runner(load.jobId, rank, world) for rank in range(world)}
     shown = sorted({r.rank for r in load.verdict.ranks} | {r.rank for r in load.ranks})
+    world = shown[-1] + 1
+    refs = {rank: _runner(load.jobId, rank, world) for rank in shown}
     instance = InstanceCreated(
         at=load.loadedAt,
         instanceId=load.jobId,

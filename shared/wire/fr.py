@@ -72,7 +72,7 @@ class FrMismatch(CamelStruct, kw_only=True, frozen=True):
 class FrRank(CamelStruct, kw_only=True, frozen=True):
     """One rank as its dump (or the lack of one) shows it."""
 
-    rank: int
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]
     role: FrRole
     waitingIn: FrOp | None = None
     """Its oldest operation not completed: where it waits."""
@@ -91,7 +91,7 @@ class FrVerdict(CamelStruct, kw_only=True, frozen=True):
 
     culprits: list[int]
     summary: str
-    ranks: list[FrRank]
+    ranks: Annotated[list[FrRank], msgspec.Meta(max_length=MAX_WORLD)]
     stuck: list[FrGroupStuck] = []
     mismatches: list[FrMismatch] = []
     withoutDump: list[int] = []

@@ -1057,3 +1057,19 @@ async def test_memory_over_time_keeps_each_slice_s_highest_sample(
     too_many = await stack.http.get("/v1/cluster/memory", params=asked)
     assert too_many.status_code == 413
     assert "more than 50 memory samples" in too_many.json()["detail"]
+
+
+async def test_a_dump_load_out_of_bounds_is_refused_with_its_path(stack_for: Any) -> None:
+    stack: Stack = await stack_for()
+    verdict = {"culprits": [], "summary": "", "ranks": []}
+    load = {"jobId": "fr-x", "verdict": verdict, "ranks": [{"rank": 0, "entries": []}],
+            "loadedAt": "2026-11-27T12:00:00Z"}  # fmt: skip
+    huge = {**verdict, "ranks": [{"rank": 10**12, "role": "done"}]}
+    reply = await stack.http.post("/v1/fr/loads", json={**load, "verdict": huge})
+    assert reply.status_code == 422, reply.text
+    assert "$.verdict.ranks[0].rank" in reply.json()["detail"]
+    reply = await stack.http.post("/v1/fr/loads", json={**load, "jobId": "../x"})
+    assert reply.status_code == 422, reply.text
+    assert "$.jobId" in reply.json()["detail"]
+    reply = await stack.http.post("/v1/fr/loads", json=load)
+    assert reply.status_code == 202, reply.text  # the same load within its bounds
