@@ -261,8 +261,6 @@ def _mismatches(judge: _Judge) -> list[FrMismatch]:
                 said.add(what)
                 fewest = min(len(r) for r in sides.values())
                 culprits = sorted(r for side in sides.values() if len(side) == fewest for r in side)
-                if all(len(side) == fewest for side in sides.values()):
-                    culprits = sorted(r for side in sides.values() for r in side)
                 found.append(
                     FrMismatch(
                         group=name,
