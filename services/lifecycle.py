@@ -18,7 +18,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from rankscope.shared.connection import ConnectionLostError, Lifeline, connect
-from rankscope.shared.jetstream import Layout, LayoutError, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import LayoutError, ensure
 from rankscope.shared.settings import Settings
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Follow a stream (or a KV bucket) without ever losing a message, and know when the
+"""Follow a stream without ever losing a message, and know when the
 backlog is applied.
 
 This is how views are rebuilt: replay from the start (or the last message per subject),
@@ -32,11 +32,8 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
-from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
-from rankscope.shared.subjects import kv_key
-
-__all__ = ["Follower", "follow", "follow_bucket", "stored_ns"]
+__all__ = ["Follower", "follow", "stored_ns"]
 
 log = logging.getLogger(__name__)
 
@@ -464,10 +461,6 @@ async def follow(
     return follower
 
 
-_MARKERS = {"MaxAge": KV_PURGE, "Purge": KV_PURGE, "Remove": KV_DEL}
-"""What the server's own markers (a key's TTL ran out, ...) mean as a KV operation."""
-
-
 def stored_ns(reply: str | None) -> int | None:
     """When JetStream stored a message (ns since the epoch), read off the ack subject it
     was delivered with (`$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<time>.…`,
@@ -486,38 +479,3 @@ def stored_ns(reply: str | None) -> int | None:
 
 _TIME_FROM_END = {8: 2, 10: 2, 11: 3}
 """Where the time is in an ack subject of so many dots, as the dots after it plus one."""
-
-
-async def follow_bucket(
-    js: JetStreamContext, bucket: str, handle: Callable[[KeyValue.Entry], Awaitable[None]]
-) -> Follower:
-    """Follow every key of KV `bucket`: its latest entry per key, then every change, with
-    `caught_up` set once the latest entries are handled.
-
-    nats-py's own watcher is not used: it signals the end of the initial entries by
-    comparing the server's pending count with what the client has read off the socket, so
-    it can signal it before an entry the server has already sent arrives, and a service
-    would start from an empty bucket (a restarted rank-table service released instances
-    whose spec had not arrived yet).
-    """
-    prefix = kv_key(bucket, "")
-
-    async def on_msg(msg: Msg) -> None:
-        headers = msg.headers or {}
-        reason = headers.get(KV_MARKER_REASON)
-        if reason is not None and reason not in _MARKERS:
-            return  # a marker of a kind this version does not know: no entry
-        operation = headers.get(KV_OP) or (_MARKERS[reason] if reason else None)
-        await handle(
-            KeyValue.Entry(
-                bucket=bucket,
-                key=msg.subject[len(prefix) :],
-                value=msg.data,
-                revision=msg.metadata.sequence.stream,
-                delta=None,
-                created=stored_ns(msg.reply),  # ns since the epoch
-                operation=operation,
-            )
-        )
-
-    return await follow(js, f"{prefix}>", on_msg, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)

@@ -9,7 +9,8 @@ from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError
 
 from rankscope.shared.acks import AckInbox
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import ensure
 
 pytestmark = pytest.mark.nats
 

@@ -11,7 +11,8 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from rankscope.shared.heartbeat import Heartbeat
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import ensure
 from rankscope.shared.subjects import token
 from rankscope.shared.wire import NodeInfo, decode
 from tests.ranktable.builders import node_info

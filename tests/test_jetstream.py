@@ -14,14 +14,8 @@ from nats.js.api import StreamInfo
 from nats.js.errors import APIError, NotFoundError
 
 from rankscope.shared.connection import close, connect
-from rankscope.shared.jetstream import (
-    DEAD_LETTERS_KEPT,
-    DUPLICATE_WINDOW_S,
-    Layout,
-    LayoutError,
-    _refused,
-    ensure,
-)
+from rankscope.shared.jetstream import DEAD_LETTERS_KEPT, DUPLICATE_WINDOW_S, Layout
+from rankscope.shared.provision import LayoutError, _refused, ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import Subjects
 
@@ -175,10 +169,10 @@ async def test_a_role_that_makes_no_stream_waits_for_them_and_says_which_is_miss
 async def test_a_first_start_says_in_one_line_what_it_made_and_a_second_says_nothing(
     nc: Client, layout: Layout, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="rankscope.shared.jetstream")
+    caplog.set_level(logging.INFO, logger="rankscope.shared.provision")
 
     def said() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.name == "rankscope.shared.jetstream"]
+        return [r.getMessage() for r in caplog.records if r.name == "rankscope.shared.provision"]
 
     await ensure(nc.jetstream(), layout)
     everything = len(layout.streams) + len(layout.buckets)

@@ -15,10 +15,12 @@ from nats.errors import SlowConsumerError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from rankscope.shared.buckets import follow_bucket
 from rankscope.shared.connection import connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
-from rankscope.shared.replay import follow, follow_bucket, stored_ns
+from rankscope.shared.provision import ensure
+from rankscope.shared.replay import follow, stored_ns
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import Subjects
 from tests.stack_up import free_port

@@ -18,8 +18,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import ServiceUnavailableError
 
 from rankscope.shared.connection import close, connect
-from rankscope.shared.jetstream import Layout, LayoutError, ensure, publish_acked
+from rankscope.shared.jetstream import Layout, publish_acked
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import LayoutError, ensure
 from rankscope.shared.settings import Settings, SettingsError, load
 from rankscope.shared.storage import Storage
 from rankscope.shared.telemetry import TelemetryPublisher

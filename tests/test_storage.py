@@ -15,8 +15,9 @@ import pytest
 from nats.aio.client import Client
 
 from rankscope.shared.connection import connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.storage import Storage
 

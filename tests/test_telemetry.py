@@ -13,8 +13,9 @@ from nats.aio.client import Client
 from nats.js.api import DeliverPolicy
 
 from rankscope.shared.connection import connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now

@@ -7,7 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from rankscope.services.aggregator.pace import PaceHistory
-from rankscope.services.aggregator.store import SeqTracker
+from rankscope.services.aggregator.seqs import SeqTracker
 from rankscope.shared.synopsis import Synopsis
 from rankscope.shared.wire import (
     FlightRecord,

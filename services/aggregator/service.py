@@ -24,11 +24,12 @@ from rankscope.services.aggregator.queries import Queries
 from rankscope.services.aggregator.resume import Snapshots
 from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.views import ClusterState
+from rankscope.shared.buckets import follow_bucket
 from rankscope.shared.connection import Reachability, slow_consumer_drops
 from rankscope.shared.deadletter import DeadLetters
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.partitions import Partition
-from rankscope.shared.replay import Follower, follow_bucket
+from rankscope.shared.replay import Follower
 from rankscope.shared.storage import Storage
 from rankscope.shared.wire import AggregatorHealth
 

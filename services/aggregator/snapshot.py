@@ -16,7 +16,8 @@ import msgspec
 
 from rankscope.services.aggregator.pace import PaceHistory, PaceImage
 from rankscope.services.aggregator.runners import Runners, RunnerView, TaskView
-from rankscope.services.aggregator.store import EntryStore, SeqTracker, StoreImage
+from rankscope.services.aggregator.seqs import SeqTracker
+from rankscope.services.aggregator.store import EntryStore, StoreImage
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.synopsis import Synopsis
 from rankscope.shared.wire import (

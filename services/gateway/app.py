@@ -39,7 +39,8 @@ from rankscope.services.gateway.scatter import MissingPartitions
 from rankscope.services.lifecycle import quiet_closed_writes
 from rankscope.shared.connection import close, connect
 from rankscope.shared.host import hostname
-from rankscope.shared.jetstream import Layout, LayoutError, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import LayoutError, ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import IdTooLongError
 

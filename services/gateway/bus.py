@@ -19,11 +19,12 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 from nats.js.kv import KeyValue
 
 from rankscope.services.gateway.scatter import merge, with_missing
+from rankscope.shared.buckets import follow_bucket
 from rankscope.shared.connection import REACH_CHECK_S, Reachability
 from rankscope.shared.headers import ERROR_CODE_HEADER, ERROR_HEADER, VERSION_HEADER
 from rankscope.shared.jetstream import Layout, publish_acked
 from rankscope.shared.partitions import partition_of
-from rankscope.shared.replay import follow, follow_bucket
+from rankscope.shared.replay import follow
 from rankscope.shared.subjects import token, untoken
 from rankscope.shared.timestamps import later, now, parse_ts
 from rankscope.shared.wire import (

@@ -36,12 +36,13 @@ from rankscope.services.ranktable.state import (
     misplaced,
 )
 from rankscope.services.ranktable.tables import rank_table
+from rankscope.shared.buckets import follow_bucket
 from rankscope.shared.deadletter import DeadLetters
 from rankscope.shared.headers import VERSION_HEADER
 from rankscope.shared.inputs import BadInputError, parse_telemetry
 from rankscope.shared.jetstream import Layout, publish_acked
 from rankscope.shared.model_shape import ModelShape
-from rankscope.shared.replay import Follower, follow, follow_bucket
+from rankscope.shared.replay import Follower, follow
 from rankscope.shared.specs import MAX_REPLICAS
 from rankscope.shared.subjects import token, untoken
 from rankscope.shared.timestamps import now, to_epoch

@@ -25,33 +25,26 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
-import faulthandler
 import functools
 import json
 import os
 import secrets
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from typing import Any
+
+from rankscope.services.record.pipe import Pipe, name_process, now
 
 __all__ = [
     "COLLECTIVES",
     "SAMPLE_ANYWAY_S",
     "SAMPLE_EVERY",
     "SAMPLE_GAP_S",
-    "STACK_SIGNAL",
-    "STOP_FILE",
     "WAIT_NOTE_S",
     "Recorder",
     "install",
-    "note_child_exits",
     "step",
 ]
 
@@ -75,38 +68,13 @@ SAMPLE_ANYWAY_S = 0.15
 """Time after `SAMPLE_GAP_S` when the next step is sampled, however few steps came between:
 steps of a ten-plus milliseconds make two synchronisations cheap, and four samples a
 second tell a slow rank from one its neighbours on the core took turns from."""
-STOP_FILE = "stop-asked"
-"""`shared/recording.py`'s, kept here as this module's other shared names are (it is loaded
-by path where rankscope may not be installed; tests/test_recording.py checks the copy)."""
-STACK_SIGNAL = signal.SIGUSR1
-"""Makes a recorded rank write its stacks, as a runner does."""
 WAIT_NOTE_S = 1.0
-"""How long an evaluation waits on its collectives before the rank says so (as above)."""
+"""How long an evaluation waits on its collectives before the rank says so:
+`shared/recording.py`'s, kept here (this module is loaded by path where rankscope may not be
+installed; tests/test_recording.py checks the copy)."""
 _EVALUATIONS = ("eval", "async_eval")  # async_eval too waits when the last one has not finished
 _ARRAY_EVALUATIONS = ("item", "tolist")
 _TICK_S = 0.25
-_COMMAND_CHARS = 256
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _started_at() -> str:
-    """When this process started, to the second (the same however often asked)."""
-    try:
-        with open(f"/proc/{os.getpid()}/stat") as stat:
-            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as boot:
-            booted = next(int(line.split()[1]) for line in boot if line.startswith("btime"))
-        seconds = booted + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        seconds = _FIRST_SEEN
-    return datetime.fromtimestamp(int(seconds), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-_FIRST_SEEN = time.time()
-"""When this module was first imported: the start time where the system keeps none."""
 
 
 def _ring_port(rank: int) -> int:
@@ -117,25 +85,6 @@ def _ring_port(rank: int) -> int:
         return int(str(address).rsplit(":", 1)[1])
     except (KeyError, OSError, ValueError, IndexError, TypeError):
         return 0
-
-
-def _stacks_on_request() -> str:
-    """Have `faulthandler` append every thread's stack to a file on `STACK_SIGNAL`, even
-    from inside a blocked collective (after the program's own handler, if it has one);
-    the file's path, empty when that cannot be."""
-    previous = signal.getsignal(STACK_SIGNAL)
-    try:
-        handle, path = tempfile.mkstemp(prefix="rankscope-stacks-", suffix=".txt")
-        os.close(handle)
-        faulthandler.register(
-            STACK_SIGNAL,
-            file=open(path, "a"),  # noqa: SIM115  (open for the process's life)
-            all_threads=True,
-            chain=callable(previous),
-        )
-    except (OSError, RuntimeError, ValueError):
-        return ""
-    return path
 
 
 class Recorder:
@@ -163,99 +112,35 @@ class Recorder:
         self.issued: tuple[str, str, int] | None = None
         """The newest collective issued: (op, group, number)."""
         self._told: tuple[str, str, int] | None = None
-        self.dropped = 0
         self.exit_code: int | None = None
         self.error: str | None = None
-        self._pipe: int | None = None
+        self.pipe = Pipe()
         self._lock = threading.Lock()
 
-    # The pipe
-
     def attach(self, job: str, node: str) -> None:
-        """Start the watcher and say who this rank is."""
-        python = os.environ.get("RANKSCOPE_RECORD_PYTHON", sys.executable)
-        log = os.environ.get("RANKSCOPE_RECORD_LOG")
-        with contextlib.ExitStack() as files:
-            err = files.enter_context(open(log, "ab")) if log else subprocess.DEVNULL
-            watcher = subprocess.Popen(
-                [python, "-m", "rankscope.services.record.watcher"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                start_new_session=True,  # a Ctrl-C for the program is not for it
-                close_fds=True,
-            )
-        assert watcher.stdin is not None
-        exits = os.environ.get("RANKSCOPE_RECORD_EXITS")
-        if exits:  # `rankscope record` started this process: it will say how it ended
-            with contextlib.suppress(OSError):
-                open(os.path.join(exits, f"{os.getpid()}.rank"), "w").close()
-        self._pipe = os.dup(watcher.stdin.fileno())
-        watcher.stdin.close()
-        os.set_blocking(self._pipe, False)
-        stacks = _stacks_on_request()
-        self.send(
-            "hello",
-            jobId=job,
-            nodeId=node,
-            deviceRank=self.rank,
-            worldSize=self.size,
-            pid=os.getpid(),
-            host=os.environ.get("RANKSCOPE_RECORD_HOST", "127.0.0.1"),
+        """Start the watcher, say who this rank is, and tick."""
+        self.pipe.start(
+            jobId=job, nodeId=node, deviceRank=self.rank, worldSize=self.size,
             port=_ring_port(self.rank),
-            command=" ".join(sys.argv)[:_COMMAND_CHARS] or sys.executable,
-            startedAt=_started_at(),
-            exitFile=os.environ.get("RANKSCOPE_RECORD_EXITS", ""),
-            stackFile=stacks,
-        )
+        )  # fmt: skip
         threading.Thread(target=self._tick, name="rankscope-recorder", daemon=True).start()
         atexit.register(self._bye)
 
-    def send(self, kind: str, **fields: Any) -> None:
-        """One line to the watcher; dropped (and counted) when the pipe is full."""
-        if self._pipe is None:
-            return
-        line = json.dumps({kind: fields}, separators=(",", ":"), default=str).encode() + b"\n"
-        with self._lock:
-            try:
-                written = os.write(self._pipe, line)
-            except BlockingIOError:
-                self.dropped += 1
-                return
-            except OSError as exc:  # the watcher is gone: recording ends, the program not
-                if exc.errno in (errno.EPIPE, errno.EBADF):
-                    self._pipe = None
-                return
-            if written < len(line):  # rare: finish the line rather than tear it
-                os.set_blocking(self._pipe, True)
-                with contextlib.suppress(OSError):
-                    os.write(self._pipe, line[written:])
-                os.set_blocking(self._pipe, False)
-
     def entry(self, phase: str, event: str, detail: str | None = None, **attrs: Any) -> None:
         """A flight-recorder entry of this rank."""
-        dropped, self.dropped = self.dropped, 0
-        self.send(
-            "entry",
-            at=_now(),
-            phase=phase,
-            event=event,
-            detail=detail,
-            attrs=attrs,
-            dropped=dropped,
-        )
+        self.pipe.entry(phase, event, detail, **attrs)
 
     def _tick(self) -> None:
         """Memory every second; a wait noted once it is long enough."""
         sampled = 0.0
-        while self._pipe is not None:
+        while self.pipe.open:
             time.sleep(_TICK_S)
             moment = time.monotonic()
             if moment - sampled >= 1.0:
                 sampled = moment
-                self.send(
+                self.pipe.send(
                     "memory",
-                    at=_now(),
+                    at=now(),
                     active=self.mx.get_active_memory(),
                     peak=self.mx.get_peak_memory(),
                     cache=self.mx.get_cache_memory(),
@@ -311,11 +196,8 @@ class Recorder:
     def _bye(self) -> None:
         made = self.counts.get("world", 0)
         self.entry("shutdown_cleanup", "program_exit", f"after {made} collectives", step=made)
-        self.send("bye", code=self.exit_code, error=self.error)
-        with self._lock:
-            if self._pipe is not None:
-                os.close(self._pipe)
-                self._pipe = None
+        self.pipe.send("bye", code=self.exit_code, error=self.error)
+        self.pipe.close()
 
     # What the program calls
 
@@ -399,16 +281,6 @@ def _node_id() -> str:
     return os.environ.get("RANKSCOPE_RECORD_NODE") or os.uname().nodename
 
 
-def _name_process(job: str, rank: int) -> None:
-    """Add the job and rank to the process's title (`ps`: `python train.py [rankscope
-    train-7 rank 1]`) where setproctitle can be imported (a Python without it keeps its)."""
-    try:
-        from setproctitle import getproctitle, setproctitle
-    except ImportError:
-        return
-    setproctitle(f"{getproctitle()} [rankscope {job} rank {rank}]")
-
-
 def _wrap_init(
     mx: Any, init: Callable[..., Any], all_sum: Callable[..., Any], plain_eval: Callable[..., Any]
 ) -> Callable[..., Any]:
@@ -420,7 +292,7 @@ def _wrap_init(
             recorder = Recorder(mx, group.rank(), group.size(), plain_eval)
             job = _job_id(mx, all_sum, group)
             recorder.attach(job, _node_id())
-            _name_process(job, group.rank())
+            name_process(job, group.rank())
             recorder.entry("connect_group", "group_ready", rank=group.rank(), size=group.size())
             _recorder = recorder
         return group
@@ -480,30 +352,6 @@ def _note_exception(previous: Callable[..., Any]) -> Callable[..., Any]:
         previous(kind, value, traceback)
 
     return hook
-
-
-def note_child_exits() -> None:
-    """In a launcher under `rankscope record` (`mlx.launch` is Python too): write how
-    each child that is a recorded rank ended, where its watcher reads it (a watcher is
-    the rank's child, so cannot learn its exit status or signal itself)."""
-    exits = os.environ.get("RANKSCOPE_RECORD_EXITS")
-    handle = getattr(subprocess.Popen, "_handle_exitstatus", None)
-    if not exits or handle is None:
-        return
-
-    @functools.wraps(handle)
-    def wrapped(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
-        handle(self, *args, **kwargs)
-        marker = os.path.join(exits, f"{self.pid}.rank")
-        if self.returncode is not None and os.path.exists(marker):
-            with contextlib.suppress(OSError):
-                staged = os.path.join(exits, f"{self.pid}.tmp")
-                with open(staged, "w") as out:
-                    json.dump({"returncode": self.returncode}, out)
-                os.replace(staged, os.path.join(exits, str(self.pid)))
-                os.remove(marker)
-
-    subprocess.Popen._handle_exitstatus = wrapped  # type: ignore[attr-defined]
 
 
 _installed = False

@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from rankscope.services.record.hook import STACK_SIGNAL
+from rankscope.services.record.pipe import STACK_SIGNAL
 from rankscope.shared import logs
 from rankscope.shared.connection import close, connect
 from rankscope.shared.processes import DUMPABLE, dump_stacks, process_state, signal_name

@@ -21,9 +21,10 @@ from rankscope.services.stack.demo import drive
 from rankscope.services.stack.supervisor import ChildSpec, Supervisor, keep_nats
 from rankscope.services.stack.terminal import Terminal
 from rankscope.shared.connection import close, connect
-from rankscope.shared.jetstream import Layout, LayoutError, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_auth import OPERATOR, agent_user, render
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import LayoutError, ensure
 from rankscope.shared.settings import Settings, env_name, to_environ
 from rankscope.shared.subjects import Subjects
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model

@@ -22,8 +22,9 @@ from nats.js.api import DeliverPolicy
 
 from rankscope.services.agent.main import serve_until
 from rankscope.shared.connection import connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.timestamps import format_ts, now
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model

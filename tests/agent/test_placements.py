@@ -13,7 +13,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from rankscope.services.agent.agent import Agent
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import ensure
 from rankscope.shared.replay import follow
 from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import format_ts, later, now

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client
 
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import ensure
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ from rankscope.services.aggregator import answers
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.store import EntryStore
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import ensure
 from rankscope.shared.wire import (
     Phase,
     TaskCreated,

@@ -8,12 +8,11 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rankscope.services.aggregator.seqs import MAX_RUNS, SeqTracker
 from rankscope.services.aggregator.store import (
     BATCH_BYTES,
     INDEX_BYTES,
-    MAX_RUNS,
     EntryStore,
-    SeqTracker,
     StoreImage,
 )
 from rankscope.shared.inputs import entry_times

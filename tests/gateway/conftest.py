@@ -17,7 +17,8 @@ from nats.aio.client import Client
 from rankscope.services.aggregator.main import serve_until as aggregator
 from rankscope.services.gateway.app import create_app
 from rankscope.services.ranktable.main import serve_until as ranktable
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import token
 from rankscope.shared.wire import encode

@@ -21,9 +21,10 @@ from rankscope.services.ranktable.hub import TableHub
 from rankscope.services.ranktable.recorded import RecordLimits
 from rankscope.services.ranktable.service import RankTableService
 from rankscope.shared.connection import close, connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_auth import OPERATOR, ROLES, agent_user, render
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (

@@ -34,7 +34,8 @@ from rankscope.services.ranktable.models import ModelShapes
 from rankscope.services.ranktable.service import RankTableService
 from rankscope.shared.headers import VERSION_HEADER
 from rankscope.shared.heartbeat import Heartbeat
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
+from rankscope.shared.provision import ensure
 from rankscope.shared.subjects import MAX_TOKEN, token
 from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now

@@ -21,8 +21,9 @@ from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.connection import connect
 from rankscope.shared.headers import ERROR_CODE_HEADER
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.wire import ClusterTimeline, Phase, TimelineQuery, decode, encode
 from tests.aggregator.builders import entries, placed, rank

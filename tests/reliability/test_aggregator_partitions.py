@@ -20,8 +20,9 @@ import pytest_asyncio
 
 from rankscope.shared.connection import close, connect
 from rankscope.shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings, to_environ
 from rankscope.shared.wire import ClusterTimeline, Phase, decode, encode
 from tests.aggregator.builders import entries, placed, rank

@@ -29,8 +29,9 @@ from rankscope.services.aggregator.views import ClusterState
 from rankscope.services.ranktable.hub import TableHub
 from rankscope.services.ranktable.service import RankTableService
 from rankscope.shared.connection import connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.replay import follow
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import Subjects

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from rankscope.shared.connection import close, connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_auth import OPERATOR, ROLES, agent_user, render
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings, to_environ
 from tests.stack_up import free_port
 

@@ -15,9 +15,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from nats.js.errors import NotFoundError
 
 from rankscope.shared.connection import close, connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_auth import OPERATOR, ROLES, agent_user, render
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.replay import follow
 from rankscope.shared.settings import Settings
 

@@ -17,8 +17,9 @@ from nats.aio.client import Client
 from nats.js.errors import APIError
 
 from rankscope.shared.connection import close, connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import CONFIG, EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings
 from rankscope.shared.storage import Storage
 from rankscope.shared.wire import Diagnosis, FindingKind, decode

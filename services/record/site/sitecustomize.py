@@ -1,6 +1,7 @@
 """On `PYTHONPATH` under `rankscope record`: every Python process started there records
-once it imports `mlx.core` (the hook loads from this package by path, so the program's
-interpreter needs nothing of rankscope's); then the `sitecustomize` this one hides runs."""
+once it imports `mlx.core` (the hook and its pipe load from this package by path, so the
+program's interpreter needs nothing of rankscope's); then the `sitecustomize` this one
+hides runs."""
 
 import importlib.abc
 import importlib.util
@@ -11,21 +12,28 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_HOOK = "rankscope.services.record.hook"
+_PACKAGE = "rankscope.services.record"
 
 
-def _hook() -> ModuleType:
-    """The recorder module, loaded once under its package name."""
-    module = sys.modules.get(_HOOK)
+def _load(name: str) -> ModuleType:
+    """A module of the recorder (`pipe`, `hook`), loaded once under its package name: the
+    hook's import of its sibling finds it there, rankscope installed or not."""
+    module = sys.modules.get(f"{_PACKAGE}.{name}")
     if module is None:
-        path = os.path.join(os.path.dirname(_HERE), "hook.py")
-        spec = importlib.util.spec_from_file_location(_HOOK, path)
+        path = os.path.join(os.path.dirname(_HERE), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"{_PACKAGE}.{name}", path)
         assert spec is not None
         assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        sys.modules[_HOOK] = module
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     return module
+
+
+def _hook() -> ModuleType:
+    """The recorder, its pipe loaded first."""
+    _load("pipe")
+    return _load("hook")
 
 
 class _AfterMlxCore(importlib.abc.MetaPathFinder):
@@ -65,5 +73,5 @@ def _chain() -> None:
 
 if os.environ.get("RANKSCOPE_RECORD") == "1":
     sys.meta_path.insert(0, _AfterMlxCore())
-    _hook().note_child_exits()
+    _load("pipe").note_child_exits()
 _chain()
