@@ -31,8 +31,9 @@ from rankscope.services.aggregator import answers
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.wire import (
     PhaseEntries,
     RunnerTelemetry,

@@ -30,8 +30,9 @@ import nats
 from common import publish_placements, runner_ref, token_entry
 from processes import aggregator_until_ready, bare_follower
 
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.wire import PhaseEntries, encode
 
 RUNNERS = 16

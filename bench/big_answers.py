@@ -27,8 +27,9 @@ import rankscope.services.aggregator.queries as aggregator_queries
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.wire import PhaseEntries, decode, encode
 
 RUNNERS, BIG_CLIENTS, BIG_LIMIT = 16, 12, 75_000

@@ -23,8 +23,9 @@ import httpx
 import nats
 from common import free_port, publish_placements, runner_ref
 
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.wire import FlightEntry, Phase, PhaseEntries, encode
 
 BARE = """

@@ -48,8 +48,9 @@ from nats.errors import Error as NatsError
 
 from rankscope.services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from rankscope.shared.connection import connect
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.settings import Settings, to_environ
 from rankscope.shared.timestamps import now
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model

@@ -52,9 +52,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from rankscope.shared.heartbeat import Heartbeat
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.partitions import partition_of
+from rankscope.shared.provision import ensure
 from rankscope.shared.subjects import token as subject_token
 from rankscope.shared.subjects import untoken
 from rankscope.shared.telemetry import TelemetryPublisher

@@ -22,8 +22,9 @@ from pathlib import Path
 import nats
 from common import free_port, publish_placements, runner_ref
 
-from rankscope.shared.jetstream import Layout, ensure
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from rankscope.shared.timestamps import format_ts
 from rankscope.shared.wire import (
     FlightEntry,
