@@ -9,8 +9,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from rankscope.services.record import hook
-from rankscope.services.record.hook import SAMPLE_EVERY, Recorder
+from rankscope.services.record.hook import Cadence, Recorder
 
 pytestmark = pytest.mark.mlx
 
@@ -26,7 +25,7 @@ def _issue(recorder: Recorder, op: str = "all_sum") -> mx.array:
     return result
 
 
-def test_a_sampled_step_is_timed_in_parts_and_computes_the_same() -> None:
+def test_a_sampled_step_is_timed_in_parts_named_by_its_collective_and_computes_the_same() -> None:
     recorder = _recorder()
     result = _issue(recorder)
     assert recorder.due("eval")  # the first step is sampled
@@ -36,39 +35,39 @@ def test_a_sampled_step_is_timed_in_parts_and_computes_the_same() -> None:
     assert pace["steps"] == 1
     assert pace["workSeconds"] > 0
     assert pace["waitSeconds"] > 0
+    assert [step for step, *_ in pace["sampled"]] == [1]  # its all_sum is world's first
     assert float(result.sum()) == pytest.approx(float(mx.tanh(mx.ones((64, 64))).sum()))
     assert recorder.take_pace()["steps"] == 0  # taken once
 
 
-def test_steps_are_sampled_one_in_so_many(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hook, "SAMPLE_GAP_S", 0.0)  # no least time: only the count holds
-    monkeypatch.setattr(hook, "SAMPLE_ANYWAY_S", 60.0)
-    recorder = _recorder()
-    due = []
-    for _ in range(SAMPLE_EVERY * 3):
-        result = _issue(recorder)
-        due.append(recorder.due("eval"))
-        if due[-1]:
-            recorder.sampled(lambda result=result: mx.eval(result))  # type: ignore[misc]
-        else:
-            mx.eval(result)
-        recorder.evaluated(0.0)
-    assert sum(due) == 3
-    assert recorder.take_pace()["steps"] == 3
+def _sampled(cadence: Cadence, steps: range, per_step: int = 1) -> list[int]:
+    """The steps `cadence` samples of `steps`, each issuing `per_step` world collectives."""
+    return [s for s in steps if cadence.due(s * per_step + 1, (s + 1) * per_step)]
 
 
-def test_steps_of_a_quarter_second_are_each_sampled() -> None:
-    """Where steps are long, a few a second are timed however few steps that is: a
-    rank's pace needs enough of them to tell a slowdown from its neighbours' turns."""
-    recorder = _recorder()
-    due = []
-    for _ in range(4):
-        result = _issue(recorder)
-        due.append(recorder.due("eval"))
-        recorder.sampled(lambda result=result: mx.eval(result))  # type: ignore[misc]
-        recorder.evaluated(0.0)
-        time.sleep(0.3)
-    assert due == [True] * 4
+def test_a_job_stepping_fast_samples_one_step_in_many_and_a_slow_one_every_step() -> None:
+    fast, slow = Cadence(), Cadence()
+    fast.retune(issued=400, moment=time.monotonic() + 1)  # 400 a second: one in 64
+    slow.retune(issued=4, moment=time.monotonic() + 1)  # a step of 250 ms: each
+    assert fast.every == 64
+    assert _sampled(fast, range(256)) == [63, 127, 191, 255]
+    assert slow.every == 1
+    assert _sampled(slow, range(8)) == list(range(8))
+    # a step of three collectives: a multiple of `every` lands in one step of each 64/3
+    assert len(_sampled(fast, range(256), per_step=3)) == 12
+
+
+def test_ranks_at_either_side_of_a_rate_boundary_still_sample_common_steps() -> None:
+    started = time.monotonic()
+    one, other = Cadence(), Cadence()
+    one.retune(issued=79, moment=started + 1)  # wants 8
+    other.retune(issued=81, moment=started + 1)  # wants 16
+    assert (one.every, other.every) == (8, 16)
+    assert set(_sampled(other, range(200))) <= set(_sampled(one, range(200)))
+    other.retune(issued=81 + 70, moment=started + 2)  # back under: kept until a quarter
+    assert other.every == 16
+    other.retune(issued=81 + 70 + 30, moment=started + 3)
+    assert other.every == 4
 
 
 def test_point_to_point_async_and_collective_free_evaluations_are_not_sampled() -> None:

@@ -13,12 +13,14 @@ issued since the last evaluation, else in the evaluation itself: `mx.compile`d c
 its collectives) and its end (`collective_resumed`), MLX memory and the rank's pace every
 second, named steps, and how the process exits.
 
-The pace: an evaluation that waits on collectives is one step. On a sampled step (one in
-`SAMPLE_EVERY`, `SAMPLE_GAP_S` apart at least, or any after `SAMPLE_ANYWAY_S`) each
+The pace: an evaluation that waits on collectives is one step. On a sampled step each
 collective's input is evaluated first (work: this rank's own computation), then the
 collective (wait: its peers, and the transfer), then the rest (work). Only collectives
 every rank joins alike (`all_sum`, `all_gather`, ...) are split so; a step with
-point-to-point transfers, or whose collectives compiled code hides, is not sampled.
+point-to-point transfers, or whose collectives compiled code hides, is not sampled. Every
+rank samples the same steps (`Cadence`), and says each one's work and wait under its
+first world collective's number: the rank the others wait on arrives last, and waits
+least, on the same step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import atexit
 import contextlib
 import functools
 import json
+import math
 import os
 import secrets
 import sys
@@ -39,10 +42,9 @@ from rankscope.services.record.pipe import Pipe, name_process, now
 
 __all__ = [
     "COLLECTIVES",
-    "SAMPLE_ANYWAY_S",
-    "SAMPLE_EVERY",
     "SAMPLE_GAP_S",
     "WAIT_NOTE_S",
+    "Cadence",
     "Recorder",
     "install",
     "step",
@@ -59,15 +61,13 @@ COLLECTIVES = (
     "recv_like",
 )
 _POINT_TO_POINT = frozenset({"send", "recv", "recv_like"})
-SAMPLE_EVERY = 16
-"""Least steps from one sampled step to the next (each costs two synchronisations per
-collective)."""
 SAMPLE_GAP_S = 0.1
-"""Least time between two sampled steps."""
-SAMPLE_ANYWAY_S = 0.15
-"""Time after `SAMPLE_GAP_S` when the next step is sampled, however few steps came between:
-steps of a ten-plus milliseconds make two synchronisations cheap, and four samples a
-second tell a slow rank from one its neighbours on the core took turns from."""
+"""About the time between two sampled steps: each costs two synchronisations per
+collective, so a job stepping fast samples one step in many, and one stepping slowly every
+step (ten samples a second tell a slow rank from one its neighbours on the core took turns
+from)."""
+SAMPLED_KEPT = 64
+"""Sampled steps said on their own in one pace sample (a second's worth and more)."""
 WAIT_NOTE_S = 1.0
 """How long an evaluation waits on its collectives before the rank says so:
 `shared/recording.py`'s, kept here (this module is loaded by path where rankscope may not be
@@ -87,6 +87,38 @@ def _ring_port(rank: int) -> int:
         return 0
 
 
+class Cadence:
+    """Which steps a rank samples: those whose world collectives reach a multiple of
+    `every`, a power of two set from how many world collectives the job issues a second.
+    Ranks of a job in step issue them at one rate, so they sample the same steps; one a
+    step behind a change of rate samples every other of them, still the same steps."""
+
+    def __init__(self) -> None:
+        self.every = 1
+        self._counted, self._at = 0, time.monotonic()
+
+    def retune(self, issued: int, moment: float) -> None:
+        """`issued` world collectives so far at `moment` (monotonic): `every` doubled, or
+        quartered, once the rate since the last call asks for it (not at each wobble)."""
+        elapsed = moment - self._at
+        if elapsed <= 0:
+            return
+        wanted = (
+            1
+            << (
+                max(1, math.ceil((issued - self._counted) / elapsed * SAMPLE_GAP_S)) - 1
+            ).bit_length()
+        )
+        if wanted >= 2 * self.every or 4 * wanted <= self.every:
+            self.every = wanted
+        self._counted, self._at = issued, moment
+
+    def due(self, first: int, last: int) -> bool:
+        """Whether a step whose world collectives are numbers `first` to `last` is
+        sampled."""
+        return last // self.every > (first - 1) // self.every
+
+
 class Recorder:
     """One rank's recording: counters, the evaluation in progress, its pace, the pipe
     (`evaluate`: MLX's own `eval`, unrecorded)."""
@@ -101,8 +133,10 @@ class Recorder:
         """The (input, result) of each pending collective, None once a point-to-point one
         is among them: what a sampled step evaluates one by one."""
         self.evaluate = evaluate
-        self._next_sample = 0.0
-        self._unsampled = SAMPLE_EVERY
+        self.cadence = Cadence()
+        self._sampled: list[tuple[int, float, float, float]] = []
+        self._step_ended: float | None = None
+        """When the last evaluation with world collectives returned (`perf_counter`)."""
         self._steps = 0
         self._work = 0.0
         self._wait = 0.0
@@ -147,6 +181,7 @@ class Recorder:
                     pace=self.take_pace(),
                 )
                 self._note_steps()
+                self.cadence.retune(self.counts.get("world", 0), moment)
             since, pending = self.waiting_since, self.pending
             if since is not None and not self.noted and moment - since >= WAIT_NOTE_S:
                 self.noted = True
@@ -164,11 +199,16 @@ class Recorder:
         last = f"{op} #{number} (group {group})"
         self.entry("idle", "steps", f"{made} collectives, the last {last}", step=made, last=last)
 
-    def take_pace(self) -> dict[str, float]:
-        """The sampled steps' sums since the last take (`StepPace`'s fields), reset."""
+    def take_pace(self) -> dict[str, Any]:
+        """The sampled steps since the last take (`StepPace`'s fields), reset."""
         with self._lock:
-            pace = {"steps": self._steps, "workSeconds": self._work, "waitSeconds": self._wait}
-            self._steps, self._work, self._wait = 0, 0.0, 0.0
+            pace = {
+                "steps": self._steps,
+                "workSeconds": self._work,
+                "waitSeconds": self._wait,
+                "sampled": self._sampled,
+            }
+            self._steps, self._work, self._wait, self._sampled = 0, 0.0, 0.0, []
         return pace
 
     def _note_wait(self, pending: list[tuple[str, str, int, dict[str, Any]]]) -> None:
@@ -222,16 +262,15 @@ class Recorder:
         """Whether the evaluation `call` starting now is a step to sample."""
         if not self.operands or call == "async_eval":
             return False
-        self._unsampled += 1
-        moment, next_sample = time.perf_counter(), self._next_sample
-        return moment >= next_sample and (
-            self._unsampled >= SAMPLE_EVERY or moment >= next_sample + SAMPLE_ANYWAY_S
-        )
+        world = [number for _, group, number, _ in self.pending if group == "world"]
+        return bool(world) and self.cadence.due(world[0], world[-1])
 
     def sampled(self, run: Callable[[], Any]) -> Any:
         """Run the evaluation `run` as a sampled step: each pending collective's input,
         then the collective, then the rest, each timed."""
-        work = wait = 0.0
+        step = next(number for _, group, number, _ in self.pending if group == "world")
+        ended, work, wait = self._step_ended, 0.0, 0.0
+        gap = time.perf_counter() - ended if ended is not None else 0.0
         for given, result in self.operands or ():
             started = time.perf_counter()
             if given is not None:
@@ -242,12 +281,13 @@ class Recorder:
             work, wait = work + computed - started, wait + done - computed
         started = time.perf_counter()
         value = run()
-        ended = time.perf_counter()
-        self._next_sample, self._unsampled = ended + SAMPLE_GAP_S, 0
+        work += time.perf_counter() - started
         with self._lock:
             self._steps += 1
-            self._work += work + ended - started
+            self._work += work
             self._wait += wait
+            if len(self._sampled) < SAMPLED_KEPT:
+                self._sampled.append((step, work, wait, gap))
         return value
 
     def evaluating(self, call: str) -> float:
@@ -258,6 +298,8 @@ class Recorder:
 
     def evaluated(self, started: float) -> None:
         """The evaluation that started at `started` returned: its collectives are done."""
+        if any(group == "world" for _, group, _, _ in self.pending):
+            self._step_ended = time.perf_counter()
         if self.noted:
             waited = time.monotonic() - started
             self.entry("idle", "collective_resumed", waitedMs=round(waited * 1000, 1))

@@ -52,6 +52,7 @@ from rankscope.shared.wire.events import (
     TokenChunk,
 )
 from rankscope.shared.wire.memory import (
+    MAX_SAMPLED_STEPS,
     ClusterMemory,
     ClusterPace,
     Memory,
@@ -60,6 +61,7 @@ from rankscope.shared.wire.memory import (
     MlxMemorySnapshot,
     PacePoint,
     PaceSeries,
+    SampledStep,
     StepPace,
 )
 from rankscope.shared.wire.node_diagnostics import (
@@ -108,6 +110,7 @@ from rankscope.shared.wire.timeline import (
 
 __all__ = [
     "MAX_COMMAND",
+    "MAX_SAMPLED_STEPS",
     "MAX_WORLD",
     "TASK_HORIZON_S",
     "AggregatorHealth",
@@ -182,6 +185,7 @@ __all__ = [
     "RunnerSupervisorDiagnostics",
     "RunnerSynopsis",
     "RunnerTelemetry",
+    "SampledStep",
     "SeenBefore",
     "Server",
     "ServerGroup",

@@ -11,6 +11,7 @@ import msgspec
 from rankscope.shared.wire.base import CamelStruct
 
 __all__ = [
+    "MAX_SAMPLED_STEPS",
     "ClusterMemory",
     "ClusterPace",
     "Memory",
@@ -19,6 +20,7 @@ __all__ = [
     "MlxMemorySnapshot",
     "PacePoint",
     "PaceSeries",
+    "SampledStep",
     "StepPace",
 ]
 
@@ -72,6 +74,23 @@ class ClusterMemory(CamelStruct, kw_only=True, frozen=True):
     runners: list[MemorySeries] = []
 
 
+MAX_SAMPLED_STEPS = 256
+"""Sampled steps one pace sample may list (a rank samples at most ten a second)."""
+
+
+class SampledStep(msgspec.Struct, array_like=True, frozen=True):
+    """One sampled step of a rank, as `[step, workSeconds, waitSeconds, gapSeconds]`:
+    `step` names it alike on every rank (the number of the first collective it waits on,
+    in the world group), so ranks are compared step by step; `gapSeconds` is the time
+    from the end of its previous step to the start of this one (loading data, logging,
+    anything the program does between steps): the step's whole time is the three."""
+
+    step: Annotated[int, msgspec.Meta(ge=0)]
+    workSeconds: Annotated[float, msgspec.Meta(ge=0)]
+    waitSeconds: Annotated[float, msgspec.Meta(ge=0)]
+    gapSeconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+
 class StepPace(CamelStruct, kw_only=True, frozen=True):
     """What a rank's sampled steps took since its previous sample: `workSeconds` computing
     its own part with its inputs at hand, `waitSeconds` waiting for its inputs (a peer's
@@ -81,6 +100,10 @@ class StepPace(CamelStruct, kw_only=True, frozen=True):
     steps: Annotated[int, msgspec.Meta(ge=0)]
     workSeconds: Annotated[float, msgspec.Meta(ge=0)]
     waitSeconds: Annotated[float, msgspec.Meta(ge=0)]
+    sampled: Annotated[list[SampledStep], msgspec.Meta(max_length=MAX_SAMPLED_STEPS)] = []
+    """Each sampled step on its own, where the rank samples the steps its peers sample
+    (a recorded rank does): the time the job lost waiting for a rank is read by comparing
+    ranks on the same step."""
 
 
 class PacePoint(CamelStruct, kw_only=True, frozen=True):
