@@ -14,6 +14,8 @@ finding. Faults:
 - `work2`, `work1.3`: in a recorded 4-rank data-parallel `mlx.launch` job of its own (the
   one `tests/test_slow_rank.py` records, two ranks to a core), a rank given twice and 4/3
   of its work a step, as a slower device takes longer (`slow_rank`);
+- `first1.3`: such a job started with a rank given 4/3 of its work from its first step,
+  timed from its four ranks showing (`slow_rank`), a new job each time;
 - `nats`: the NATS server paused (SIGSTOP; `nats_unreachable`, naming no rank);
 - `linkcut`: the network link of node-b cut (in a deployment of its own, every service its
   own process and node-b behind a veth pair in a network namespace, as
@@ -61,20 +63,24 @@ EXPECTED = {
     "slow1.3": "slow_rank",
     "work2": "slow_rank",
     "work1.3": "slow_rank",
+    "first1.3": "slow_rank",
     "nats": "nats_unreachable",
     "linkcut": "dead_rank",
 }
+DEMO_FAULTS = ("sigstop", "sigkill", "nats", "slow2", "slow1.3")
+"""The faults injected into the demo's pipeline."""
 HOLD_S = {
     "sigstop": 15.0,
     "slow2": 30.0,
     "slow1.3": 45.0,
     "work2": 30.0,
     "work1.3": 45.0,
+    "first1.3": 30.0,
     "nats": 10.0,
 }
 """How long each fault lasts; a kill or a cut link, until it is named (the rank is then
 started again, or the job placed again once the node is back)."""
-NAMED_WITHIN_S = {"linkcut": 45.0}
+NAMED_WITHIN_S = {"linkcut": 45.0, "work1.3": 30.0, "first1.3": 30.0}
 """Longest wait for the first finding, if not 20 s (a lost node is known after up to two
 heartbeat TTLs)."""
 SPACING_S = {"sigkill": 31.0}
@@ -148,9 +154,9 @@ def inject(
     """`fault` (to `rank`) at a random moment of the load, sampled until it ends."""
     right = _right(kind, rank)
     time.sleep(random.uniform(0, 3))  # a random moment of the load: between or inside steps
-    started = time.monotonic()
     hold, wait = HOLD_S.get(kind, 0.0), NAMED_WITHIN_S.get(kind, 20.0)
     with fault:
+        started = time.monotonic()  # once the fault is in place (a new job: its ranks up)
         first: float | None = None
         while time.monotonic() - started < (max(hold, wait) if first is None else hold):
             found = _findings(gateway)
@@ -213,15 +219,33 @@ def _on_recorded(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> No
     env = {"RANKSCOPE_LOG_LEVEL": "error"}
     with running_up(work / ".rankscope", env=env) as (_, shown):
         gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
+        for n in range(dict(faults).get("first1.3", 0)):
+            rank, script = random.randrange(4), work / f"first-{n}.py"
+            inject(gateway, "first1.3", rank, _new_job(gateway, f"first-{n}", script, rank),
+                   tallies["first1.3"])  # fmt: skip
         script = work / "train.py"
         with recorded(gateway, "dp-1", script):
-            time.sleep(100)  # every rank's usual pace known (`RANKSCOPE_SLOW_LEARN`)
+            time.sleep(30)  # the job going: ranks compared step by step learn nothing first
             for kind, count in faults:
-                for _ in range(count):
+                for _ in range(count if kind.startswith("work") else 0):
                     gateway.until(lambda: not _findings(gateway), 600)
                     rank = random.randrange(4)
                     factor = float(kind.removeprefix("work"))
                     inject(gateway, kind, rank, more_work(script, rank, factor), tallies[kind])
+
+
+@contextlib.contextmanager
+def _new_job(gateway: Gateway, job: str, script: Path, rank: int) -> Iterator[None]:
+    """A recorded job whose `rank` does 4/3 of its work from its first step, from its four
+    ranks showing until the block ends."""
+    with more_work(script, rank, 4 / 3), recorded(gateway, job, script):
+        gateway.until(
+            lambda: (
+                len(gateway.get(f"/v1/cluster/timeline?instanceId={job}&limit=1")["runners"]) == 4
+            ),
+            60,
+        )
+        yield
 
 
 @contextlib.contextmanager
@@ -278,9 +302,11 @@ def main() -> None:
         for kind, _, count in (f.partition(":") for f in args.faults.split(","))
     ]
     tallies = {kind: Tally() for kind, _ in faults}
-    if on_demo := [(k, n) for k, n in faults if k != "linkcut" and not k.startswith("work")]:
+    if on_demo := [
+        (k, n) for k, n in faults if k in ("sigstop", "sigkill", "nats", "slow2", "slow1.3")
+    ]:
         _on_demo(on_demo, tallies)
-    if on_recorded := [(k, n) for k, n in faults if k.startswith("work")]:
+    if on_recorded := [(k, n) for k, n in faults if k.startswith(("work", "first"))]:
         _on_recorded(on_recorded, tallies)
     if cuts := dict(faults).get("linkcut"):
         asyncio.run(_link_cuts(cuts, tallies["linkcut"]))

@@ -25,6 +25,7 @@ __all__ = [
     "Settings",
     "SettingsError",
     "add_arguments",
+    "default",
     "env_name",
     "load",
     "to_environ",
@@ -57,6 +58,16 @@ def _ratio(text: str) -> float:
         value = 0.0
     if not 1 < value < 100:
         raise ValueError(f"expected a ratio above 1 such as 1.25, got {text!r}")
+    return value
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text.removesuffix("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1:
+        raise ValueError(f"expected a share between 0 and 1 such as 0.1 or 10%, got {text!r}")
     return value
 
 
@@ -282,6 +293,15 @@ class Settings:
         "Seconds of a rank's pace samples the aggregator needs before it can name the rank "
         "slow: its usual work per step and how far that strays are learnt from them.",
     )
+    straggler_share: float = _setting(
+        0.10,
+        _share,
+        "The share of a job's step time spent waiting for one rank (the last to arrive in "
+        "its collectives) that names it slow, when it is last far more often than chance.",
+    )
+    straggler_window: float = _setting(
+        20.0, _duration, "Seconds of the newest steps every rank sampled compared to name one."
+    )
     record_give_up: float = _setting(
         60.0,
         _duration,
@@ -385,6 +405,12 @@ class Settings:
                 value = "***"
             shown.append(f"{spec.name}={value!r}")
         return f"Settings({', '.join(shown)})"
+
+
+def default(name: str) -> Any:
+    """The default of setting `name`: what the modules it tunes take when not told, so it
+    is written once, here."""
+    return Settings.__dataclass_fields__[name].default
 
 
 def env_name(name: str) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from rankscope.services.aggregator.arrivals import ArrivalLimits, judge_arrivals
 from rankscope.services.aggregator.runners import RunnerView, TaskView
 from rankscope.services.aggregator.store import Selection
 from rankscope.services.aggregator.views import ClusterState
@@ -154,11 +155,14 @@ def timeline(state: ClusterState, query: TimelineQuery, *, local_node_id: str) -
     return msgspec.structs.replace(plan.head, timeline=plan.entries(0, plan.size))
 
 
-def history(state: ClusterState) -> list[RunnerHistory]:
-    """How much of each runner's history is held, by instance and rank."""
+def history(state: ClusterState, limits: ArrivalLimits) -> list[RunnerHistory]:
+    """How much of each runner's history is held, by instance and rank, and how long its
+    job waits for it (`limits`: the steps compared)."""
+    waits = _waited_on(state, limits)
     found = []
     for view in sorted(state.runners.values(), key=lambda v: (v.ref.instanceId, v.ref.deviceRank)):
         oldest, evicted = state.store.retention(view.ref.runnerId)
+        waited_on, last = waits.get(view.ref.runnerId, (None, None))
         found.append(
             RunnerHistory(
                 runnerId=view.ref.runnerId,
@@ -174,8 +178,30 @@ def history(state: ClusterState) -> list[RunnerHistory]:
                 acknowledgedSeq=view.acknowledged,
                 unseenSeqs=_unseen(view),
                 pace=view.pace.histogram() if view.pace is not None else None,
+                waitedOn=waited_on,
+                lastArrival=last,
             )
         )
+    return found
+
+
+def _waited_on(
+    state: ClusterState, limits: ArrivalLimits
+) -> dict[str, tuple[float | None, float | None]]:
+    """Per runner of a job whose ranks sample the same steps: the share of the job's time
+    spent waiting for it and how often it arrived last, as of its ranks' newest message."""
+    found: dict[str, tuple[float | None, float | None]] = {}
+    for instance in state.instances.values():
+        views = [state.runners[a.runnerId] for a in instance.assignments]
+        newest = max((v.stored_ns for v in views if v.stored_ns), default=None)
+        arrivals = [v.pace.arrivals if v.pace is not None else None for v in views]
+        straggle = judge_arrivals(arrivals, newest / 1e9, limits) if newest else None
+        if straggle is not None:
+            for index, view in enumerate(views):
+                found[view.ref.runnerId] = (
+                    round(straggle.waited_on[index], 3),
+                    round(straggle.last[index], 3),
+                )
     return found
 
 

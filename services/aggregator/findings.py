@@ -101,7 +101,7 @@ class Findings:
         self._layout = layout
         self._state = state
         self._partition = partition
-        self._thresholds = thresholds
+        self.thresholds = thresholds
         self._placed_at = placed_at
         self._reach = reach
         self._storage = storage
@@ -203,7 +203,7 @@ class Findings:
             wall=now(),
             incidents=self.incidents,
             placed_at=lambda i: self._placed_at.get(i, self._clock()),
-            thresholds=self._thresholds,
+            thresholds=self.thresholds,
             outage=outage,
             instances=instances,
             unsettled=self._unsettled,
@@ -261,7 +261,7 @@ class Findings:
             if key not in found or found[key].finding.since != i.finding.since
         ]
         self.incidents = found
-        moment, settling = self._clock(), self._thresholds.slow.window
+        moment, settling = self._clock(), self.thresholds.slow.window
         self._unsettled = {i: at for i, at in self._unsettled.items() if moment - at < settling}
         for key, incident in found.items():
             if incident.finding.kind is not FindingKind.SLOW_RANK:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from rankscope.services.aggregator.alerts import Alerter
+from rankscope.services.aggregator.arrivals import ArrivalLimits
 from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.services.aggregator.pace import PaceLimits
 from rankscope.services.aggregator.service import AggregatorService
@@ -49,6 +50,9 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
                     hold=settings.slow_hold,
                     noise=settings.slow_noise,
                     learn=settings.slow_learn,
+                ),
+                arrivals=ArrivalLimits(
+                    share=settings.straggler_share, window=settings.straggler_window
                 ),
             ),
             # a silent node is reported well before the rank-table service, one TTL after

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from rankscope.services.aggregator.arrivals import Arrivals
+from rankscope.shared.settings import default
 from rankscope.shared.wire import PaceHistogram, RankPace, StepPace
 
 __all__ = ["BOUNDS", "PaceHistory", "PaceImage", "PaceLimits", "SlowVerdict", "judge_pace"]
@@ -48,9 +50,9 @@ class PaceLimits:
     against its usual (`ratio`) and against how far its peers' moved from theirs
     (`apart`)."""
 
-    ratio: float = 1.15
+    ratio: float = default("slow_ratio")
     """Its work per step over `window` this many times its usual..."""
-    window: float = 25.0
+    window: float = default("slow_window")
     apart: float = 1.1
     """...and this many times its peers' median ratio: a machine-wide slowdown moves
     every rank alike and names none."""
@@ -63,27 +65,27 @@ class PaceLimits:
     """A rank out of line is named beside the worst one only if its ratio is within this
     factor of the worst's: while one rank is much slower its peers wait on it, and some of
     that wait shows as their work (a collective's input waiting on the last one)."""
-    clear: float = 1.1
+    clear: float = default("slow_clear")
     """A rank named slow stays named until its ratio over `window` falls under this (or
     under `clear_apart` times its peers'); over a `glance`, only while it is over the
     bars that name a rank: a glance strays further, and a rank back in line whose pace
     wobbles after would stay named glance after glance."""
     clear_apart: float = 1.0
-    hold: float = 10.0
+    hold: float = default("slow_hold")
     """Seconds a named rank must stay back in line before its finding clears: a pace
     hovering at the bars keeps one incident (and one page), not one each time it crosses."""
     reach: float = 90.0
     """How far back a span reaches for `steps` sampled steps when steps are sparse."""
     steps: int = 12
     """Sampled steps each rank needs in a span to be judged."""
-    learn: float = 90.0
+    learn: float = default("slow_learn")
     """Seconds of samples a rank needs before its usual counts (and `glance`s of them
     with steps: at least five): sooner, its usual and its own spread rest on too few
     spans, and a healthy rank strays past them."""
     excess: float = 0.0001
     """Seconds a step a slow rank's work must exceed its usual by, besides the ratio: at a
     millisecond a step, the scheduler's jitter alone moves the ratio."""
-    noise: float = 5.0
+    noise: float = default("slow_noise")
     """...and by this many times its own spread over spans as long: how far its work per
     step strays from its usual when nothing is wrong (1.4826 times the median absolute
     deviation of its `typical` work per step over every such span it holds). A rank
@@ -97,6 +99,8 @@ class PaceImage(msgspec.Struct, array_like=True):
     work_counts: list[int]
     wait_counts: list[int]
     totals: tuple[int, float, float]
+    steps: list[tuple[int, float, float, float, float]] = []
+    """The sampled steps said one by one: (step, stored at, work, wait, gap)."""
 
 
 class PaceHistory:
@@ -118,6 +122,8 @@ class PaceHistory:
         """When the usual was worked out (sample time), and what it was."""
         self._spreads: dict[float, tuple[float, float | None]] = {}
         """Per span: when its spread was worked out (sample time), and what it was."""
+        self.arrivals = Arrivals()
+        """Its sampled steps one by one, where it says them (compared with its peers')."""
 
     def add(self, at: float, pace: StepPace) -> None:
         """A sample stored at `at` (seconds since the epoch); one older than the newest
@@ -129,6 +135,8 @@ class PaceHistory:
             self.samples.append(sample)
         while self.samples and self.samples[0][0] < self.samples[-1][0] - self._history:
             self.samples.popleft()
+        if pace.sampled:
+            self.arrivals.add(at, pace.sampled)
         if pace.steps:
             for counts, seconds in (
                 (self._work_counts, pace.workSeconds),
@@ -245,6 +253,7 @@ class PaceHistory:
             work_counts=list(self._work_counts),
             wait_counts=list(self._wait_counts),
             totals=self._totals,
+            steps=[(step, *held) for step, held in self.arrivals.steps.items()],
         )
 
     @classmethod
@@ -261,6 +270,7 @@ class PaceHistory:
         history.samples = deque(sorted(image.samples))
         history._work_counts, history._wait_counts = image.work_counts, image.wait_counts
         history._totals = image.totals
+        history.arrivals.steps = {s[0]: (s[1], s[2], s[3], s[4]) for s in image.steps}
         return history
 
 

@@ -15,6 +15,7 @@ from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
 from rankscope.services.aggregator import answers
+from rankscope.services.aggregator.arrivals import ArrivalLimits
 from rankscope.services.aggregator.bounds import diagnosis_answer
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.partitions import Partition
@@ -61,6 +62,7 @@ class Queries:
         node_id: this aggregator's node id (`localNodeId` of the timeline by default).
         findings: the open findings (the diagnosis view).
         health: readiness and counters (the health view).
+        arrivals: the steps compared to say how long each job waits for each rank.
         clock: monotonic seconds.
     """
 
@@ -74,6 +76,7 @@ class Queries:
         node_id: str,
         findings: Callable[[], list[Finding]],
         health: Callable[[], AggregatorHealth],
+        arrivals: ArrivalLimits,
         clock: Callable[[], float],
     ) -> None:
         self._nc = nc
@@ -83,6 +86,7 @@ class Queries:
         self._node_id = node_id
         self._findings = findings
         self._health = health
+        self._arrivals = arrivals
         self._clock = clock
         self._cache: dict[bytes, tuple[int, float, bytes]] = {}
         self._cache_bytes = 0
@@ -188,7 +192,7 @@ class Queries:
             if view == "instances":
                 return encode(answers.instance_states(self._state))
             if view == "history":
-                return encode(answers.history(self._state))
+                return encode(answers.history(self._state, self._arrivals))
         except WireError as exc:
             raise _failed(422, f"bad {view} query: {exc}") from None
         raise _failed(

@@ -8,11 +8,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from rankscope.services.aggregator.arrivals import ArrivalLimits, Straggle, judge_arrivals
 from rankscope.services.aggregator.collectives import judge_recorded
 from rankscope.services.aggregator.pace import PaceLimits, judge_pace, paces_of
 from rankscope.services.aggregator.runners import RunnerView
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.recording import WAIT_NOTE_S
+from rankscope.shared.settings import default
 from rankscope.shared.timestamps import format_ts, parse_ts, to_epoch
 from rankscope.shared.wire import (
     Breadcrumb,
@@ -42,13 +44,14 @@ _GONE = frozenset({RunnerStatusKind.SHUTDOWN, RunnerStatusKind.SHUTTING_DOWN})
 class Thresholds:
     """Seconds without progress before a rank counts as stuck; when one counts as slow."""
 
-    working: float = 10.0
-    loading: float = 300.0
+    working: float = default("stall_threshold")
+    loading: float = default("load_threshold")
     no_data: float = 30.0
     silent: float = 5.0
     """A live runner samples its memory every second; this long without a word from it
     means its process is frozen, not merely waiting in a collective."""
     slow: PaceLimits = field(default_factory=PaceLimits)
+    arrivals: ArrivalLimits = field(default_factory=ArrivalLimits)
 
     def of(self, phase: Phase | None) -> float:
         """The threshold that applies in `phase`."""
@@ -119,30 +122,42 @@ class Judge:
         )
 
     def slow(self, previous: Incident | None) -> Verdict | None:
-        """The ranks working out of line with their usual pace and their peers'; while
-        they do not step or their pace cannot be judged, and for `hold` seconds after it
-        was last found, what was found before."""
+        """The ranks the job waits on (or, where its ranks do not sample the same steps,
+        those working out of line with their usual pace and their peers'); while they do
+        not step or cannot be judged, and for `hold` seconds after it was last found, what
+        was found before."""
         was_slow = previous is not None and previous.finding.kind is FindingKind.SLOW_RANK
-        found = None
-        if self.stepping():
-            named = frozenset(
-                i
-                for i, v in enumerate(self.views)
-                if was_slow
-                and previous is not None
-                and v.ref.runnerId in previous.finding.culpritRunnerIds
-            )
-            histories = [v.pace for v in self.views]
-            found = judge_pace(histories, self.pace_now, self.limits.slow, named)
-        if previous is not None and was_slow and (found is None or not found.slow):
+        named = frozenset(
+            i
+            for i, v in enumerate(self.views)
+            if was_slow and previous is not None
+            and v.ref.runnerId in previous.finding.culpritRunnerIds
+        )  # fmt: skip
+        found = self._slowness(named) if self.stepping() else None
+        if previous is not None and was_slow and (found is None or not found[0]):
             found_last = previous.opened if previous.found is None else previous.found
             if found is None or self.now - found_last < self.limits.slow.hold:
                 kept = self.kept(previous)
                 return dataclasses.replace(kept, words=previous.finding.summary, held=True)
-        if found is None or not found.slow:
+        if found is None or not found[0]:
+            return None
+        culprits = [self.views[i] for i in found[0]]
+        return Verdict(FindingKind.SLOW_RANK, culprits, _without(self.views, culprits), found[1])
+
+    def _slowness(self, named: frozenset[int]) -> tuple[list[int], str] | None:
+        """The slow ranks by index and the words naming them (none: an empty list), or
+        None when the ranks cannot be judged. Ranks that sample the same steps are judged
+        by who the others wait on; others by their work against their own usual."""
+        histories = [v.pace for v in self.views]
+        arrivals = [h.arrivals if h is not None else None for h in histories]
+        straggle = judge_arrivals(arrivals, self.pace_now, self.limits.arrivals, named)
+        if straggle is not None:
+            self._paces = self._straggle_paces(straggle)
+            return straggle.stragglers, self._straggle_words(straggle)
+        found = judge_pace(histories, self.pace_now, self.limits.slow, named)
+        if found is None:
             return None
         self._paces = list(found.paces)  # the evidence: the span that showed it
-        culprits = [self.views[i] for i in found.slow]
         words = "; ".join(
             f"{_ranks([self.views[i]])} works {pace.ratio:.2g}x slower than usual: "
             f"{pace.workMs:.3g} ms a step, usually {pace.usualWorkMs:.3g} ms "
@@ -150,12 +165,48 @@ class Judge:
             for i in found.slow
             if (pace := found.paces[i]).ratio is not None and pace.usualWorkMs is not None
         )
-        waiting = _without(self.views, culprits)
         words += "".join(
-            f"; {_ranks([v])} waits {found.paces[self.views.index(v)].waitMs:.3g} ms a step"
-            for v in waiting
+            f"; {_ranks([v])} waits {found.paces[i].waitMs:.3g} ms a step"
+            for i, v in enumerate(self.views)
+            if i not in found.slow
         )
-        return Verdict(FindingKind.SLOW_RANK, culprits, waiting, words)
+        return found.slow, words
+
+    def _straggle_paces(self, straggle: Straggle) -> list[RankPace | None]:
+        """Each rank's pace over the steps compared, its own history's ratio beside it
+        (corroboration: a rank slow from its first step has no usual to differ from)."""
+        limits = self.limits.slow
+        own = paces_of([v.pace for v in self.views], self.pace_now, limits.window, limits)
+        return [
+            RankPace(
+                steps=straggle.steps,
+                workMs=round(straggle.work_ms[i], 3),
+                waitMs=round(straggle.wait_ms[i], 3),
+                usualWorkMs=mine.usualWorkMs if mine is not None else None,
+                ratio=mine.ratio if mine is not None else None,
+                waitedOn=round(straggle.waited_on[i], 3),
+                lastArrival=round(straggle.last[i], 3),
+                workVsPeers=round(straggle.work_vs_peers(i), 3),
+            )
+            for i, mine in enumerate(own)
+        ]
+
+    def _straggle_words(self, straggle: Straggle) -> str:
+        """`rank 2 (node-c) is the straggler: the job loses 23% of its time waiting for it,
+        last to arrive on 94% of 120 steps; its work per step is 1.3x its peers'
+        median`, and what the others wait a step."""
+        said = [
+            f"{_ranks([self.views[i]])} is the straggler: the job loses "
+            f"{straggle.waited_on[i]:.0%} of its time waiting for it, last to arrive on "
+            f"{straggle.last[i]:.0%} of {straggle.steps} steps; its work per step is "
+            f"{straggle.work_vs_peers(i):.2g}x its peers' median"
+            for i in straggle.stragglers
+        ]
+        waiting = [i for i in range(len(self.views)) if i not in straggle.stragglers]
+        said += [
+            f"{_ranks([self.views[i]])} waits {straggle.wait_ms[i]:.3g} ms a step" for i in waiting
+        ]
+        return "; ".join(said)
 
     def down(self, view: RunnerView) -> bool:
         """Not running (or unreachable), and not because it was shut down."""

@@ -142,6 +142,7 @@ class AggregatorService:
             node_id=node_id,
             findings=lambda: [i.finding for i in self.findings.incidents.values()],
             health=self.health,
+            arrivals=self.findings.thresholds.arrivals,
             clock=clock,
         )
         self._snapshots = Snapshots(

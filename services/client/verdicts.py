@@ -109,7 +109,13 @@ def finding_lines(finding: dict[str, Any], verbose: bool, stacks: bool = False) 
 def _pace_words(pace: dict[str, Any]) -> str:
     usual = pace.get("usualWorkMs")
     against = f" (usually {usual:.3g}, {pace['ratio']:.2g}x)" if usual and pace.get("ratio") else ""
-    return f"work {pace['workMs']:.3g} ms a step{against}, wait {pace['waitMs']:.3g} ms"
+    said = f"work {pace['workMs']:.3g} ms a step{against}, wait {pace['waitMs']:.3g} ms"
+    if (waited_on := pace.get("waitedOn")) is not None:
+        said += (
+            f"; the job loses {waited_on:.0%} of its time waiting for it, last to arrive on "
+            f"{pace.get('lastArrival') or 0:.0%} of its steps"
+        )
+    return said
 
 
 def pace_lines(series: Iterable[dict[str, Any]]) -> list[str]:

@@ -164,6 +164,7 @@ def cluster_families(
         bad,
         *_telemetry(history),
         *_pace(history),
+        *_waited_on(history),
     ]  # fmt: skip
 
 
@@ -228,3 +229,28 @@ def _pace(history: list[RunnerHistory]) -> Iterator[Metric]:
             family.add_metric(values, list(zip(bounds, counts, strict=True)), total)
     yield work
     yield wait
+
+
+def _waited_on(history: list[RunnerHistory]) -> Iterator[Metric]:
+    """Per rank of a job whose ranks sample the same steps: the share of the job's time
+    spent waiting for it, and how often it arrived last."""
+    labels = ["runner", "instance", "rank"]
+    waited = GaugeMetricFamily(
+        "rankscope_rank_waited_on_ratio",
+        "Share of its job's step time spent waiting for the rank (the last to arrive in its "
+        "collectives), over the newest steps every rank sampled; the straggler's stands out.",
+        labels=labels,
+    )
+    last = GaugeMetricFamily(
+        "rankscope_rank_last_arrival_ratio",
+        "Share of those steps on which the rank arrived last (chance: 1 / ranks).",
+        labels=labels,
+    )
+    for held in history:
+        values = [held.runnerId, held.instanceId, str(held.deviceRank)]
+        if held.waitedOn is not None:
+            waited.add_metric(values, held.waitedOn)
+        if held.lastArrival is not None:
+            last.add_metric(values, held.lastArrival)
+    yield waited
+    yield last

@@ -65,7 +65,8 @@ class RankRole(StrEnum):
 
 class RankPace(CamelStruct, kw_only=True, frozen=True):
     """A rank's pace over the last window: per sampled step, the milliseconds it worked
-    and waited, and the work it usually does a step (its own history)."""
+    and waited, the work it usually does a step (its own history), and how long its peers
+    waited for it."""
 
     steps: int
     workMs: float
@@ -74,6 +75,14 @@ class RankPace(CamelStruct, kw_only=True, frozen=True):
     """None while its history is too short to say."""
     ratio: float | None = None
     """`workMs` over `usualWorkMs`: how much slower than usual it works."""
+    waitedOn: float | None = None
+    """The share of the job's time spent waiting for this rank, over the steps every rank
+    sampled: on those where it arrived last in their collectives, what its peers waited
+    beyond its own wait (None: its job's ranks do not sample the same steps)."""
+    lastArrival: float | None = None
+    """The share of those steps on which it arrived last (chance: one in as many ranks)."""
+    workVsPeers: float | None = None
+    """Its median work a step over its peers' median of theirs."""
 
 
 class RankEvidence(CamelStruct, kw_only=True, frozen=True):
@@ -256,6 +265,11 @@ class RunnerHistory(CamelStruct, kw_only=True, frozen=True):
     """Seqs up to `acknowledgedSeq` newer than `lastSeq`: stored, yet not read here (a
     loss at the end of the range, which no gap between seqs can show)."""
     pace: PaceHistogram | None = None
+    waitedOn: float | None = None
+    """The share of its job's time spent waiting for it over the newest steps every rank
+    sampled (`RankPace.waitedOn`); None where its job's ranks do not sample the same steps."""
+    lastArrival: float | None = None
+    """The share of those steps on which it arrived last."""
     """Its work and wait per step, when it keeps a pace."""
 
 

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from rankscope.services.aggregator.answers import history
+from rankscope.services.aggregator.arrivals import ArrivalLimits
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds
 from rankscope.services.aggregator.pace import PaceHistory, PaceLimits, judge_pace
 from rankscope.services.aggregator.snapshot import capture, restore
@@ -378,7 +379,7 @@ def test_prometheus_has_each_ranks_work_and_wait_histograms() -> None:
         AggregatorHealth(ready=True, partition="0"),
         ClusterTimeline(generatedAt=at(0), localNodeId="node-0"),
         Diagnosis(generatedAt=at(0)),
-        history(job.state),
+        history(job.state, ArrivalLimits()),
     )
     work = next(f for f in families if f.name == "rankscope_step_work_seconds")
     counts = {

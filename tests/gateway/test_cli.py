@@ -259,6 +259,31 @@ def test_an_incident_rankscope_did_not_watch_for_a_while_says_from_when_to_when(
     assert said.endswith(": what happened meanwhile was not seen")
 
 
+def test_diagnose_verbose_says_how_long_the_job_waits_for_each_rank() -> None:
+    def rank(index: int, waited_on: float, last: float) -> dict[str, Any]:
+        pace = {"steps": 160, "workMs": 5.8, "waitMs": 0.4, "waitedOn": waited_on,
+                "lastArrival": last, "workVsPeers": 1.27}  # fmt: skip
+        return {"runnerId": f"dp-1-r{index}", "nodeId": "vm", "deviceRank": index, "pace": pace}
+
+    finding = {
+        "instanceId": "dp-1",
+        "kind": "slow_rank",
+        "summary": "rank 2 (vm) is the straggler",
+        "since": "2026-01-02T12:00:00Z",
+        "culpritRunnerIds": ["dp-1-r2"],
+        "evidence": [rank(0, 0.02, 0.12), rank(2, 0.23, 0.81)],
+    }
+    culprit, waiting = finding_lines(finding, verbose=True)[1:]
+    assert culprit == (
+        "  CULPRIT rank 2 (vm): work 5.8 ms a step, wait 0.4 ms; the job loses 23% of its "
+        "time waiting for it, last to arrive on 81% of its steps"
+    )
+    assert waiting.startswith("  waiting rank 0 (vm): ")
+    assert waiting.endswith(
+        "loses 2% of its time waiting for it, last to arrive on 12% of its steps"
+    )
+
+
 def test_ranktable_without_a_job_starts_no_service_but_says_what_to_give() -> None:
     for args in ([], ["job-0", "--serve"]):
         done = subprocess.run(

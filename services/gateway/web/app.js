@@ -31,6 +31,7 @@ let view = { lanes: [], start: 0, end: 1, findings: [], incidents: [] };
 let incidents = [];
 let memory = [];
 let pace = [];
+let waitedOn = new Map();  // runnerId -> its history's waitedOn and lastArrival
 let refreshes = 0;
 const unfolded = new Set();  // ended incarnations the operator opened
 
@@ -262,7 +263,8 @@ function sized(target, context, width, rows, row, empty) {
 // how far it strays from its own median: green within 1.25× (what a busy machine's noise
 // does to a healthy rank), red at 2× or more. Ranks differ by design, so each is held to
 // itself; a rank that turns slow turns red while its peers stay green (they wait longer,
-// they do not work longer)
+// they do not work longer). Where a job's ranks sample the same steps, each row says how
+// much of the job's time is spent waiting for that rank: the straggler's stands out
 function drawPace(width, x) {
   const rows = pace.filter((p) => p.points.length);
   const c = sized(paceCanvas, paceCtx, width, rows.length, PACE_ROW, "no decode steps in this window");
@@ -272,8 +274,11 @@ function drawPace(width, x) {
     const y = row * PACE_ROW + 4, works = series.points.map((p) => p.workMs).sort((a, b) => a - b);
     const median = works[Math.floor(works.length / 2)] || works[0];
     const last = series.points[series.points.length - 1];
+    const waits = waitedOn.get(series.runnerId);
     const words = `${series.instanceId} rank ${series.deviceRank} · ${series.nodeId}: ` +
-      `${last.workMs.toFixed(2)} ms work, ${last.waitMs.toFixed(2)} ms wait a step`;
+      `${last.workMs.toFixed(2)} ms work, ${last.waitMs.toFixed(2)} ms wait a step` +
+      (waits ? ` · the job loses ${Math.round(100 * waits.waitedOn)}% of its time waiting for it, ` +
+        `last in ${Math.round(100 * waits.lastArrival)}% of steps` : "");
     said.push(words);
     c.fillStyle = "#d8dee9"; c.fillText(words, 4, y + PACE_ROW / 2 - 2);
     const points = series.points.filter((p) => seconds(p.at) >= view.start);
@@ -335,7 +340,12 @@ function waitsIn(stack) {
 function evidence(rank, culprit) {
   const said = ["phase", "step", "waitingIn", "gaveUp", "exitReason", "process"]
     .filter((k) => rank[k] !== null && rank[k] !== undefined)
-    .map((k) => `${k} ${escape(rank[k])}`).join(" · ");
+    .map((k) => `${k} ${escape(rank[k])}`)
+    .concat(rank.pace && rank.pace.waitedOn != null
+      ? [`the job loses ${Math.round(100 * rank.pace.waitedOn)}% of its time waiting for it, last in ` +
+        `${Math.round(100 * rank.pace.lastArrival)}% of steps, ` +
+        `work ${rank.pace.workVsPeers.toFixed(2)}× its peers'`] : [])
+    .join(" · ");
   const stack = rank.stack
     ? `<pre>${escape(waitsIn(rank.stack))}</pre><details class="full"><summary>full stack, every thread</summary><pre>${escape(rank.stack)}</pre></details>`
     : culprit ? `<p class="why">${escape(noStack(rank))}</p>` : "";
@@ -454,6 +464,7 @@ async function refresh() {
     }
     const fetched = performance.now();
     view = build(timeline, diagnosis.findings, history, [...incidents, ...diagnosis.findings], placement);
+    waitedOn = new Map(history.filter((h) => h.waitedOn != null).map((h) => [h.runnerId, h]));
     showFindings(diagnosis.findings);
     showPlacement(placement, new Set(timeline.runners.filter((r) => r.recorded).map((r) => r.instanceId)));
     draw();

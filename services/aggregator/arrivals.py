@@ -1,0 +1,160 @@
+"""Who the job waits on: each rank's sampled steps, named alike on every rank, compared rank
+by rank on the same step.
+
+In a collective every rank joins, the ranks leave together, so the one that arrived last
+waited least, and what its peers waited beyond its own wait is time the job lost to it.
+Summed over the steps where it was last, as a share of the steps' time, beyond the same
+share of its median peer (on a busy machine every rank is the last now and then), that is
+the share of the job's time lost to it; how often it was last, against the 1/N of chance,
+says whether it is one rank or the luck of the scheduler. Compared between ranks on
+one step, a machine-wide slowdown, a neighbour taking turns on a core and a rank slow from
+its first step all read right, with no history to learn, and no clock compared between
+hosts: works and waits are durations on each rank's own clock.
+
+Pure: steps come in with the time NATS stored them; the judgement takes the time now.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rankscope.shared.settings import default
+from rankscope.shared.wire import SampledStep
+
+__all__ = ["STEPS_KEPT", "ArrivalLimits", "Arrivals", "Straggle", "judge_arrivals"]
+
+STEPS_KEPT = 2048
+"""Sampled steps kept per rank (minutes of them at ten a second)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalLimits:
+    """When a rank is the one its job waits on."""
+
+    window: float = default("straggler_window")
+    """Seconds of the newest steps every rank sampled that are judged..."""
+    steps: int = 20
+    """...once they hold this many..."""
+    span: float = 5.0
+    """...stored over this many seconds at least: a job's first steps are uneven (compiling,
+    warming caches, one rank started later), and a burst of them is one moment."""
+    share: float = default("straggler_share")
+    """The share of the steps' time the job loses to a rank (`Straggle.waited_on`) that
+    names it (a change counts from 10%, as the field's best count a fail-slow)..."""
+    certainty: float = 4.0
+    """...when it arrived last more often than chance (1/N) by this many standard
+    deviations of chance's count: consistently, not by the luck of the scheduler."""
+    clear: float = 0.05
+    """A named rank stays named while the job loses this share to it."""
+
+
+class Arrivals:
+    """One rank's sampled steps, the newest `STEPS_KEPT`: per step, when NATS stored it
+    (seconds since the epoch) and the seconds it worked, waited, and spent between the
+    step before and this one."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, tuple[float, float, float, float]] = {}
+
+    def add(self, at: float, sampled: Sequence[SampledStep]) -> None:
+        """Steps said in a sample stored at `at`; a step said again replaces the first."""
+        for step in sampled:
+            self.steps.pop(step.step, None)
+            self.steps[step.step] = (at, step.workSeconds, step.waitSeconds, step.gapSeconds)
+        while len(self.steps) > STEPS_KEPT:
+            del self.steps[next(iter(self.steps))]
+
+
+@dataclass(frozen=True, slots=True)
+class Straggle:
+    """The ranks of a job compared over the newest steps every one of them sampled, each
+    list in rank order."""
+
+    steps: int
+    """Steps compared."""
+    since: float
+    """When the oldest of them was stored (seconds since the epoch)."""
+    waited_on: list[float]
+    """The share of the steps' whole time (between steps included) the job spent waiting
+    for each rank beyond what it spent waiting for its median peer: the time lost to it,
+    not to the luck of the scheduler, which makes every rank the last now and then."""
+    last: list[float]
+    """The share of the steps on which each rank arrived last."""
+    work_ms: list[float]
+    """Each rank's median work a step, in milliseconds."""
+    wait_ms: list[float]
+    """Each rank's median wait a step, in milliseconds."""
+    stragglers: list[int]
+    """The ranks the job waits on, by index, the most waited on first."""
+
+    def work_vs_peers(self, rank: int) -> float:
+        """The rank's median work a step over its peers' median of theirs."""
+        peers = statistics.median(self.work_ms[:rank] + self.work_ms[rank + 1 :])
+        return self.work_ms[rank] / peers if peers > 0 else 1.0
+
+
+def judge_arrivals(
+    ranks: Sequence[Arrivals | None],
+    now: float,
+    limits: ArrivalLimits,
+    named: frozenset[int] = frozenset(),
+) -> Straggle | None:
+    """The ranks compared over the newest `limits.window` seconds of steps every one
+    sampled, as of `now`; None when they cannot be (fewer than two ranks, a rank with no
+    sampled steps, fewer than `limits.steps` in common). `named`: ranks an open finding
+    names, held to the `clear` bar."""
+    if len(ranks) < 2 or any(r is None or not r.steps for r in ranks):
+        return None
+    held = [r.steps for r in ranks if r is not None]
+    joined: list[list[tuple[float, float, float, float]]] = []
+    oldest = now
+    for step in reversed(min(held, key=len).keys()):
+        rows = [steps.get(step) for steps in held]
+        if any(row is None for row in rows):
+            continue
+        found = [row for row in rows if row is not None]
+        at = max(row[0] for row in found)
+        if at > now:
+            continue
+        if now - at > limits.window:
+            break
+        joined.append(found)
+        oldest = min(oldest, at)
+    if len(joined) < limits.steps or now - oldest < limits.span:
+        return None
+    size = len(held)
+    lost, last, total = [0.0] * size, [0] * size, 0.0
+    for ranked in joined:
+        waits = [row[2] for row in ranked]
+        total += statistics.median(row[1] + row[2] + row[3] for row in ranked)
+        arrived_last = min(range(size), key=waits.__getitem__)
+        peers = waits[:arrived_last] + waits[arrived_last + 1 :]
+        last[arrived_last] += 1
+        lost[arrived_last] += max(0.0, statistics.median(peers) - waits[arrived_last])
+    shares = [seconds / total if total > 0 else 0.0 for seconds in lost]
+    waited_on = [  # beyond its peers': on a busy machine every rank is now and then last
+        max(0.0, shares[i] - statistics.median(shares[:i] + shares[i + 1 :])) for i in range(size)
+    ]
+    chance = len(joined) / size
+    often = chance + limits.certainty * math.sqrt(chance * (1 - 1 / size))
+    stragglers = sorted(
+        (
+            i
+            for i in range(size)
+            if (waited_on[i] >= limits.share and last[i] >= often)
+            or (i in named and waited_on[i] >= limits.clear)
+        ),
+        key=lambda i: -waited_on[i],
+    )
+    return Straggle(
+        steps=len(joined),
+        since=oldest,
+        waited_on=waited_on,
+        last=[count / len(joined) for count in last],
+        work_ms=[1000 * statistics.median(r[i][1] for r in joined) for i in range(size)],
+        wait_ms=[1000 * statistics.median(r[i][2] for r in joined) for i in range(size)],
+        stragglers=stragglers,
+    )

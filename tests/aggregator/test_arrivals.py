@@ -1,0 +1,263 @@
+"""The rank a job waits on, read by comparing ranks on the same sampled step: named from
+its first step or once it slows, with the share of the job's time lost to it; a noisy
+machine, neighbours taking turns on a core and a machine-wide slowdown name nobody."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import statistics
+import time
+
+import msgspec
+import pytest
+
+from rankscope.services.aggregator.answers import history
+from rankscope.services.aggregator.arrivals import ArrivalLimits, Arrivals, judge_arrivals
+from rankscope.services.aggregator.diagnosis import Incident, Thresholds
+from rankscope.services.aggregator.snapshot import Snapshot, capture, restore
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.gateway.metrics import cluster_families
+from rankscope.shared.wire import (
+    MAX_SAMPLED_STEPS,
+    AggregatorHealth,
+    ClusterTimeline,
+    Diagnosis,
+    Finding,
+    MemorySampled,
+    MlxMemorySnapshot,
+    Phase,
+    SampledStep,
+    StepPace,
+    WireError,
+    decode,
+)
+from tests.aggregator.builders import at, entries, judged, placed, rank
+
+SAMPLED_A_SECOND = 8
+TRANSFER_S = 0.0004
+GAP_S = 0.001
+"""What each rank does between two steps (its data, its logging)."""
+
+
+class Lockstep:
+    """A data-parallel job of `world` ranks on a busy machine, every rank sampling the
+    same steps: rank r arrives at its collective after its work (`work` seconds times its
+    slowdown, with noise, now and then a turn lost to a neighbour on its core), and every
+    rank leaves once the last arrived."""
+
+    def __init__(self, world: int = 4, work: float = 0.004, seed: int = 3) -> None:
+        self.now = 1000.0
+        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now, wall=time.time)
+        self.state.apply_placement(placed(world=world), stored_ns=int(self.now * 1e9))
+        self.ranks = [rank(r, world=world) for r in range(world)]
+        self.work, self.slowdown = work, [1.0] * world
+        self.noise = random.Random(seed)
+        self.seqs = [0] * world
+        self.step = 0
+        self.incidents: dict[str, Incident] = {}
+        self.lost = [0.0] * world
+        """Per rank, the seconds of the job's steps its own slowdown cost (the truth the
+        finding's share is held to), of `total`."""
+        self.total = 0.0
+
+    def _seq(self, r: int) -> int:
+        self.seqs[r] += 1
+        return self.seqs[r]
+
+    def second(self) -> None:
+        """A second of steps, each rank's sampled ones said in one pace sample."""
+        self.now += 1.0
+        said: list[list[SampledStep]] = [[] for _ in self.ranks]
+        for _ in range(SAMPLED_A_SECOND):
+            self.step += 1 + self.noise.randrange(16)
+            base = [self.work * self.noise.uniform(0.85, 1.2) for _ in self.ranks]
+            own = [b * (s - 1) for b, s in zip(base, self.slowdown, strict=True)]
+            turns = [  # a neighbour on the core took a turn: as long as a step's work
+                self.work * self.noise.uniform(0.2, 1.0) if self.noise.random() < 0.2 else 0.0
+                for _ in self.ranks
+            ]
+            arrived = [b + o + t for b, o, t in zip(base, own, turns, strict=True)]
+            leave = max(arrived) + TRANSFER_S
+            for r, at_collective in enumerate(arrived):
+                work = at_collective + 0.0005
+                said[r].append(SampledStep(self.step, work, leave - at_collective, GAP_S))
+            self.total += leave + 0.0005 + GAP_S
+            for r, extra in enumerate(own):  # what its slowdown adds to the step
+                self.lost[r] += extra
+        for r, ref in enumerate(self.ranks):
+            steps = said[r]
+            pace = StepPace(
+                steps=len(steps),
+                workSeconds=sum(s.workSeconds for s in steps),
+                waitSeconds=sum(s.waitSeconds for s in steps),
+                sampled=steps,
+            )
+            snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
+            stored = int((self.now - self.noise.uniform(0, 0.3)) * 1e9)
+            self.state.apply_telemetry(
+                MemorySampled(runner=ref, seq=self._seq(r), snapshot=snapshot, pace=pace),
+                stored_ns=stored,
+            )
+            self.state.apply_telemetry(
+                entries(ref, (self._seq(r), self.now - 1000, Phase.DECODE_STREAM, 2)),
+                stored_ns=stored,
+            )
+
+    def run(self, seconds: int) -> list[list[Finding]]:
+        """`seconds` of steps, judged each second."""
+        found = []
+        for _ in range(seconds):
+            self.second()
+            self.incidents = judged(self.state, self.now, self.incidents, Thresholds())
+            found.append([i.finding for i in self.incidents.values()])
+        return found
+
+
+def _named(found: list[list[Finding]]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(f.kind.value, tuple(f.culpritRanks)) for findings in found for f in findings]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_rank_slow_from_its_first_step_is_named_with_the_share_lost_to_it(seed: int) -> None:
+    job = Lockstep(seed=seed)
+    job.slowdown[2] = 1.3
+    found = job.run(30)
+    first = next(i for i, findings in enumerate(found) if findings) + 1
+    assert first <= 15  # half the 30 s asked: no history to learn
+    assert set(_named(found)) == {("slow_rank", (2,))}
+    (finding,) = found[-1]
+    pace = next(e.pace for e in finding.evidence if e.deviceRank == 2)
+    assert pace is not None
+    assert pace.waitedOn is not None
+    assert pace.lastArrival is not None
+    assert abs(pace.waitedOn - job.lost[2] / job.total) < 0.10  # within 10 points
+    assert pace.lastArrival > 2 / 4  # twice chance at least
+    assert pace.workVsPeers is not None
+    assert pace.workVsPeers > 1.15
+    assert re.match(
+        r"rank 2 \(node-2\) is the straggler: the job loses \d+% of its time waiting for it, "
+        r"last to arrive on \d+% of \d+ steps; its work per step is 1\.\dx its peers' "
+        r"median; rank 0 \(node-0\) waits [\d.]+ ms a step",
+        finding.summary,
+    ), finding.summary
+
+
+def test_a_rank_that_slows_mid_run_is_named_within_30s_and_cleared_after() -> None:
+    job = Lockstep(seed=11)
+    assert not any(job.run(60))
+    job.slowdown[1] = 1.3
+    during = job.run(60)
+    named = next(i for i, findings in enumerate(during) if findings) + 1
+    assert named <= 30
+    assert set(_named(during)) == {("slow_rank", (1,))}
+    assert all(findings for findings in during[named:])  # every sample after names it
+    job.slowdown[1] = 1.0
+    after = job.run(60)
+    cleared = next(i for i, findings in enumerate(after) if not findings) + 1
+    assert cleared <= 30
+    assert not any(after[cleared:])
+
+
+def test_a_healthy_noisy_job_names_nobody_for_half_an_hour() -> None:
+    job = Lockstep(seed=5)
+    assert not any(job.run(1800))
+
+
+def test_a_machine_wide_slowdown_names_nobody() -> None:
+    job = Lockstep(seed=8)
+    job.run(30)
+    job.slowdown = [1.6] * 4
+    assert not any(job.run(60))
+
+
+def test_two_ranks_of_a_pair_take_turns_and_a_straggler_among_eight_is_named() -> None:
+    job = Lockstep(world=8, seed=2)
+    job.slowdown[5] = 1.5
+    assert set(_named(job.run(40))) == {("slow_rank", (5,))}
+
+
+def test_ranks_are_compared_only_on_steps_every_one_sampled_in_the_window() -> None:
+    ranks = [Arrivals(), Arrivals()]
+    limits = ArrivalLimits(steps=3, window=10.0, span=0.0, certainty=1.0)
+    ranks[0].add(100.0, [SampledStep(n, 0.001, 0.004) for n in range(1, 6)])
+    ranks[1].add(100.0, [SampledStep(n, 0.005, 0.0) for n in range(3, 9)])
+    straggle = judge_arrivals(ranks, now=100.5, limits=limits)
+    assert straggle is not None
+    assert straggle.steps == 3  # steps 3, 4 and 5
+    assert straggle.stragglers == [1]
+    assert straggle.last == [0.0, 1.0]
+    assert straggle.waited_on[1] == pytest.approx(0.004 / 0.005)
+    assert judge_arrivals(ranks, now=111.0, limits=limits) is None  # all out of the window
+    assert judge_arrivals(ranks, now=99.0, limits=limits) is None  # stored after "now"
+    assert judge_arrivals([ranks[0], None], now=100.5, limits=limits) is None
+    assert judge_arrivals([ranks[0]], now=100.5, limits=limits) is None
+
+
+def test_a_named_rank_stays_named_down_to_the_clearing_share() -> None:
+    ranks = [Arrivals(), Arrivals()]
+    limits = ArrivalLimits(steps=3, window=10.0, span=0.0, certainty=1.0)
+    for n in range(1, 11):  # rank 1 last on half the steps, by 0.7 ms of 10
+        late = 0.0007 if n % 2 else 0.0
+        ranks[0].add(100.0, [SampledStep(n, 0.009, 0.001 + late)])
+        ranks[1].add(100.0, [SampledStep(n, 0.009 + late, 0.001)])
+    fresh = judge_arrivals(ranks, now=100.0, limits=limits)
+    held = judge_arrivals(ranks, now=100.0, limits=limits, named=frozenset({1}))
+    assert fresh is not None
+    assert held is not None
+    assert statistics.mean(fresh.waited_on) < limits.share
+    assert fresh.stragglers == []
+    assert held.stragglers == []  # 3.5% < the 5% that keeps it named
+    assert judge_arrivals(
+        ranks,
+        now=100.0,
+        limits=ArrivalLimits(steps=3, window=10.0, span=0.0, certainty=1.0, clear=0.03),
+        named=frozenset({1}),
+    ).stragglers == [1]  # type: ignore[union-attr]
+
+
+def test_the_sampled_steps_survive_a_restart_from_a_snapshot() -> None:
+    job = Lockstep(seed=4)
+    job.slowdown[3] = 1.4
+    job.run(15)
+    kept = msgspec.json.decode(msgspec.json.encode(capture(job.state, {})), type=Snapshot)
+    state = ClusterState(store=EntryStore(), clock=lambda: job.now, wall=time.time)
+    restore(state, kept, moment=job.now)
+    before = job.state.runners["i-r3"].pace
+    after = state.runners["i-r3"].pace
+    assert before is not None
+    assert after is not None
+    assert after.arrivals.steps == before.arrivals.steps
+    job.state = state
+    assert set(_named(job.run(2))) == {("slow_rank", (3,))}
+
+
+def test_prometheus_has_each_ranks_waited_on_share_and_last_arrival_rate() -> None:
+    job = Lockstep(seed=6)
+    job.slowdown[0] = 1.5
+    job.run(10)
+    families = cluster_families(
+        AggregatorHealth(ready=True, partition="0"),
+        ClusterTimeline(generatedAt=at(0), localNodeId="node-0"),
+        Diagnosis(generatedAt=at(0)),
+        history(job.state, ArrivalLimits()),
+    )
+    by_name = {f.name: {s.labels.get("rank"): s.value for s in f.samples} for f in families}
+    waited = by_name["rankscope_rank_waited_on_ratio"]
+    last = by_name["rankscope_rank_last_arrival_ratio"]
+    assert set(waited) == set(last) == {"0", "1", "2", "3"}
+    assert max(waited, key=waited.__getitem__) == "0"
+    assert waited["0"] > 0.15
+    assert last["0"] > 0.5
+    assert sum(last.values()) == pytest.approx(1.0)
+
+
+def test_a_pace_listing_more_steps_than_a_rank_samples_is_refused_whole() -> None:
+    steps = [[n, 0.001, 0.001] for n in range(MAX_SAMPLED_STEPS + 1)]
+    raw = json.dumps({"steps": 1, "workSeconds": 0.1, "waitSeconds": 0.1, "sampled": steps})
+    with pytest.raises(WireError, match=r"\$\.sampled"):
+        decode(raw.encode(), StepPace)
+    with pytest.raises(WireError, match=r"\$\.sampled\[0\]"):
+        decode(b'{"steps":1,"workSeconds":0,"waitSeconds":0,"sampled":[[-1,0,0]]}', StepPace)
