@@ -8,6 +8,7 @@ import asyncio
 import functools
 from collections.abc import Callable
 from importlib.metadata import version
+from typing import Any
 
 from nats.aio.client import Client
 from nats.micro import add_service
@@ -21,6 +22,7 @@ from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.partitions import Partition
 from rankscope.shared.subjects import AGGREGATOR_SERVICE, Subjects
 from rankscope.shared.timestamps import now
+from rankscope.shared.views import HISTORY, INSTANCES, TIMELINE, VIEWS, View
 from rankscope.shared.wire import (
     AggregatorHealth,
     DiagnosisQuery,
@@ -32,13 +34,9 @@ from rankscope.shared.wire import (
     encode,
 )
 
-__all__ = ["VIEWS", "Queries"]
+__all__ = ["Queries"]
 
 SERVICE_VERSION = version("rankscope")
-
-VIEWS = ("timeline", "placement", "diagnosis", "instances", "history", "health")
-"""The views it answers, one service endpoint each on `subjects.query(view)`; instances
-share the requests (the service's queue group), any one answering."""
 
 ANSWER_REUSE_S = 0.5
 """How long an unchanged view's answer may be served again (its `secondsInPhase` ages)."""
@@ -104,15 +102,15 @@ class Queries:
             description="Cross-rank views of every runner's flight recorder",
             metadata={"partition": str(part)},
         )
-        for view in VIEWS:
+        for view in VIEWS:  # one endpoint each; twins share the requests, any one answering
             await queries.add_endpoint(
-                name=view,
-                subject=self._subjects.query(view, part.index, part.count),
+                name=view.name,
+                subject=self._subjects.query(view.name, part.index, part.count),
                 handler=functools.partial(self._answer, view),
             )
         return queries
 
-    async def _answer(self, view: str, request: Request) -> None:
+    async def _answer(self, view: View[Any], request: Request) -> None:
         data = request.data or b"{}"
         query = self._heavy_timeline_query(view, data)
         if query is None:
@@ -122,8 +120,8 @@ class Queries:
         self.heavy.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self.heavy.discard)
 
-    def _heavy_timeline_query(self, view: str, data: bytes) -> TimelineQuery | None:
-        if view != "timeline":
+    def _heavy_timeline_query(self, view: View[Any], data: bytes) -> TimelineQuery | None:
+        if view is not TIMELINE:
             return None
         try:
             query = decode(data, TimelineQuery)
@@ -168,44 +166,37 @@ class Queries:
             )
         return body
 
-    def _query(self, view: str, data: bytes) -> bytes:
-        if view == "health":
-            return encode(self._health())
+    def _query(self, view: View[Any], data: bytes) -> bytes:
         try:
-            if view == "timeline":
-                return self._timeline(data)
-            if view == "placement":
-                asked = decode(data, PlacementQuery)
-                wanted = asked.runnerId
-                found = answers.placement(
-                    self._state, local_node_id=asked.localNodeId or self._node_id
-                )
-                if wanted is None:
-                    return encode(found)
-                for item in found:
-                    if item.runnerId == wanted:
-                        return encode(item)
-                raise _failed(404, f"no placed runner {wanted!r}")
-            if view == "diagnosis":
-                narrowed = decode(data, DiagnosisQuery)
-                return diagnosis_answer(self._findings(), narrowed, now())
-            if view == "instances":
-                return encode(answers.instance_states(self._state))
-            if view == "history":
-                return encode(answers.history(self._state, self._arrivals))
+            asked = decode(data, view.request)
         except WireError as exc:
-            raise _failed(422, f"bad {view} query: {exc}") from None
-        raise _failed(
-            404,
-            f"no view {view!r}; try timeline, placement, diagnosis, instances, history or health",
-        )
+            raise _failed(422, f"bad {view.name} query: {exc}") from None
+        if isinstance(asked, TimelineQuery):
+            return self._timeline(data, asked)
+        if isinstance(asked, PlacementQuery):
+            return self._placement(asked)
+        if isinstance(asked, DiagnosisQuery):
+            return diagnosis_answer(self._findings(), asked, now())
+        if view is INSTANCES:
+            return encode(answers.instance_states(self._state))
+        if view is HISTORY:
+            return encode(answers.history(self._state, self._arrivals))
+        return encode(self._health())
 
-    def _timeline(self, data: bytes) -> bytes:
+    def _placement(self, asked: PlacementQuery) -> bytes:
+        found = answers.placement(self._state, local_node_id=asked.localNodeId or self._node_id)
+        if asked.runnerId is None:
+            return encode(found)
+        for item in found:
+            if item.runnerId == asked.runnerId:
+                return encode(item)
+        raise _failed(404, f"no placed runner {asked.runnerId!r}")
+
+    def _timeline(self, data: bytes, query: TimelineQuery) -> bytes:
         """Identical timeline queries within `ANSWER_REUSE_S` of each other, with nothing
         applied in between, share one answer: a roomful of browsers costs one build."""
         answer = self._cached(data)
         if answer is None:
-            query = decode(data, TimelineQuery)
             local = query.localNodeId or self._node_id
             answer = encode(answers.timeline(self._state, query, local_node_id=local))
             self._remember(data, self._state.version, answer)

@@ -27,6 +27,7 @@ from rankscope.shared.partitions import partition_of
 from rankscope.shared.replay import follow
 from rankscope.shared.subjects import token, untoken
 from rankscope.shared.timestamps import later, now, parse_ts
+from rankscope.shared.views import Request, View
 from rankscope.shared.wire import (
     TASK_HORIZON_S,
     EvidenceRequest,
@@ -34,6 +35,7 @@ from rankscope.shared.wire import (
     MemorySampled,
     NodeDiagnostics,
     NodeEvidence,
+    PlacementQuery,
     RankTableStream,
     TaskCreated,
     TaskKind,
@@ -41,6 +43,7 @@ from rankscope.shared.wire import (
     decode,
     encode,
 )
+from rankscope.shared.wire.base import CamelStruct
 from rankscope.shared.wire.fr import FrLoad
 
 __all__ = ["EVIDENCE_WAIT_S", "Bus", "BusError", "last_words"]
@@ -94,7 +97,7 @@ class Bus:
         """Whether the NATS connection is up."""
         return bool(self.nc.is_connected)
 
-    async def query(self, view: str, body: dict[str, Any] | None = None) -> bytes:
+    async def query(self, view: View[Request], request: Request | None = None) -> bytes:
         """Ask the aggregators for a view; its JSON as bytes. With partitions, every one is
         asked at once and the answers merged; a partition that does not answer leaves a
         partial answer that names it (`scatter.with_missing`).
@@ -103,11 +106,12 @@ class Bus:
             BusError: 503 when no partition answers in time (saying so when NATS itself
                 does not), else the aggregators' own status.
         """
-        body = body or {}
+        asking = view.request() if request is None else request
         if self.partitions == 1:
-            return await self._ask(self.layout.subjects.query(view), body, "the aggregator")
+            subject = self.layout.subjects.query(view.name)
+            return await self._ask(subject, asking, "the aggregator")
         count = self.partitions
-        instance = body.get("instanceId")
+        instance = getattr(asking, "instanceId", None)
         asked = (
             [partition_of(token(instance), count)]  # one instance: its partition alone
             if isinstance(instance, str) and instance
@@ -116,8 +120,8 @@ class Bus:
         results = await asyncio.gather(
             *(
                 self._ask(
-                    self.layout.subjects.query(view, i, count),
-                    body,
+                    self.layout.subjects.query(view.name, i, count),
+                    asking,
                     f"the aggregator of partition {i}/{count}",
                 )
                 for i in asked
@@ -136,7 +140,7 @@ class Bus:
                 refused.append(result)
             else:
                 raise result
-        if view == "placement" and body.get("runnerId") is not None:
+        if isinstance(asking, PlacementQuery) and asking.runnerId is not None:
             return self._one_placement(answers, missing, refused)
         if refused:
             raise refused[0]  # a bad query: every partition says the same
@@ -144,7 +148,7 @@ class Bus:
             raise BusError(503, "; ".join(missing.values()))
         if len(answers) == len(asked) == 1:
             return answers[0]  # one instance's partition: its answer is the whole answer
-        return with_missing(merge(view, body, answers), missing)
+        return with_missing(merge(view, asking, answers), missing)
 
     @staticmethod
     def _one_placement(
@@ -165,10 +169,15 @@ class Bus:
             )
         raise refused[0]
 
-    async def _ask(self, subject: str, body: dict[str, Any], who: str) -> bytes:
+    async def ask(self, view: View[Request], request: Request | None = None) -> Any:
+        """A view's answer, decoded as the view says (`query`'s errors, and `WireError`
+        when the aggregators answered nonsense)."""
+        return decode(await self.query(view, request), view.answer)
+
+    async def _ask(self, subject: str, request: CamelStruct, who: str) -> bytes:
         """The answer to a query, shared with every identical query asked while it is in
         flight; a caller that goes away leaves it to the others."""
-        key = (subject, encode(body))
+        key = (subject, encode(request))
         asking = self._asking.get(key)
         if asking is None:
             asking = self._asking[key] = asyncio.create_task(self._request(*key, who))

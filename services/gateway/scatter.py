@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rankscope.shared.headers import MISSING_PARTITIONS_HEADER
 from rankscope.shared.timestamps import now
+from rankscope.shared.views import DIAGNOSIS, HEALTH, View
 from rankscope.shared.wire import (
     AggregatorHealth,
     MissingPartition,
@@ -23,6 +24,7 @@ from rankscope.shared.wire import (
     decode,
     encode,
 )
+from rankscope.shared.wire.base import CamelStruct
 
 __all__ = ["MissingPartitions", "merge", "missing", "with_missing"]
 
@@ -68,10 +70,9 @@ def _keyed(raw: msgspec.Raw) -> _Key:
     return _keys.decode(raw)
 
 
-def _timeline(answers: list[bytes], body: dict[str, Any]) -> bytes:
+def _timeline(answers: list[bytes], limit: int) -> bytes:
     """Entries merged in time order, the newest `limit` kept after the merge (each
     partition's newest `limit` hold them); synopses in the one aggregator's order."""
-    limit = decode(encode(body), TimelineQuery).limit
     parts = [decode(a, _Timeline) for a in answers]
     entries = sorted(
         (e for p in parts for e in p.timeline),
@@ -137,13 +138,13 @@ def _concatenated(answers: list[bytes]) -> bytes:
     return encode([item for answer in answers for item in _lists.decode(answer)])
 
 
-def merge(view: str, body: dict[str, Any], answers: list[bytes]) -> bytes:
-    """The answers of the partitions that gave one, as one."""
-    if view == "timeline":
-        return _timeline(answers, body)
-    if view == "diagnosis":
+def merge(view: View[Any], request: CamelStruct, answers: list[bytes]) -> bytes:
+    """The answers of the partitions that gave one to `request`, as one."""
+    if isinstance(request, TimelineQuery):
+        return _timeline(answers, request.limit)
+    if view is DIAGNOSIS:
         return _diagnosis(answers)
-    if view == "health":
+    if view is HEALTH:
         return _health(answers)
     return _concatenated(answers)
 

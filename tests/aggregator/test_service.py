@@ -25,7 +25,6 @@ from rankscope.services.aggregator import findings as findings_module
 from rankscope.services.aggregator import liveness as liveness_module
 from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.services.aggregator.ingest import FOLLOW_RELEASED_S
-from rankscope.services.aggregator.queries import VIEWS
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.silence import NO_AGENT
 from rankscope.services.aggregator.store import EntryStore
@@ -35,6 +34,7 @@ from rankscope.shared.partitions import Partition
 from rankscope.shared.provision import ensure
 from rankscope.shared.subjects import token
 from rankscope.shared.timestamps import format_ts, now
+from rankscope.shared.views import VIEWS
 from rankscope.shared.wire import (
     ClusterTimeline,
     Diagnosis,
@@ -455,7 +455,7 @@ async def test_it_is_a_nats_micro_service_with_an_endpoint_per_view(
         info = json.loads((await nc.request("$SRV.INFO.rankscope-aggregator", b"", WAIT)).data)
         assert info["name"] == "rankscope-aggregator"
         assert {e["name"]: e["subject"] for e in info["endpoints"]} == {
-            view: js_ready.subjects.query(view) for view in VIEWS
+            view.name: js_ready.subjects.query(view.name) for view in VIEWS
         }
 
 

@@ -13,6 +13,8 @@ from nats.aio.msg import Msg
 from rankscope.services.gateway.bus import Bus, BusError
 from rankscope.shared.headers import ERROR_CODE_HEADER, ERROR_HEADER
 from rankscope.shared.jetstream import Layout
+from rankscope.shared.views import TIMELINE
+from rankscope.shared.wire import TimelineQuery
 
 pytestmark = pytest.mark.nats
 
@@ -57,13 +59,13 @@ def _bus(nc: Client, layout: Layout) -> Bus:
 async def test_identical_queries_in_flight_are_asked_once(nc: Client, layout: Layout) -> None:
     bus = _bus(nc, layout)
     async with Aggregator(nc, layout) as aggregator:
-        same = [bus.query("timeline", {"limit": 1000}) for _ in range(20)]
-        other = bus.query("timeline", {"limit": 10})
+        same = [bus.query(TIMELINE, TimelineQuery(limit=1000)) for _ in range(20)]
+        other = bus.query(TIMELINE, TimelineQuery(limit=10))
         answers = await asyncio.gather(*same, other)
         assert len(aggregator.asked) == 2
         assert len(set(answers[:20])) == 1
         assert answers[20] != answers[0]
-        again = await bus.query("timeline", {"limit": 1000})  # answered: asked anew
+        again = await bus.query(TIMELINE, TimelineQuery(limit=1000))  # answered: asked anew
         assert len(aggregator.asked) == 3
         assert again == b'{"answer":3}'
 
@@ -73,9 +75,9 @@ async def test_a_caller_gone_mid_query_leaves_the_answer_to_the_others(
 ) -> None:
     bus = _bus(nc, layout)
     async with Aggregator(nc, layout) as aggregator:
-        first = asyncio.create_task(bus.query("timeline", {"limit": 5}))
+        first = asyncio.create_task(bus.query(TIMELINE, TimelineQuery(limit=5)))
         await asyncio.sleep(0.05)
-        rest = [asyncio.create_task(bus.query("timeline", {"limit": 5})) for _ in range(3)]
+        rest = [asyncio.create_task(bus.query(TIMELINE, TimelineQuery(limit=5))) for _ in range(3)]
         await asyncio.sleep(0.05)
         first.cancel()  # its client disconnected
         with contextlib.suppress(asyncio.CancelledError):
@@ -89,8 +91,8 @@ async def test_an_error_reaches_every_caller_and_is_not_kept(nc: Client, layout:
     async with Aggregator(nc, layout) as aggregator:
         aggregator.failing = True
         found = await asyncio.gather(
-            *(bus.query("timeline", {"limit": 7}) for _ in range(4)), return_exceptions=True
+            *(bus.query(TIMELINE, TimelineQuery(limit=7)) for _ in range(4)), return_exceptions=True
         )
         assert all(isinstance(e, BusError) and e.status == 422 for e in found), found
         aggregator.failing = False
-        assert await bus.query("timeline", {"limit": 7}) == b'{"answer":2}'
+        assert await bus.query(TIMELINE, TimelineQuery(limit=7)) == b'{"answer":2}'

@@ -14,6 +14,7 @@ import pytest
 
 from rankscope.shared.headers import MISSING_PARTITIONS_HEADER as MISSING_HEADER
 from rankscope.shared.subjects import AGGREGATOR_SERVICE
+from rankscope.shared.views import HEALTH, NoQuery
 from rankscope.shared.wire import AggregatorHealth, Phase, decode
 from tests.aggregator.builders import entries, instances_by_partition, placed, rank
 from tests.aggregator.running import publish
@@ -189,7 +190,7 @@ def test_health_of_partitions_sums_counters_and_joins_maps() -> None:
         "storageProblem": "JetStream not storing since 12:00:00Z",
     }
     merged = decode(
-        merge("health", {}, [json.dumps(first).encode(), json.dumps(second).encode()]),
+        merge(HEALTH, NoQuery(), [json.dumps(first).encode(), json.dumps(second).encode()]),
         AggregatorHealth,
     )
     assert (merged.ready, merged.entries, merged.partition) == (False, 7, "0/2,1/2")

@@ -26,6 +26,7 @@ from rankscope.services.gateway.scatter import missing
 from rankscope.shared.settings import Settings
 from rankscope.shared.subjects import Subjects
 from rankscope.shared.timestamps import later, now
+from rankscope.shared.views import INSTANCES, InstancesQuery
 from rankscope.shared.wire import (
     ChatMessage,
     GenerationRequest,
@@ -125,7 +126,7 @@ async def _body(request: Request) -> bytes:
 
 
 async def _instance(nats: Bus, model: str) -> InstanceState:
-    states = decode(await nats.query("instances"), list[InstanceState])
+    states: list[InstanceState] = await nats.ask(INSTANCES)
     serving = [s for s in states if model in (s.runnerSpecId, s.modelId)]
     if not serving and (away := missing()):
         raise fail(503, f"no instance of {model!r} in the partitions that answered; "
@@ -254,8 +255,9 @@ async def _dropped(nats: Bus, instance_id: str) -> list[RankState]:
     instance is gone; none when the aggregator cannot tell now (the deadline still holds)."""
     try:
         # of the instance's partition alone: an instance missing from the answer is gone
-        asked = {"instanceId": instance_id}
-        states = decode(await nats.query("instances", asked), list[InstanceState])
+        states: list[InstanceState] = await nats.ask(
+            INSTANCES, InstancesQuery(instanceId=instance_id)
+        )
     except (BusError, WireError):
         return []
     state = next((s for s in states if s.instanceId == instance_id), None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
+import msgspec
 from fastapi import APIRouter, Depends, Query
 
 from rankscope.services.gateway.bus import Bus, BusError
@@ -13,17 +14,20 @@ from rankscope.services.gateway.memory import pace_series, series
 from rankscope.services.gateway.responses import Json, fail, schema_ref
 from rankscope.services.gateway.trace import to_trace
 from rankscope.shared.timestamps import format_ts, micros, now, parse_ts
+from rankscope.shared.views import DIAGNOSIS, HISTORY, PLACEMENT, TIMELINE
 from rankscope.shared.wire import (
     ClusterMemory,
     ClusterPace,
     ClusterTimeline,
     Diagnosis,
+    DiagnosisQuery,
     Finding,
     FindingKind,
     MemorySampled,
+    PlacementQuery,
     PlacementRunnerDiagnostics,
     RunnerHistory,
-    decode,
+    TimelineQuery,
 )
 
 __all__ = ["Filters", "moment", "router", "timeline"]
@@ -50,18 +54,18 @@ async def _filters(
     since: Annotated[str | None, Query(description="RFC 3339")] = None,
     until: Annotated[str | None, Query(description="RFC 3339")] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
-) -> dict[str, object]:
-    return {
-        "instanceId": instanceId,
-        "nodeId": nodeId,
-        "modelId": modelId,
-        "since": moment(since, "since"),
-        "until": moment(until, "until"),
-        "limit": limit,
-    }
+) -> TimelineQuery:
+    return TimelineQuery(
+        instanceId=instanceId,
+        nodeId=nodeId,
+        modelId=modelId,
+        since=moment(since, "since"),
+        until=moment(until, "until"),
+        limit=limit,
+    )
 
 
-Filters = Annotated[dict[str, object], Depends(_filters)]
+Filters = Annotated[TimelineQuery, Depends(_filters)]
 
 
 @router.get(
@@ -69,13 +73,14 @@ Filters = Annotated[dict[str, object], Depends(_filters)]
 )
 async def timeline(filters: Filters, nats: Nats) -> Json:
     """Every rank's synopsis and flight-recorder entries, merged and sorted by `at`."""
-    return Json(await nats.query("timeline", {**filters, "localNodeId": nats.local_node}))
+    asked = msgspec.structs.replace(filters, localNodeId=nats.local_node)
+    return Json(await nats.query(TIMELINE, asked))
 
 
 @router.get("/v1/cluster/timeline/trace", response_class=Json)
 async def timeline_trace(filters: Filters, nats: Nats) -> Json:
     """The timeline as Chrome trace-event JSON (open it in Perfetto)."""
-    found = decode(await nats.query("timeline", filters), ClusterTimeline)
+    found: ClusterTimeline = await nats.ask(TIMELINE, filters)
     return Json(
         to_trace(found), headers={"Content-Disposition": 'inline; filename="rankscope.trace.json"'}
     )
@@ -141,9 +146,8 @@ async def diagnosis(
     """Open findings, each naming the rank at fault and the ranks waiting on it; while
     NATS does not answer, the one finding that says so. At most 2 MB: past it stacks, then
     whole findings are left out (`omitted` counts them); `instanceId` and `kind` narrow it."""
-    asked = {"instanceId": instanceId, "kind": kind}
     try:
-        return Json(await nats.query("diagnosis", {k: v for k, v in asked.items() if v}))
+        return Json(await nats.query(DIAGNOSIS, DiagnosisQuery(instanceId=instanceId, kind=kind)))
     except BusError:
         if nats.reach.reachable:
             raise
@@ -166,7 +170,7 @@ async def diagnosis(
 async def history(nats: Nats) -> Json:
     """How much of each runner's history is held: the oldest seq and entry kept, seqs
     that never arrived, and entries evicted by retention."""
-    return Json(await nats.query("history"))
+    return Json(await nats.query(HISTORY))
 
 
 @router.get(
@@ -176,7 +180,7 @@ async def history(nats: Nats) -> Json:
 )
 async def placement(nats: Nats) -> Json:
     """Where every rank of every live instance runs and which layers it holds."""
-    return Json(await nats.query("placement", {"localNodeId": nats.local_node}))
+    return Json(await nats.query(PLACEMENT, PlacementQuery(localNodeId=nats.local_node)))
 
 
 @router.get(
@@ -186,6 +190,5 @@ async def placement(nats: Nats) -> Json:
 )
 async def placement_of(runnerId: str, nats: Nats) -> Json:  # noqa: N803
     """One rank's placement."""
-    return Json(
-        await nats.query("placement", {"runnerId": runnerId, "localNodeId": nats.local_node})
-    )
+    asked = PlacementQuery(runnerId=runnerId, localNodeId=nats.local_node)
+    return Json(await nats.query(PLACEMENT, asked))

@@ -18,6 +18,7 @@ from rankscope.services.gateway.trace import to_trace
 from rankscope.shared.signatures import seen_before
 from rankscope.shared.subjects import token
 from rankscope.shared.timestamps import format_ts, now, parse_ts
+from rankscope.shared.views import PLACEMENT, TIMELINE
 from rankscope.shared.wire import (
     ClusterTimeline,
     Diagnosis,
@@ -25,6 +26,7 @@ from rankscope.shared.wire import (
     Finding,
     NodeInfo,
     PlacementRunnerDiagnostics,
+    TimelineQuery,
     WireError,
     decode,
 )
@@ -136,8 +138,10 @@ async def _timeline(
     nats: Bus, bundle: Bundle, instance_id: str, since: str, cleared: str | None
 ) -> None:
     start = format_ts(parse_ts(since) - timedelta(seconds=BEFORE_S))
-    asked = {"instanceId": instance_id, "since": start, "until": cleared or now(), "limit": 100_000}
-    raw = await nats.query("timeline", asked)
+    asked = TimelineQuery(
+        instanceId=instance_id, since=start, until=cleared or now(), limit=100_000
+    )
+    raw = await nats.query(TIMELINE, asked)
     try:
         found = decode(raw, ClusterTimeline)
     except WireError as exc:
@@ -152,7 +156,7 @@ async def _timeline(
 
 
 async def _placement(nats: Bus, bundle: Bundle, instance_id: str) -> None:
-    placed = decode(await nats.query("placement"), list[PlacementRunnerDiagnostics])
+    placed: list[PlacementRunnerDiagnostics] = await nats.ask(PLACEMENT)
     ranks = [p for p in placed if p.runnerId.startswith(f"{instance_id}-")]
     if ranks:
         bundle.add("placement.json", ranks)

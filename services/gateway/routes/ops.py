@@ -12,13 +12,14 @@ from rankscope.services.gateway.deps import NOT_YET, Nats, reader
 from rankscope.services.gateway.metrics import cluster_families, exposition, gauge
 from rankscope.services.gateway.responses import Json
 from rankscope.shared.connection import slow_consumer_drops
+from rankscope.shared.views import DIAGNOSIS, HEALTH, HISTORY, TIMELINE
 from rankscope.shared.wire import (
     AggregatorHealth,
     ClusterTimeline,
     Diagnosis,
     RunnerHistory,
+    TimelineQuery,
     WireError,
-    decode,
 )
 
 __all__ = ["router"]
@@ -44,7 +45,7 @@ async def readyz(request: Request) -> Json:
     if not await nats.reach.check():
         return Json({"status": "unavailable", "reason": nats.reach.why()}, status_code=503)
     try:
-        health = decode(await nats.query("health"), AggregatorHealth)
+        health: AggregatorHealth = await nats.ask(HEALTH)
     except (BusError, WireError) as exc:
         reason = exc.detail if isinstance(exc, BusError) else f"a bad health answer: {exc}"
         return Json({"status": "unavailable", "reason": reason}, status_code=503)
@@ -84,10 +85,10 @@ async def metrics(request: Request, nats: Nats) -> Response:
         ),
     ]
     try:
-        health = decode(await nats.query("health"), AggregatorHealth)
-        timeline = decode(await nats.query("timeline", {"limit": 1}), ClusterTimeline)
-        diagnosis = decode(await nats.query("diagnosis"), Diagnosis)
-        history = decode(await nats.query("history"), list[RunnerHistory])
+        health: AggregatorHealth = await nats.ask(HEALTH)
+        timeline: ClusterTimeline = await nats.ask(TIMELINE, TimelineQuery(limit=1))
+        diagnosis: Diagnosis = await nats.ask(DIAGNOSIS)
+        history: list[RunnerHistory] = await nats.ask(HISTORY)
     except (BusError, WireError):
         families.append(gauge("rankscope_aggregator_up", "Whether the aggregator answered.", 0))
     else:

@@ -18,9 +18,11 @@ from rankscope.services.gateway.responses import Json, fail, schema_ref
 from rankscope.services.gateway.routes.cluster import Filters, timeline
 from rankscope.services.gateway.skulk import node_bundle
 from rankscope.shared.timestamps import now
+from rankscope.shared.views import INSTANCES, PLACEMENT
 from rankscope.shared.wire import (
     ClusterTimeline,
     InstanceState,
+    PlacementQuery,
     PlacementRunnerDiagnostics,
     TaskStatus,
     decode,
@@ -64,8 +66,8 @@ async def skulk_timeline(filters: Filters, nats: Nats) -> Json:
 async def _bundle(nats: Bus, node_id: str) -> SkulkNodeDiagnostics:
     live, instances, placed = await asyncio.gather(
         nats.node(node_id),
-        nats.query("instances"),
-        nats.query("placement", {"localNodeId": node_id}),
+        nats.query(INSTANCES),
+        nats.query(PLACEMENT, PlacementQuery(localNodeId=node_id)),
     )
     return node_bundle(
         live,
@@ -96,7 +98,7 @@ async def node_diagnostics(nodeId: str, nats: Nats) -> Json:  # noqa: N803 - Sku
 async def cluster_diagnostics(nats: Nats) -> Json:
     """Every node's bundle, asked at once under one deadline: every node with a heartbeat
     and every node a placement names, each `ok` with its bundle or with why not."""
-    placed = decode(await nats.query("placement"), list[PlacementRunnerDiagnostics])
+    placed: list[PlacementRunnerDiagnostics] = await nats.ask(PLACEMENT)
     beating = await nats.values(nats.layout.nodes_bucket.bucket)
     expected = sorted(set(beating) | {p.nodeId for p in placed})
     found = await asyncio.gather(*(_bundle(nats, n) for n in expected), return_exceptions=True)
@@ -129,7 +131,7 @@ async def cancel_runner_task(
     if live is None:
         raise fail(404, f"node {nodeId!r} supervises no runner {runnerId!r}")
     placed = decode(
-        await nats.query("placement", {"runnerId": runnerId}), PlacementRunnerDiagnostics
+        await nats.query(PLACEMENT, PlacementQuery(runnerId=runnerId)), PlacementRunnerDiagnostics
     )
     known = next((t for t in placed.tasks if t.taskId == task_id), None)
     if live.activeTaskId != task_id and known is None:
