@@ -23,6 +23,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
 
+from rankscope.services.agent.restarts import Restarts
 from rankscope.services.agent.runner.channel import (
     PERMANENT_EXIT,
     STACK_SIGNAL,
@@ -61,14 +62,10 @@ from rankscope.shared.wire import (
     encode,
 )
 
-__all__ = ["CRASH_LIMIT", "CRASH_WINDOW_S", "RunnerSupervisor", "exit_cause"]
+__all__ = ["RunnerSupervisor", "exit_cause"]
 
 log = logging.getLogger(__name__)
 
-CRASH_LIMIT = 3
-CRASH_WINDOW_S = 60.0
-VICTIM_BACKOFF_MAX_S = 30.0
-"""Longest wait before restarting a runner that gave up on its peers again and again."""
 KEEP_ENTRIES = 128
 _TELEMETRY_QUEUE = 1024
 _STOP_GRACE_S = 3.0  # twice this fits within `up`'s 8 s grace for the agent
@@ -117,12 +114,11 @@ class RunnerSupervisor:
         self._tasks: Queue[ToRunner] | None = None
         self._readers: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._crashes: deque[float] = deque()
+        self._restarts = Restarts()
         self._stacks_ready = False
         """Whether the process can write its stacks (SIGUSR1 would kill it before)."""
         self._lost_peer: str | None = None
         """The collective in which the process's ring lost a peer, if it did."""
-        self._victim_exits = 0
         """Exits as a victim of its peers since it was last ready."""
         self._releasing = False
         self.exited = asyncio.Event()
@@ -240,7 +236,7 @@ class RunnerSupervisor:
                 )
             case Status(kind, detail):
                 if kind is RunnerStatusKind.READY:
-                    self._victim_exits = 0
+                    self._restarts.ready()
                 self._set_status(kind, detail)
             case TaskReport():
                 self.completed_tasks += item.status is TaskStatus.COMPLETE
@@ -332,28 +328,18 @@ class RunnerSupervisor:
                 attrs={"exitCode": code, "failedIn": (self.synopsis.phase or Phase.CREATED).value},
             )
         )
-        moment = time.monotonic()
-        victim = code == WEDGED_EXIT or self._lost_peer is not None
-        if victim:  # no crash of its own: it waits for its peers, a little longer each time
-            delay = min(2.0**self._victim_exits, VICTIM_BACKOFF_MAX_S)
-            self._victim_exits += 1
-        else:
-            delay = 1.0
-            self._crashes.append(moment)
-        while self._crashes and self._crashes[0] < moment - CRASH_WINDOW_S:
-            self._crashes.popleft()
-        self.gave_up = len(self._crashes) >= CRASH_LIMIT or code == PERMANENT_EXIT
-        if code == PERMANENT_EXIT:
-            detail = f"{cause}; not restarted: the same error would recur on every start"
-        elif self.gave_up:
-            detail = f"{cause}; gave up after {CRASH_LIMIT} crashes in {CRASH_WINDOW_S:g}s"
-        else:
-            detail = f"{cause}; restarting"
+        then = self._restarts.exited(
+            time.monotonic(),
+            victim=code == WEDGED_EXIT or self._lost_peer is not None,
+            permanent=code == PERMANENT_EXIT,
+        )
+        self.gave_up = then.delay is None
+        detail = f"{cause}; {then.why_not or 'restarting'}"
         self._set_status(RunnerStatusKind.FAILED, detail, code, signal_name(code))
-        if not self.gave_up:
+        if then.delay is not None:
             self.restarts += 1
             assert self._loop is not None
-            self._loop.call_later(delay, self._restart)
+            self._loop.call_later(then.delay, self._restart)
 
     def _restart(self) -> None:
         if not self._releasing:

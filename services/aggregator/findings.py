@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 from collections import deque
@@ -19,9 +18,9 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from rankscope.services.aggregator.alerts import Alerter
-from rankscope.services.aggregator.bounds import cut_stack
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from rankscope.services.aggregator.floods import Floods
+from rankscope.services.aggregator.incidents import Incidents
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.connection import Reachability
 from rankscope.shared.jetstream import Layout
@@ -35,7 +34,6 @@ from rankscope.shared.wire import (
     FindingKind,
     InstanceCreated,
     NodeEvidence,
-    RunnerEvidence,
     WireError,
     decode,
     encode,
@@ -110,15 +108,9 @@ class Findings:
         self._known: set[str] = set()
         """Every incident the diagnosis stream held as this aggregator started."""
         self._clock = clock
-        self.incidents: dict[str, Incident] = {}
-        """The open incident of each instance (`""`: an outage; `Floods.key`: a node
-        sending more than is kept)."""
+        self._held = Incidents(settling=thresholds.slow.window)
         self._swept = -math.inf
-        self._unsettled: dict[str, float] = {}
-        """When each instance last had an incident other than `slow_rank` open."""
         """When the diagnosis last judged every instance."""
-        self._evidence: dict[tuple[str, str], dict[str, RunnerEvidence]] = {}
-        """What the agents captured of each open incident's ranks, by (instance, since)."""
         self.capturing: set[asyncio.Task[None]] = set()
         self._unpublished: deque[Finding] = deque(maxlen=UNPUBLISHED_FINDINGS)
         """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
@@ -126,9 +118,15 @@ class Findings:
         """Open findings already logged (an update of one is published, not logged)."""
         self._floods = Floods(partition=str(partition))
 
+    @property
+    def incidents(self) -> dict[str, Incident]:
+        """The open incident of each instance (`""`: an outage; `Floods.key`: a node
+        sending more than is kept)."""
+        return self._held.open
+
     def culprits(self) -> set[str]:
         """The runners the open incidents blame."""
-        return {r for i in self.incidents.values() for r in i.finding.culpritRunnerIds}
+        return self._held.culprits()
 
     async def restore(self, stop: asyncio.Event) -> None:
         """Take up the incidents of its instances that were open when the last aggregator
@@ -173,12 +171,8 @@ class Findings:
                             RESTORE_INCIDENTS_S)  # fmt: skip
             return
         self._known = {finding.key for finding in past}
-        moment, wall = self._clock(), now()
-        for key, finding in found.items():
-            if finding.unwatchedSince and not finding.unwatchedUntil:  # watched again now
-                finding = msgspec.structs.replace(finding, unwatchedUntil=wall)
-            self.incidents[key] = Incident(finding=finding, opened=moment)
-            self._announced.add((finding.instanceId, finding.since))
+        self._held.take_up(found, at=self._clock(), wall=now())
+        self._announced |= {(f.instanceId, f.since) for f in found.values()}
         if self._alerter is not None:
             self._alerter.remember(past)
             self._alerter.update(list(found.values()), [])  # its alert fires on, one alert
@@ -195,32 +189,34 @@ class Findings:
         return None
 
     def _judged(
-        self, instances: Iterable[InstanceCreated], outage: Outage | None
+        self, instances: Iterable[InstanceCreated], outage: Outage | None, at: float, wall: str
     ) -> dict[str, Incident]:
         return diagnose(
             self._state,
-            now=self._clock(),
-            wall=now(),
+            now=at,
+            wall=wall,
             incidents=self.incidents,
-            placed_at=lambda i: self._placed_at.get(i, self._clock()),
+            placed_at=lambda i: self._placed_at.get(i, at),
             thresholds=self.thresholds,
             outage=outage,
             instances=instances,
-            unsettled=self._unsettled,
+            unsettled=self._held.unsettled,
         )
 
     async def evaluate(self) -> tuple[list[Finding], list[Finding]]:
         """Diagnose the instances touched since the last call, and every instance once per
         `SWEEP_S` (thresholds are crossed with time alone), `JUDGE_SLICE` instances at a
         time between turns of the queries; returns (findings opened or changed, findings
-        that cleared)."""
+        that cleared), and asks for the evidence of those that opened."""
+        at, wall = self._clock(), now()  # the round's moment, read once
         outage = self._outage()
         if outage is not None:
-            return self._settle(self._judged(list(self._state.instances.values()), outage))
+            every = list(self._state.instances.values())
+            return self._settle(self._judged(every, outage, at, wall), at, wall)
         instances, touched = self._state.instances, self._state.take_touched()
         found: dict[str, Incident] = {}
-        if (moment := self._clock()) >= self._swept + SWEEP_S:
-            self._swept, picked = moment, list(instances.values())
+        if at >= self._swept + SWEEP_S:
+            self._swept, picked = at, list(instances.values())
         else:
             picked = [instances[i] for i in touched if i in instances]
             found = {i: kept for i, kept in self.incidents.items() if i in instances}
@@ -230,52 +226,23 @@ class Findings:
             judged = picked[start : start + JUDGE_SLICE]
             for instance in judged:
                 found.pop(instance.instanceId, None)
-            found |= self._judged(judged, None)
+            found |= self._judged(judged, None, at, wall)
         found |= self._floods.judge(
-            self._state.store.trimmed, self._state, self.incidents, now=moment, wall=now()
+            self._state.store.trimmed, self._state, self.incidents, now=at, wall=wall
         )
-        return self._settle(found)
+        return self._settle(found, at, wall)
 
-    def _settle(self, found: dict[str, Incident]) -> tuple[list[Finding], list[Finding]]:
-        """Keep what `found` says, capturing evidence of the incidents it opens."""
-        before = self.incidents
-        opened = [
-            i.finding
-            for key, i in found.items()
-            if key not in before or before[key].finding.since != i.finding.since
-        ]
-        for finding in opened:
-            if finding.evidence and finding.kind is not FindingKind.TELEMETRY_FLOOD:
-                self._capture(finding)  # a flood's ranks have nothing to show of it
-        found = {
-            key: _unwatched(before.get(key), self._with_evidence(i)) for key, i in found.items()
-        }
-        changed = [
-            i.finding
-            for key, i in found.items()
-            if key not in before or _told(before[key].finding) != _told(i.finding)
-        ]
-        cleared = [
-            msgspec.structs.replace(i.finding, open=False, clearedAt=now())
-            for key, i in before.items()
-            if key not in found or found[key].finding.since != i.finding.since
-        ]
-        self.incidents = found
-        moment, settling = self._clock(), self.thresholds.slow.window
-        self._unsettled = {i: at for i, at in self._unsettled.items() if moment - at < settling}
-        for key, incident in found.items():
-            if incident.finding.kind is not FindingKind.SLOW_RANK:
-                self._unsettled[key] = moment
-        live = {(i.finding.instanceId, i.finding.since) for i in found.values()}
-        for gone in set(self._evidence) - live:
-            del self._evidence[gone]
-        return changed, cleared
+    def _settle(
+        self, found: dict[str, Incident], at: float, wall: str
+    ) -> tuple[list[Finding], list[Finding]]:
+        settled = self._held.settle(found, at=at, wall=wall)
+        for finding in settled.capture:
+            self._capture(finding)
+        return settled.changed, settled.cleared
 
     def _capture(self, finding: Finding) -> None:
         """Ask the agents of every rank of `finding` for their stacks and memory now; they
         join the finding when they arrive."""
-        key = (finding.instanceId, finding.since)
-        self._evidence[key] = {}
         asks: dict[str, tuple[str, list[str]]] = {}
         subjects = self._layout.subjects
         for rank in finding.evidence:
@@ -287,13 +254,13 @@ class Findings:
             asks.setdefault(subject, (rank.nodeId, []))[1].append(rank.runnerId)
         for subject, (node_id, runner_ids) in asks.items():
             task = asyncio.get_running_loop().create_task(
-                self._gather(key, subject, node_id, runner_ids)
+                self._gather(finding, subject, node_id, runner_ids)
             )
             self.capturing.add(task)
             task.add_done_callback(self.capturing.discard)
 
     async def _gather(
-        self, key: tuple[str, str], subject: str, node_id: str, runner_ids: list[str]
+        self, finding: Finding, subject: str, node_id: str, runner_ids: list[str]
     ) -> None:
         request = encode(EvidenceRequest(runnerIds=runner_ids))
         try:
@@ -302,34 +269,8 @@ class Findings:
         except (NatsError, TimeoutError, WireError) as exc:
             log.warning("no evidence from %s: %s", node_id, exc or type(exc).__name__)
             return
-        held = self._evidence.get(key)
-        if held is None:
-            return  # the incident is over already
-        for runner in answer.runners:
-            if runner.runnerId in runner_ids:  # one speaks only for the runners asked of it
-                held[runner.runnerId] = msgspec.structs.replace(
-                    runner, stack=cut_stack(runner.stack)
-                )
-        self._state.version += 1
-
-    def _with_evidence(self, incident: Incident) -> Incident:
-        held = self._evidence.get((incident.finding.instanceId, incident.finding.since))
-        if not held:
-            return incident
-        ranks = [
-            msgspec.structs.replace(
-                rank,
-                process=captured.process,
-                stack=captured.stack,
-                mlxMemory=captured.mlxMemory,
-                capturedAt=captured.capturedAt,
-            )
-            if (captured := held.get(rank.runnerId)) is not None
-            else rank
-            for rank in incident.finding.evidence
-        ]
-        finding = msgspec.structs.replace(incident.finding, evidence=ranks)
-        return dataclasses.replace(incident, finding=finding)
+        if self._held.captured(finding, runner_ids, answer.runners):
+            self._state.version += 1
 
     def _take_loaded(self) -> list[Finding]:
         """The incidents of dumps loaded since the last round, but those the diagnosis
@@ -387,26 +328,3 @@ class Findings:
                 self._unpublished.popleft()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), ROUND_S)
-
-
-def _unwatched(before: Incident | None, incident: Incident) -> Incident:
-    """`incident` judged anew, keeping the time rankscope did not watch it (if it is the
-    same incident)."""
-    kept = before.finding if before is not None else None
-    if kept is None or not kept.unwatchedSince or kept.since != incident.finding.since:
-        return incident
-    finding = msgspec.structs.replace(
-        incident.finding, unwatchedSince=kept.unwatchedSince, unwatchedUntil=kept.unwatchedUntil
-    )
-    return dataclasses.replace(incident, finding=finding)
-
-
-def _told(finding: Finding) -> tuple[object, ...]:
-    """What an operator is told by a finding, but for its wording (which ages each second)."""
-    return (
-        finding.since,
-        finding.kind,
-        finding.culpritRunnerIds,
-        finding.waitingRanks,
-        [(e.gaveUp, e.exitReason, e.processAlive, e.capturedAt) for e in finding.evidence],
-    )
