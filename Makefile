@@ -17,7 +17,7 @@ demo: $(RUNS)
 	@echo "(later: . $(VENV)/bin/activate, and the rankscope command is on your PATH)"
 	@$(BIN)/rankscope up --demo
 
-# Two workers, then the tests that time a slowdown, alone on the machine
+# Two workers, then the test that times a pipeline rank's slowdown, alone on the machine
 test: lint
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not solo"
 	$(BIN)/python -m pytest -m solo

@@ -27,8 +27,9 @@ def _issue(recorder: Recorder, op: str = "all_sum") -> mx.array:
 
 def test_a_sampled_step_is_timed_in_parts_named_by_its_collective_and_computes_the_same() -> None:
     recorder = _recorder()
+    recorder.cadence.every = 1  # a job stepping slowly: each step sampled
     result = _issue(recorder)
-    assert recorder.due("eval")  # the first step is sampled
+    assert recorder.due("eval")
     recorder.sampled(lambda: mx.eval(result))
     recorder.evaluated(0.0)
     pace = recorder.take_pace()
@@ -47,6 +48,7 @@ def _sampled(cadence: Cadence, steps: range, per_step: int = 1) -> list[int]:
 
 def test_a_job_stepping_fast_samples_one_step_in_many_and_a_slow_one_every_step() -> None:
     fast, slow = Cadence(), Cadence()
+    assert _sampled(fast, range(64)) == [15, 31, 47, 63]  # one in 16 until the rate is known
     fast.retune(issued=400, moment=time.monotonic() + 1)  # 400 a second: one in 64
     slow.retune(issued=4, moment=time.monotonic() + 1)  # a step of 250 ms: each
     assert fast.every == 64
@@ -60,6 +62,7 @@ def test_a_job_stepping_fast_samples_one_step_in_many_and_a_slow_one_every_step(
 def test_ranks_at_either_side_of_a_rate_boundary_still_sample_common_steps() -> None:
     started = time.monotonic()
     one, other = Cadence(), Cadence()
+    one.every = other.every = 1
     one.retune(issued=79, moment=started + 1)  # wants 8
     other.retune(issued=81, moment=started + 1)  # wants 16
     assert (one.every, other.every) == (8, 16)

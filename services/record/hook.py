@@ -66,6 +66,9 @@ SAMPLE_GAP_S = 0.1
 collective, so a job stepping fast samples one step in many, and one stepping slowly every
 step (ten samples a second tell a slow rank from one its neighbours on the core took turns
 from)."""
+FIRST_EVERY = 16
+"""One world collective in so many reaches a sampled step until the job's rate is known
+(after its first second): a job's first steps come fast, and sampling each costs."""
 SAMPLED_KEPT = 64
 """Sampled steps said on their own in one pace sample (a second's worth and more)."""
 WAIT_NOTE_S = 1.0
@@ -94,7 +97,7 @@ class Cadence:
     step behind a change of rate samples every other of them, still the same steps."""
 
     def __init__(self) -> None:
-        self.every = 1
+        self.every = FIRST_EVERY
         self._counted, self._at = 0, time.monotonic()
 
     def retune(self, issued: int, moment: float) -> None:
