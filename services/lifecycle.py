@@ -78,11 +78,13 @@ class StartError(RuntimeError):
 def quiet_closed_writes(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """The loop's handler of errors no task retrieved: a write to a connection already
     closed is one debug line (the NATS client flushes what it still holds as it closes a
-    connection the server dropped; uvloop raises where asyncio's own loop lets it pass,
-    MagicStack/uvloop#506), not a traceback on a service's way out; the rest as asyncio
-    reports them."""
+    connection the server dropped: uvloop raises where asyncio's own loop lets it pass,
+    MagicStack/uvloop#506, and the flush meets a reset connection when the server drops it
+    first), not a traceback on a service's way out; the rest as asyncio reports them."""
     error = context.get("exception")
-    if isinstance(error, RuntimeError) and str(error).endswith("the handler is closed"):
+    if (
+        isinstance(error, RuntimeError) and str(error).endswith("the handler is closed")
+    ) or isinstance(error, ConnectionResetError | BrokenPipeError):
         log.debug("a write after its connection closed: %s", error)
         return
     loop.default_exception_handler(context)

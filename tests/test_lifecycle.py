@@ -130,12 +130,14 @@ def test_a_write_after_the_connection_closed_is_no_traceback_other_errors_are(
     late = uvloop.run(_write_after_close())
     loop = uvloop.new_event_loop()
     with caplog.at_level(logging.DEBUG):
-        for error in (late, RuntimeError("something else")):
+        reset = ConnectionResetError("Connection lost")  # its flush met a dropped connection
+        for error in (late, reset, RuntimeError("something else")):
             quiet_closed_writes(
                 loop, {"message": "Task exception was never retrieved", "exception": error}
             )
     loop.close()
     assert [(r.name, r.levelno, r.exc_info is not None) for r in caplog.records] == [
+        ("rankscope", logging.DEBUG, False),
         ("rankscope", logging.DEBUG, False),
         ("asyncio", logging.ERROR, True),
     ]
