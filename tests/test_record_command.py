@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rankscope.services.record.signals import STUCK_S
+
 
 def _record(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -168,3 +170,32 @@ def _not_zombie(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+STUCK_LAUNCH = (
+    "import signal, subprocess, sys\n"
+    "rank = subprocess.Popen([sys.executable, '-c', "
+    "'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    'signal.signal(signal.SIGTERM, signal.SIG_IGN); print("ready", flush=True); '
+    "time.sleep(600)'])\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "sys.exit(rank.wait())\n"
+)
+"""A launcher that waits for its one rank, which, as a rank blocked in a collective whose
+peer ended, no signal reaches."""
+
+
+def test_a_rank_no_signal_reaches_is_killed_once_the_job_was_asked_to_end() -> None:
+    recording = _running("--", sys.executable, "-c", STUCK_LAUNCH)
+    started = time.monotonic()
+    recording.send_signal(signal.SIGINT)
+    recording.communicate(timeout=60)
+    took = time.monotonic() - started
+    assert recording.returncode != 0  # the launcher saw its rank killed
+    assert took >= STUCK_S
+    leftover = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "time.sleep(600)" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftover == []

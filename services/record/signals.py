@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import psutil
@@ -30,6 +31,10 @@ _SI_KERNEL = 0x80
 """Linux's `si_code` of a signal the kernel sent: the terminal's Ctrl-C and Ctrl-\\."""
 GRACE_S = 5.0
 """How long a rank left behind has to end after the signal before it is killed."""
+STUCK_S = 15.0
+"""How long after a signal asked the job to end its ranks may still run while the command
+waits for them, before those still running are killed (blocked in a collective whose peer
+ended, they run no handler)."""
 
 
 class Relay:
@@ -46,6 +51,8 @@ class Relay:
         self._stopping = stopping
         """Told of each signal that asks the command to end, before it is passed on."""
         self._family: dict[int, psutil.Process] = {}
+        self._asked_at: float | None = None
+        """When a signal first asked the command to end (monotonic)."""
         watched = {*_PASSED_ON, *_FROM_TERMINAL}
         if not hasattr(signal, "sigwaitinfo"):  # macOS
             self.child = subprocess.Popen(command, env=env)
@@ -76,6 +83,7 @@ class Relay:
         sig = signal.Signals(number)
         if sig in _ENDING:
             self.ending = sig
+            self._asked_at = self._asked_at or time.monotonic()
             self._stopping(sig)
             with contextlib.suppress(psutil.Error, OSError):
                 session = os.getsid(self.child.pid)
@@ -95,8 +103,19 @@ class Relay:
 
     def wait(self) -> int:
         """Wait for the command; once it ended, end what it left behind of those a signal
-        asked to end (the signal again, then SIGKILL after `GRACE_S`). Its exit status."""
-        returncode = self.child.wait()
+        asked to end (the signal again, then SIGKILL after `GRACE_S`). Its exit status.
+
+        A rank blocked in a collective whose peer already ended runs no Python, so no
+        signal ends it, and a launcher waiting for it never ends either: once a signal
+        asked the job to end, ranks still running `STUCK_S` later are killed."""
+        while True:
+            try:
+                returncode = self.child.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                asked = self._asked_at
+                if asked is not None and time.monotonic() - asked >= STUCK_S:
+                    self._kill_stuck()
         if self.ending is None:
             return returncode
         left = [p for p in self._family.values() if p.is_running()]
@@ -109,3 +128,11 @@ class Relay:
                 process.kill()
         psutil.wait_procs(alive, timeout=GRACE_S)
         return returncode
+
+    def _kill_stuck(self) -> None:
+        """Kill the ranks of the job still running, the command itself left to end once
+        they have."""
+        for process in self._family.values():
+            with contextlib.suppress(psutil.Error):
+                if process.is_running():
+                    process.kill()
