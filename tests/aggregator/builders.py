@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from prometheus_client.core import Metric
+
+from rankscope.services.aggregator.answers import history
+from rankscope.services.aggregator.arrivals import ArrivalLimits
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.gateway.metrics import cluster_families
 from rankscope.shared.partitions import partition_of
 from rankscope.shared.subjects import token
 from rankscope.shared.timestamps import format_ts
 from rankscope.shared.wire import (
+    AggregatorHealth,
+    ClusterTimeline,
+    Diagnosis,
     FlightEntry,
     InstanceCreated,
     Phase,
@@ -122,4 +130,15 @@ def judged(
         placed_at=lambda _: 1000.0,
         thresholds=thresholds,
         unsettled=unsettled,
+    )
+
+
+def metric_families(state: ClusterState) -> list[Metric]:
+    """The Prometheus families of `state` alone: a ready aggregator, no timeline or
+    finding, every runner's history."""
+    return cluster_families(
+        AggregatorHealth(ready=True, partition="0"),
+        ClusterTimeline(generatedAt=at(0), localNodeId="node-0"),
+        Diagnosis(generatedAt=at(0)),
+        history(state, ArrivalLimits()),
     )

@@ -12,18 +12,13 @@ import time
 import msgspec
 import pytest
 
-from rankscope.services.aggregator.answers import history
 from rankscope.services.aggregator.arrivals import ArrivalLimits, Arrivals, judge_arrivals
 from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.services.aggregator.snapshot import Snapshot, capture, restore
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
-from rankscope.services.gateway.metrics import cluster_families
 from rankscope.shared.wire import (
     MAX_SAMPLED_STEPS,
-    AggregatorHealth,
-    ClusterTimeline,
-    Diagnosis,
     Finding,
     RunnerStatusKind,
     SampledStep,
@@ -31,7 +26,7 @@ from rankscope.shared.wire import (
     WireError,
     decode,
 )
-from tests.aggregator.builders import at, judged, status
+from tests.aggregator.builders import judged, metric_families, status
 from tests.aggregator.lockstep import Lockstep
 
 
@@ -157,12 +152,7 @@ def test_prometheus_has_each_ranks_waited_on_share_and_last_arrival_rate() -> No
     job = Lockstep(seed=6)
     job.slowdown[0] = 1.5
     job.run(10)
-    families = cluster_families(
-        AggregatorHealth(ready=True, partition="0"),
-        ClusterTimeline(generatedAt=at(0), localNodeId="node-0"),
-        Diagnosis(generatedAt=at(0)),
-        history(job.state, ArrivalLimits()),
-    )
+    families = metric_families(job.state)
     by_name = {f.name: {s.labels.get("rank"): s.value for s in f.samples} for f in families}
     waited = by_name["rankscope_rank_waited_on_ratio"]
     last = by_name["rankscope_rank_last_arrival_ratio"]

@@ -13,18 +13,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rankscope.services.aggregator.answers import history
-from rankscope.services.aggregator.arrivals import ArrivalLimits
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds
 from rankscope.services.aggregator.pace import PaceHistory, PaceLimits, judge_pace
 from rankscope.services.aggregator.snapshot import capture, restore
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
-from rankscope.services.gateway.metrics import cluster_families
 from rankscope.shared.wire import (
-    AggregatorHealth,
-    ClusterTimeline,
-    Diagnosis,
     Finding,
     FindingKind,
     MemorySampled,
@@ -35,7 +29,7 @@ from rankscope.shared.wire import (
     decode,
     encode,
 )
-from tests.aggregator.builders import at, entries, judged, placed, rank
+from tests.aggregator.builders import at, entries, judged, metric_families, placed, rank
 
 STEPS_A_SECOND = 40
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "pace"
@@ -375,12 +369,7 @@ def test_a_pace_that_cannot_be_is_refused_at_the_door() -> None:
 def test_prometheus_has_each_ranks_work_and_wait_histograms() -> None:
     job = Job([0.0015, 0.004])
     job.run(5)
-    families = cluster_families(
-        AggregatorHealth(ready=True, partition="0"),
-        ClusterTimeline(generatedAt=at(0), localNodeId="node-0"),
-        Diagnosis(generatedAt=at(0)),
-        history(job.state, ArrivalLimits()),
-    )
+    families = metric_families(job.state)
     work = next(f for f in families if f.name == "rankscope_step_work_seconds")
     counts = {
         (s.labels["rank"], s.labels["le"]): s.value
