@@ -417,11 +417,11 @@ async def test_every_mutating_route_needs_the_token(
 async def test_one_capture_of_a_node_at_a_time(stack_for: Any) -> None:
     stack: Stack = await stack_for()
 
-    asked = asyncio.Event()
+    asked, answer = asyncio.Event(), asyncio.Event()
 
-    async def slowly(msg: Msg) -> None:  # an agent answering its probe late
+    async def slowly(msg: Msg) -> None:  # an agent answering its probe once let to
         asked.set()
-        await asyncio.sleep(1.0)
+        await answer.wait()
         here = NodeDiagnostics(nodeId="node-a", friendlyName="a", address="", generatedAt=now())
         await msg.respond(encode(here))
 
@@ -432,6 +432,7 @@ async def test_one_capture_of_a_node_at_a_time(stack_for: Any) -> None:
     second = await stack.http.post(path, json=quick)
     assert second.status_code == 429
     assert second.json()["detail"].startswith("a capture of node 'node-a' is under way")
+    answer.set()
     assert (await first).status_code == 200
     assert (await stack.http.post(path, json=quick)).status_code == 200  # and again after
 
