@@ -18,7 +18,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -28,11 +27,10 @@ from rankscope.shared.partitions import partition_of
 from rankscope.shared.subjects import token
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
 from tests.browser import ARTIFACTS, browse, shown
-from tests.stack_up import free_port, free_ports, running_up
+from tests.recorded import Stack, end, ended, rank_pids, recording_stack
+from tests.stack_up import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(240)]
-
-LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 
 TRAIN = """
 import sys, time
@@ -62,88 +60,10 @@ mx.eval(late)
 """
 
 
-class Stack:
-    """`rankscope up` without a demo, and what is asked of its gateway."""
-
-    def __init__(self, base: str, nats: str, scripts: Path) -> None:
-        self.base, self.nats, self.scripts = base, nats, scripts
-
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.base + path, timeout=30) as reply:
-            return json.loads(reply.read())
-
-    def findings(self, job: str) -> list[dict[str, Any]]:
-        found = self.get("/v1/cluster/diagnosis")["findings"]
-        return [f for f in found if f["instanceId"] == job]
-
-    def until(self, check: Callable[[], Any], seconds: float) -> Any:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            found = check()
-            if found:
-                return found
-            time.sleep(0.25)
-        raise AssertionError(f"not reached within {seconds:g}s")
-
-    def script(self, name: str, text: str) -> str:
-        path = self.scripts / name
-        path.write_text(text)
-        return str(path)
-
-    def launch(self, ranks: int, *program: str) -> list[str]:
-        """`mlx.launch` of `program` on `ranks` ring ranks on loopback."""
-        port = str(free_ports(ranks))
-        hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks), "-p", port]
-        return [LAUNCH, *hosts, "--", sys.executable, *program]
-
-    def record(
-        self, job: str | None, command: list[str], nats: str | None = None, give_up: str = "60s"
-    ) -> subprocess.Popen[str]:
-        """`rankscope record` of `command`, its output captured."""
-        env = {
-            **os.environ,
-            "RANKSCOPE_NATS_URL": nats or self.nats,
-            "RANKSCOPE_RECORD_GIVE_UP": give_up,
-        }
-        flags = ["--job", job] if job else []
-        return subprocess.Popen(
-            [sys.executable, "-m", "rankscope.services.cli", "record", *flags, "--", *command],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    data = tmp_path_factory.mktemp("record") / ".rankscope"
-    env = {
-        "RANKSCOPE_STALL_THRESHOLD": "3s",
-        "RANKSCOPE_LOG_LEVEL": "warning",
-        "RANKSCOPE_AGGREGATOR_PARTITIONS": "2",  # a job is seen by its partition alone
-    }
-    with running_up(data, env=env) as (_, shown):
-        found = Stack(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0], data.parent)
-
-        def ready() -> bool:
-            try:
-                found.get("/readyz")
-            except OSError:
-                return False
-            return True
-
-        found.until(ready, 60)
+    with recording_stack(tmp_path_factory) as found:
         yield found
-
-
-def _rank_pids(script: str) -> list[int]:
-    """The processes running `script` that have not ended."""
-    found = []
-    for process in psutil.process_iter(["cmdline", "status"]):
-        if script in (process.info["cmdline"] or []) and process.info["status"] != "zombie":
-            found.append(process.pid)
-    return found
 
 
 def _rank_pid(script: str, rank: int) -> int:
@@ -156,25 +76,10 @@ def _rank_pid(script: str, rank: int) -> int:
     raise AssertionError(f"no rank {rank} of {script}")
 
 
-def _end(job: subprocess.Popen[str], script: str) -> None:
-    """Kill the ranks running `script` (a launcher killed leaves them running), then wait
-    for the job to end."""
-    for process in psutil.process_iter(["cmdline"]):
-        if script in (process.info["cmdline"] or []):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-    job.communicate(timeout=60)
-
-
-def _ended(process: subprocess.Popen[str]) -> tuple[int, list[str], str]:
-    out, err = process.communicate(timeout=120)
-    return process.returncode, sorted(out.splitlines()), err
-
-
 def test_a_recorded_run_prints_and_ends_as_it_does_unrecorded(stack: Stack) -> None:
     train = stack.script("train.py", TRAIN)
     plain = subprocess.run(stack.launch(2, train, "40"), capture_output=True, text=True)
-    code, out, err = _ended(stack.record("run-1", stack.launch(2, train, "40")))
+    code, out, err = ended(stack.record("run-1", stack.launch(2, train, "40")))
     assert (code, out) == (plain.returncode, sorted(plain.stdout.splitlines()))
     assert [line.split()[:2] for line in out] == [["rank", "0"], ["rank", "1"]]
     assert "sitecustomize" not in err
@@ -225,7 +130,7 @@ def test_a_recorded_job_reads_in_its_own_words_in_ps_the_api_and_the_page(stack:
         assert re.search(r"rank 1 · \S+ · \d+ collectives, the last all_sum #\d+", lanes.group(1))
     finally:
         job.send_signal(signal.SIGINT)
-        _ended(job)
+        ended(job)
 
 
 def test_a_stopped_rank_is_named_within_10s_and_in_every_sample_until_continued(
@@ -264,7 +169,7 @@ def test_a_stopped_rank_is_named_within_10s_and_in_every_sample_until_continued(
         os.kill(stopped, signal.SIGCONT)
         stack.until(lambda: not stack.findings("stop-1"), 10)
     finally:
-        _end(job, train)
+        end(job, train)
 
 
 def test_a_killed_rank_is_a_dead_rank_with_its_signal(stack: Stack) -> None:
@@ -283,7 +188,7 @@ def test_a_killed_rank_is_a_dead_rank_with_its_signal(stack: Stack) -> None:
     assert "killed by SIGKILL" in finding["summary"]
     assert finding["waitingRanks"] == [0]
     assert "rank 0" in finding["summary"]
-    _end(job, train)  # mlx.launch stopped the other rank already
+    end(job, train)  # mlx.launch stopped the other rank already
 
 
 @pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM])
@@ -299,7 +204,7 @@ def test_a_job_the_user_stops_is_stopped_not_an_incident(
     time.sleep(2)
     job.send_signal(sent)  # as Ctrl-C, systemd or `kill <pid>` would
     job.communicate(timeout=60)
-    assert _rank_pids(train) == []  # none left running
+    assert rank_pids(train) == []  # none left running
 
     def stopped() -> bool:
         runners = stack.get(f"/v1/cluster/timeline?instanceId={job_id}")["runners"]
@@ -321,7 +226,7 @@ def test_ranks_waiting_in_different_collectives_are_named_with_both(stack: Stack
         assert "all_sum #21 (group world)" in finding["summary"]
         assert "recv #21 (group world)" in finding["summary"]
     finally:
-        _end(job, desync)
+        end(job, desync)
 
 
 def test_mlx_lm_s_own_distributed_server_recorded_serves_and_a_frozen_rank_is_named(
@@ -359,7 +264,7 @@ def test_mlx_lm_s_own_distributed_server_recorded_serves_and_a_frozen_rank_is_na
         assert (finding["kind"], finding["culpritRanks"]) == ("stalled_rank", [1])
         assert "rank 0 (" in finding["summary"].split("; ")[1]  # waiting, not named
     finally:
-        _end(job, "mlx_lm")
+        end(job, "mlx_lm")
 
 
 def answered_long(ask: Callable[[int], Any]) -> None:
@@ -373,7 +278,7 @@ def test_with_nats_gone_the_program_runs_on_and_ends_the_same(stack: Stack) -> N
     nowhere = f"nats://127.0.0.1:{free_port()}"
     plain = subprocess.run(stack.launch(2, train, "40"), capture_output=True, text=True)
     job = stack.record(None, stack.launch(2, train, "40"), nats=nowhere, give_up="2s")
-    code, out, err = _ended(job)
+    code, out, err = ended(job)
     assert (code, out, err) == (0, sorted(plain.stdout.splitlines()), plain.stderr)
 
     def watchers() -> list[int]:
@@ -434,7 +339,7 @@ def test_ranks_recorded_one_by_one_agree_on_one_job(stack: Stack) -> None:
     ranks = stack.until(lambda: len(drawn()) == 2 and drawn(), 30)
     assert {r["instanceId"] for r in ranks} == {ranks[0]["instanceId"]}
     assert sorted(r["deviceRank"] for r in ranks) == [0, 1]
-    code, out, _ = _ended(job)
+    code, out, _ = ended(job)
     assert (code, len(out)) == (0, 2)
 
 

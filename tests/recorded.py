@@ -1,0 +1,126 @@
+"""`rankscope up` for tests that record jobs with `rankscope record`, and the ranks' processes
+found, ended and waited for."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.stack_up import free_ports, running_up
+
+__all__ = ["LAUNCH", "Stack", "end", "ended", "rank_pids", "recording_stack"]
+
+LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+
+
+class Stack:
+    """`rankscope up` without a demo, and what is asked of its gateway."""
+
+    def __init__(self, base: str, nats: str, scripts: Path) -> None:
+        self.base, self.nats, self.scripts = base, nats, scripts
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.base + path, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def findings(self, job: str) -> list[dict[str, Any]]:
+        found = self.get("/v1/cluster/diagnosis")["findings"]
+        return [f for f in found if f["instanceId"] == job]
+
+    def until(self, check: Callable[[], Any], seconds: float) -> Any:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            found = check()
+            if found:
+                return found
+            time.sleep(0.25)
+        raise AssertionError(f"not reached within {seconds:g}s")
+
+    def script(self, name: str, text: str) -> str:
+        path = self.scripts / name
+        path.write_text(text)
+        return str(path)
+
+    def launch(self, ranks: int, *program: str) -> list[str]:
+        """`mlx.launch` of `program` on `ranks` ring ranks on loopback."""
+        port = str(free_ports(ranks))
+        hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks), "-p", port]
+        return [LAUNCH, *hosts, "--", sys.executable, *program]
+
+    def record(
+        self, job: str | None, command: list[str], nats: str | None = None, give_up: str = "60s"
+    ) -> subprocess.Popen[str]:
+        """`rankscope record` of `command`, its output captured."""
+        env = {
+            **os.environ,
+            "RANKSCOPE_NATS_URL": nats or self.nats,
+            "RANKSCOPE_RECORD_GIVE_UP": give_up,
+        }
+        flags = ["--job", job] if job else []
+        return subprocess.Popen(
+            [sys.executable, "-m", "rankscope.services.cli", "record", *flags, "--", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+
+@contextlib.contextmanager
+def recording_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """`rankscope up` for recorded jobs: a short stall threshold, two aggregator
+    partitions (a job is seen by its partition alone)."""
+    data = tmp_path_factory.mktemp("record") / ".rankscope"
+    env = {
+        "RANKSCOPE_STALL_THRESHOLD": "3s",
+        "RANKSCOPE_LOG_LEVEL": "warning",
+        "RANKSCOPE_AGGREGATOR_PARTITIONS": "2",  # a job is seen by its partition alone
+    }
+    with running_up(data, env=env) as (_, shown):
+        found = Stack(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0], data.parent)
+
+        def ready() -> bool:
+            try:
+                found.get("/readyz")
+            except OSError:
+                return False
+            return True
+
+        found.until(ready, 60)
+        yield found
+
+
+def rank_pids(script: str) -> list[int]:
+    """The processes running `script` that have not ended."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if script in (process.info["cmdline"] or []) and process.info["status"] != "zombie":
+            found.append(process.pid)
+    return found
+
+
+def end(job: subprocess.Popen[str], script: str) -> None:
+    """Kill the ranks running `script` (a launcher killed leaves them running), then wait
+    for the job to end."""
+    for process in psutil.process_iter(["cmdline"]):
+        if script in (process.info["cmdline"] or []):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+    job.communicate(timeout=60)
+
+
+def ended(process: subprocess.Popen[str]) -> tuple[int, list[str], str]:
+    """How a job ended: its exit status, its output's lines sorted, its errors."""
+    out, err = process.communicate(timeout=120)
+    return process.returncode, sorted(out.splitlines()), err
