@@ -31,6 +31,9 @@ NOTE_SLACK_S = 1.5
 waiting (it says so after a second, and its word comes in order with what follows)."""
 _STOPS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 """How launchers and operators ask a process to stop."""
+_ABORTS = frozenset({"SIGABRT"})
+"""How a process ends itself on an error it met (`std::terminate`: gloo's and NCCL's
+watchdogs abort a rank whose peer is gone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +78,13 @@ def _end(view: RunnerView) -> float:
 
 def _sureness(view: RunnerView) -> int:
     """How surely its death is a cause rather than a consequence: killed outright, or
-    gone without a word (2); failed with an exit status, perhaps on its lost peer (1);
-    stopped politely, as launchers stop the rest once one died (0)."""
+    gone without a word (2); failed with an exit status or aborted itself, perhaps on its
+    lost peer (1); stopped politely, as launchers stop the rest once one died (0)."""
     status = view.status
     if status is None or status.signal in _STOPS:
         return 0
+    if status.signal in _ABORTS:
+        return 1
     return 1 if status.signal is None and status.exitCode is not None else 2
 
 

@@ -262,3 +262,16 @@ def test_a_rank_that_failed_on_its_own_is_named_before_those_stopped_after_it() 
     (finding,) = job.judge()
     assert finding.culpritRanks == [1]
     assert "rank 1 (node-1): process exited with status 1" in finding.summary
+
+
+def test_a_peer_that_aborted_on_the_lost_rank_is_not_named_for_it() -> None:
+    job = Job(world=4)
+    job.ends(2, code=-6, signal="SIGABRT")  # gloo's watchdog ended it on the lost peer
+    assert job.judge() == []  # the rank killed outright may yet be heard of
+    job.now += 0.3
+    job.ends(1, code=-9, signal="SIGKILL")
+    for r in (0, 3):
+        job.ends(r, code=-15, signal="SIGTERM")  # torchrun stops the rest
+    (finding,) = job.judge()
+    assert (finding.culpritRanks, finding.waitingRanks) == ([1], [0, 2, 3])
+    assert "rank 2 (node-2) killed by SIGABRT after it" in finding.summary
