@@ -1,5 +1,6 @@
 """`rankscope record [--job ID] [--node ID] -- COMMAND [ARGS...]`: run COMMAND with every
-Python process it starts recording once it joins an `mlx.core.distributed` group.
+Python process it starts recording once it joins an `mlx.core.distributed` group or starts
+a `torch.distributed` process group.
 
 COMMAND's output, input and exit status pass through unchanged: recording happens in the
 ranks (`hook`) and in a watcher process beside each (`watcher`), never in the way.
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rankscope.services.record.signals import Relay
+from rankscope.services.record.torch_hook import FR_BUFFER, FR_ENTRIES
 from rankscope.shared.host import hostname
 from rankscope.shared.recording import STOP_FILE, Handoff, rank_marker
 from rankscope.shared.settings import Settings, to_environ
@@ -30,7 +32,7 @@ __all__ = ["LAUNCHED_RANK", "add_record_command", "record"]
 
 SITE = Path(__file__).parent / "site"
 """The directory put first on `PYTHONPATH`: its `sitecustomize` switches recording on."""
-LAUNCHED_RANK = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+LAUNCHED_RANK = ("MLX_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 """Variables a launcher sets for each rank it starts: `rankscope record` runs as one rank,
 and its ranks must agree on a job id among themselves."""
 _EXIT_READ_S = 1.5
@@ -57,6 +59,8 @@ def _environment(args: argparse.Namespace, settings: Settings, exits: str) -> di
     env[Handoff.NODE] = _node(args.node, settings)
     env[Handoff.HOST] = settings.node_address
     env[Handoff.EXITS] = exits
+    if not any(name in env for name in FR_BUFFER):  # torch's Flight Recorder, sized once
+        env[FR_BUFFER[0]] = str(FR_ENTRIES)
     if args.job:
         env[Handoff.JOB] = args.job
     elif not any(name in os.environ for name in LAUNCHED_RANK):
@@ -125,13 +129,15 @@ def add_record_command(commands: argparse._SubParsersAction) -> argparse.Argumen
     """The `record` subcommand."""
     parser: argparse.ArgumentParser = commands.add_parser(
         "record",
-        help="run an MLX distributed program with its ranks recorded",
+        help="run an MLX or torch.distributed program with its ranks recorded",
         usage="%(prog)s [-h] [--job ID] [--node ID] [--SETTING VALUE ...] -- COMMAND [ARGS ...]",
         description=(
             "Run COMMAND with every Python process it starts recorded once it joins an "
-            "mlx.core.distributed group: a launcher (rankscope record -- mlx.launch ... "
-            "train.py) or one rank under any launcher (mlx.launch ... -- rankscope record "
-            "-- python train.py). Output and exit status pass through unchanged."
+            "mlx.core.distributed group or starts a torch.distributed process group: a "
+            "launcher (rankscope record -- mlx.launch ... train.py, rankscope record -- "
+            "torchrun --nproc-per-node 4 train.py) or one rank under any launcher "
+            "(mlx.launch ... -- rankscope record -- python train.py). Output and exit "
+            "status pass through unchanged."
         ),
     )
     parser.add_argument("--job", help="the job's id (default: one drawn for this launch)")

@@ -25,20 +25,20 @@ least, on the same step.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import json
 import math
 import os
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rankscope.services.record.pipe import Pipe, name_process, now
+from rankscope.services.record.pipe import name_process
+from rankscope.services.record.rank import WAIT_NOTE_S, RankRecorder, node_id, note_exits
+from rankscope.services.record.rank import step as _step
 
 __all__ = [
     "COLLECTIVES",
@@ -71,13 +71,8 @@ FIRST_EVERY = 16
 (after its first second): a job's first steps come fast, and sampling each costs."""
 SAMPLED_KEPT = 64
 """Sampled steps said on their own in one pace sample (a second's worth and more)."""
-WAIT_NOTE_S = 1.0
-"""How long an evaluation waits on its collectives before the rank says so:
-`shared/recording.py`'s, kept here (this module is loaded by path where rankscope may not be
-installed; tests/test_recording.py checks the copy)."""
 _EVALUATIONS = ("eval", "async_eval")  # async_eval too waits when the last one has not finished
 _ARRAY_EVALUATIONS = ("item", "tolist")
-_TICK_S = 0.25
 
 
 def _ring_port(rank: int) -> int:
@@ -122,13 +117,13 @@ class Cadence:
         return last // self.every > (first - 1) // self.every
 
 
-class Recorder:
-    """One rank's recording: counters, the evaluation in progress, its pace, the pipe
-    (`evaluate`: MLX's own `eval`, unrecorded)."""
+class Recorder(RankRecorder):
+    """One MLX rank's recording: the evaluation in progress and its pace (`evaluate`:
+    MLX's own `eval`, unrecorded)."""
 
     def __init__(self, mx: Any, rank: int, size: int, evaluate: Callable[..., Any]) -> None:
-        self.mx, self.rank, self.size = mx, rank, size
-        self.counts: dict[str, int] = {}
+        super().__init__(rank, size)
+        self.mx = mx
         self.pending: list[tuple[str, str, int, dict[str, Any]]] = []
         """Collectives issued since the last evaluation returned: (op, group, number,
         attrs)."""
@@ -146,61 +141,25 @@ class Recorder:
         self.waiting_since: float | None = None
         self.waiting_call = ""
         self.noted = False
-        self.issued: tuple[str, str, int] | None = None
-        """The newest collective issued: (op, group, number)."""
-        self._told: tuple[str, str, int] | None = None
-        self.exit_code: int | None = None
-        self.error: str | None = None
-        self.pipe = Pipe()
         self._lock = threading.Lock()
 
-    def attach(self, job: str, node: str) -> None:
-        """Start the watcher, say who this rank is, and tick."""
-        self.pipe.start(
-            jobId=job, nodeId=node, deviceRank=self.rank, worldSize=self.size,
-            port=_ring_port(self.rank),
-        )  # fmt: skip
-        threading.Thread(target=self._tick, name="rankscope-recorder", daemon=True).start()
-        atexit.register(self._bye)
+    def memory(self) -> dict[str, Any]:
+        mx = self.mx
+        return {
+            "source": "mlx.core",
+            "active": mx.get_active_memory(),
+            "peak": mx.get_peak_memory(),
+            "cache": mx.get_cache_memory(),
+        }
 
-    def entry(self, phase: str, event: str, detail: str | None = None, **attrs: Any) -> None:
-        """A flight-recorder entry of this rank."""
-        self.pipe.entry(phase, event, detail, **attrs)
+    def each_second(self, moment: float) -> None:
+        self.cadence.retune(self.counts.get("world", 0), moment)
 
-    def _tick(self) -> None:
-        """Memory every second; a wait noted once it is long enough."""
-        sampled = 0.0
-        while self.pipe.open:
-            time.sleep(_TICK_S)
-            moment = time.monotonic()
-            if moment - sampled >= 1.0:
-                sampled = moment
-                self.pipe.send(
-                    "memory",
-                    at=now(),
-                    active=self.mx.get_active_memory(),
-                    peak=self.mx.get_peak_memory(),
-                    cache=self.mx.get_cache_memory(),
-                    pace=self.take_pace(),
-                )
-                self._note_steps()
-                self.cadence.retune(self.counts.get("world", 0), moment)
-            since, pending = self.waiting_since, self.pending
-            if since is not None and not self.noted and moment - since >= WAIT_NOTE_S:
-                self.noted = True
-                self._note_wait(pending)
-
-    def _note_steps(self) -> None:
-        """Say how far the rank got, once a second while it issues collectives: its lane
-        shows it stepping (the entry's phase is a resting one: no stall rule reads it)."""
-        issued = self.issued
-        if issued is None or issued == self._told:
-            return
-        self._told = issued
-        op, group, number = issued
-        made = self.counts.get("world", 0)
-        last = f"{op} #{number} (group {group})"
-        self.entry("idle", "steps", f"{made} collectives, the last {last}", step=made, last=last)
+    def poll(self, moment: float) -> None:
+        since, pending = self.waiting_since, self.pending
+        if since is not None and not self.noted and moment - since >= WAIT_NOTE_S:
+            self.noted = True
+            self._note_wait(pending)
 
     def take_pace(self) -> dict[str, Any]:
         """The sampled steps since the last take (`StepPace`'s fields), reset."""
@@ -219,28 +178,11 @@ class Recorder:
         collective, or (none issued since the last one: they are inside compiled code, or
         there are none) in the evaluation itself."""
         if not pending:
-            site = f"{self.waiting_call}()"
-            self.entry("decode_barrier", "collective_wait", f"waiting in {site}", site=site)
+            self.note_wait(f"{self.waiting_call}()")
             return
         op, group, number, attrs = pending[0]
         site = f"{op} #{number} (group {group})"
-        self.entry(
-            "decode_barrier",
-            "collective_wait",
-            f"waiting in {site}",
-            site=site,
-            op=op,
-            group=group,
-            step=number,
-            pending=len(pending),
-            **attrs,
-        )
-
-    def _bye(self) -> None:
-        made = self.counts.get("world", 0)
-        self.entry("shutdown_cleanup", "program_exit", f"after {made} collectives", step=made)
-        self.pipe.send("bye", code=self.exit_code, error=self.error)
-        self.pipe.close()
+        self.note_wait(site, op=op, group=group, step=number, pending=len(pending), **attrs)
 
     # What the program calls
 
@@ -304,8 +246,7 @@ class Recorder:
         if any(group == "world" for _, group, _, _ in self.pending):
             self._step_ended = time.perf_counter()
         if self.noted:
-            waited = time.monotonic() - started
-            self.entry("idle", "collective_resumed", waitedMs=round(waited * 1000, 1))
+            self.note_resumed(time.monotonic() - started)
         self.pending, self.operands, self.waiting_since, self.noted = [], [], None, False
 
 
@@ -322,10 +263,6 @@ def _job_id(mx: Any, original_all_sum: Callable[..., Any], group: Any) -> str:
     return "job-" + bytes(int(b) for b in summed.tolist()).hex()
 
 
-def _node_id() -> str:
-    return os.environ.get("RANKSCOPE_RECORD_NODE") or os.uname().nodename
-
-
 def _wrap_init(
     mx: Any, init: Callable[..., Any], all_sum: Callable[..., Any], plain_eval: Callable[..., Any]
 ) -> Callable[..., Any]:
@@ -336,7 +273,7 @@ def _wrap_init(
         if _recorder is None and group.size() > 1:
             recorder = Recorder(mx, group.rank(), group.size(), plain_eval)
             job = _job_id(mx, all_sum, group)
-            recorder.attach(job, _node_id())
+            recorder.attach(job, node_id(), _ring_port(group.rank()))
             name_process(job, group.rank())
             recorder.entry("connect_group", "group_ready", rank=group.rank(), size=group.size())
             _recorder = recorder
@@ -380,25 +317,6 @@ def _wrap_evaluation(call: str, original: Callable[..., Any]) -> Callable[..., A
     return wrapped
 
 
-def _wrap_exit(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapped(code: Any = 0) -> Any:
-        if _recorder is not None:
-            _recorder.exit_code = code if isinstance(code, int) else (0 if code is None else 1)
-        return original(code)
-
-    return wrapped
-
-
-def _note_exception(previous: Callable[..., Any]) -> Callable[..., Any]:
-    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
-        if _recorder is not None:
-            _recorder.exit_code, _recorder.error = 1, f"{kind.__name__}: {value}"[:500]
-        previous(kind, value, traceback)
-
-    return hook
-
-
 _installed = False
 
 
@@ -418,19 +336,11 @@ def install(mx: Any) -> None:
         setattr(mx, name, _wrap_evaluation(name, getattr(mx, name)))
     for name in _ARRAY_EVALUATIONS:
         setattr(mx.array, name, _wrap_evaluation(name, getattr(mx.array, name)))
-    sys.exit = _wrap_exit(sys.exit)
-    sys.excepthook = _note_exception(sys.excepthook)
+    note_exits(lambda: _recorder)
 
 
 @contextlib.contextmanager
 def step(name: str) -> Iterator[None]:
     """Name a step of the program on its rank's timeline (`with step("forward"):`)."""
-    recorder = _recorder
-    if recorder is None:
+    with _step(_recorder, name):
         yield
-        return
-    recorder.entry("prefill_pipeline", "step_started", name[:64], name=name[:64])
-    try:
-        yield
-    finally:
-        recorder.entry("idle", "step_ended", name[:64], name=name[:64])

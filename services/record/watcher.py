@@ -109,6 +109,7 @@ class RawMemory(msgspec.Struct, kw_only=True, frozen=True):
     active: int
     peak: int
     cache: int
+    source: str = "mlx.core"
     pace: StepPace | None = None
 
 
@@ -203,7 +204,7 @@ class _Rank:
                 active=Memory(inBytes=sample.active),
                 cache=Memory(inBytes=sample.cache),
                 peak=Memory(inBytes=sample.peak),
-                source="mlx.core",
+                source=sample.source,
             )
             self.memory = snapshot
             seq = self.next_seq()

@@ -1,7 +1,7 @@
 """On `PYTHONPATH` under `rankscope record`: every Python process started there records
-once it imports `mlx.core` (the hook and its pipe load from this package by path, so the
-program's interpreter needs nothing of rankscope's); then the `sitecustomize` this one
-hides runs."""
+once it imports `mlx.core` or `torch.distributed` (the hooks and their pipe load from this
+package by path, so the program's interpreter needs nothing of rankscope's); then the
+`sitecustomize` this one hides runs."""
 
 import importlib.abc
 import importlib.util
@@ -16,8 +16,9 @@ _PACKAGE = "rankscope.services.record"
 
 
 def _load(name: str) -> ModuleType:
-    """A module of the recorder (`pipe`, `hook`), loaded once under its package name: the
-    hook's import of its sibling finds it there, rankscope installed or not."""
+    """A module of the recorder (`pipe`, `rank`, `hook`, ...), loaded once under its
+    package name: a hook's import of its siblings finds them there, rankscope installed or
+    not."""
     module = sys.modules.get(f"{_PACKAGE}.{name}")
     if module is None:
         path = os.path.join(os.path.dirname(_HERE), f"{name}.py")
@@ -30,29 +31,35 @@ def _load(name: str) -> ModuleType:
     return module
 
 
-def _hook() -> ModuleType:
-    """The recorder, its pipe loaded first."""
+def _hook(name: str) -> ModuleType:
+    """A framework's recorder (`hook`, `torch_hook`), what it builds on loaded first."""
     _load("pipe")
-    return _load("hook")
+    _load("rank")
+    return _load(name)
 
 
-class _AfterMlxCore(importlib.abc.MetaPathFinder):
-    """Finds `mlx.core` as the others would, and installs the recorder once it loaded."""
+class _After(importlib.abc.MetaPathFinder):
+    """Finds a framework's module (`mlx.core`, `torch.distributed`) as the others would,
+    and installs its recorder (`hook`) once it loaded."""
+
+    def __init__(self, name: str, hook: str) -> None:
+        self.name, self.hook = name, hook
 
     def find_spec(
         self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if name != "mlx.core":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
         loader_exec = spec.loader.exec_module
+        hook = self.hook
 
         def exec_module(module: ModuleType) -> None:
             loader_exec(module)
-            _hook().install(module)
+            _hook(hook).install(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -72,6 +79,6 @@ def _chain() -> None:
 
 
 if os.environ.get("RANKSCOPE_RECORD") == "1":
-    sys.meta_path.insert(0, _AfterMlxCore())
+    sys.meta_path[:0] = [_After("mlx.core", "hook"), _After("torch.distributed", "torch_hook")]
     _load("pipe").note_child_exits()
 _chain()
