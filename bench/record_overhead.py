@@ -1,14 +1,19 @@
 """What `rankscope record` costs a program, recorded vs plain, interleaved in one run.
 
-Two programs under `mlx.launch` with two ring ranks on loopback (a core each), each run plain and
-recorded (into a real `rankscope up`) in alternating order, round after round:
-- a data-parallel loop whose steps take ~10 ms of compute and one `all_sum` of the
-  gradients: mean step time (target: recorded within 1% of plain);
+Programs with two ranks (a core each), each run plain and recorded (into a real `rankscope
+up`) in alternating order, round after round:
+- a data-parallel loop under `mlx.launch` (ring, loopback) whose steps take ~10 ms of
+  compute and one `all_sum` of the gradients: mean step time (target: recorded within 1%
+  of plain);
 - `mlx_lm.benchmark` on a generated model: generation tokens/s (target: no measurable
-  change).
+  change);
+- with `--torch-python` (a Python with torch: the tests make one, see tests/torch_env.py),
+  a DDP training loop under `torchrun` (gloo) whose steps take ~10 ms: mean step time
+  (target: within 1%).
 Printed per program: the median of the paired per-round ratios with their spread.
 
     .venv/bin/python bench/record_overhead.py [--rounds 5] [--steps 300] [--tokens 64]
+        [--torch-python ~/.cache/rankscope-tests/torch-2.13.0-py311/bin/python]
 """
 
 from __future__ import annotations
@@ -52,6 +57,34 @@ if group.rank() == 0:
 """
 
 
+DDP = """
+import sys, time
+import atexit, os
+import torch, torch.distributed as dist
+atexit.register(os._exit, 0)  # the last to run: torch 2.13's teardown aborts 1 exit in 4
+dist.init_process_group("gloo")
+width, steps = int(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+nn = torch.nn
+layers = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+model = torch.nn.parallel.DistributedDataParallel(layers)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+batch = torch.randn(64, width)
+times = []
+for step in range(steps):
+    started = time.perf_counter()
+    loss = model(batch).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    times.append(time.perf_counter() - started)
+if dist.get_rank() == 0:
+    kept = sorted(times[steps // 10:])
+    print(f"step_ms {1000 * sum(kept) / len(kept):.4f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
 @contextlib.contextmanager
 def _stack(data: Path) -> Iterator[str]:
     """`rankscope up` without a demo until the block ends; its NATS URL."""
@@ -75,6 +108,14 @@ def _launch(*program: str) -> list[str]:
     ring = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "-p", str(free_port())]
     pinned = ["sh", "-c", 'exec taskset -c "$MLX_RANK" "$0" "$@"', sys.executable]
     return [LAUNCH, *ring, "--", *pinned, *program]
+
+
+def _torchrun(python: str, *program: str) -> list[str]:
+    """`program` on two torchrun ranks, each pinned to a core of its own."""
+    torchrun = str(Path(python).parent / "torchrun")
+    where = ["--nnodes", "1", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    pinned = ["sh", "-c", 'exec taskset -c "$LOCAL_RANK" "$0" "$@"', python]
+    return [torchrun, *where, "--no-python", *pinned, *program]
 
 
 def _run(command: list[str], nats: str | None) -> str:
@@ -111,11 +152,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--size", type=int, default=160, help="~10 ms a step on 2 shared cores")
     parser.add_argument("--tokens", type=int, default=64, help="mlx_lm.benchmark's -g")
+    parser.add_argument("--torch-python", help="a Python with torch: adds the DDP row")
+    parser.add_argument("--width", type=int, default=700, help="~10 ms a DDP step on 2 cores")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         script = work / "steps.py"
         script.write_text(STEPS)
+        ddp = work / "ddp.py"
+        ddp.write_text(DDP)
         model = write_tiny_model(work / "model", TinyModelSpec(layers=4, hidden=256))
         with _stack(work / ".rankscope") as nats:
 
@@ -129,7 +174,13 @@ def main() -> None:
                 out = _run(_launch(*benchmark, "-p", "64", "-g", tokens, "-n", "2"), which)
                 return float(re.search(r"Averages:.*generation_tps=([0-9.]+)", out).group(1))  # type: ignore[union-attr]
 
-            print(f"2 ring ranks on loopback, {args.rounds} rounds, plain and recorded interleaved")
+            def ddp_step_ms(which: str | None) -> float:
+                command = _torchrun(args.torch_python, str(ddp), str(args.width), str(args.steps))
+                return float(re.search(r"step_ms (\S+)", _run(command, which)).group(1))  # type: ignore[union-attr]
+
+            print(f"2 ranks a core each, {args.rounds} rounds, plain and recorded interleaved")
+            if args.torch_python:
+                _paired("torch DDP step (ms)", args.rounds, ddp_step_ms, nats, higher=False)
             _paired("data-parallel step (ms)", args.rounds, step_ms, nats, higher=False)
             _paired(
                 "mlx_lm.benchmark generation tokens/s", args.rounds, tokens_per_s, nats, higher=True

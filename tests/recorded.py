@@ -19,7 +19,15 @@ import pytest
 
 from tests.stack_up import free_ports, running_up
 
-__all__ = ["LAUNCH", "Stack", "end", "ended", "rank_pids", "recording_stack"]
+__all__ = [
+    "LAUNCH",
+    "Stack",
+    "assert_straggler",
+    "end",
+    "ended",
+    "rank_pids",
+    "recording_stack",
+]
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 
@@ -124,3 +132,18 @@ def ended(process: subprocess.Popen[str]) -> tuple[int, list[str], str]:
     """How a job ended: its exit status, its output's lines sorted, its errors."""
     out, err = process.communicate(timeout=120)
     return process.returncode, sorted(out.splitlines()), err
+
+
+def assert_straggler(finding: dict[str, Any], culprit: int) -> None:
+    """`finding` names `culprit` of a 4-rank job as the rank the job waits on, and its
+    evidence says so: the share lost to it, how often it was last, its work. How close the
+    share is to the truth is checked where the truth is known (the unit tests' simulated
+    job); here, on a machine other tests share, that it stands out."""
+    paces = {e["deviceRank"]: e["pace"] for e in finding["evidence"]}
+    named, peers = paces[culprit], [paces[r] for r in range(4) if r != culprit]
+    assert named["waitedOn"] >= 0.10
+    assert named["waitedOn"] > max(p["waitedOn"] for p in peers)
+    assert named["lastArrival"] > 0.4  # chance: 0.25
+    assert named["workVsPeers"] > 1.1
+    assert f"rank {culprit} (" in finding["summary"]
+    assert "is the straggler: the job loses" in finding["summary"]

@@ -9,7 +9,8 @@ import time
 import mlx.core as mx
 import pytest
 
-from rankscope.services.record.hook import Cadence, Recorder
+from rankscope.services.record.hook import Recorder
+from rankscope.services.record.rank import Cadence
 
 pytestmark = pytest.mark.mlx
 

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.recorded import Stack, end, ended, recording_stack
+from tests.recorded import Stack, assert_straggler, end, ended, recording_stack
 from tests.stack_up import free_port
 from tests.torch_env import torch_python
 
@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(300)]
 
 DDP = """
 import sys, time
+import atexit, os
 import torch, torch.distributed as dist
+atexit.register(os._exit, 0)  # the last to run: torch 2.13's teardown aborts 1 exit in 4
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
@@ -57,6 +59,34 @@ if dist.get_rank() == 1:
 else:
     dist.all_reduce(values)
 """
+
+
+STRAGGLER = """
+import atexit, os, pathlib, time
+import torch, torch.distributed as dist
+atexit.register(os._exit, 0)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if hasattr(os, "sched_setaffinity"):  # ranks pinned two to a core: the same neighbours always
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+torch.manual_seed(rank)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+side = torch.randn(256, 256) / 16
+slower = pathlib.Path(__file__).with_name(f"slower-{rank}")  # its work, times over
+while True:
+    own = side
+    for _ in range(round(12 * (float(slower.read_text()) if slower.exists() else 1))):
+        own = torch.tanh(own @ side)
+    loss = model(own).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()  # DDP's allreduce: the step's wait
+    optimizer.step()
+    time.sleep(0.002)  # a data loader's moment between steps
+"""
+"""A DDP step whose own work (twelve 256-wide matrix products) dwarfs the rest (the model's
+forward and backward, its allreduce); `slower-<rank>` beside the script gives a rank that
+many times the work, to the nearest twelfth."""
 
 
 class Torch:
@@ -210,3 +240,23 @@ def test_with_nats_gone_a_torch_job_runs_on_and_ends_the_same(stack: Stack, torc
     job = stack.record(None, torch.run(2, train, "60"), nats=nowhere, give_up="2s")
     code, out, _ = ended(job)
     assert (code, out) == (0, sorted(plain.stdout.splitlines()))
+
+
+def test_a_torch_rank_slow_from_its_first_step_is_named_with_the_share_lost_to_it(
+    stack: Stack, torch: Torch
+) -> None:
+    script = Path(stack.script("straggler.py", STRAGGLER))
+    script.with_name("slower-2").write_text("2")
+    job = stack.record("tslow-1", torch.run(4, str(script)))
+    try:
+        stack.until(lambda: len(_timeline(stack, "tslow-1")["runners"]) == 4, 60)
+        (finding,) = stack.until(lambda: stack.findings("tslow-1"), 30)
+        print(f"named: {finding['summary']}")  # shown when the test fails
+        samples = [finding]
+        for _ in range(10):
+            time.sleep(0.5)
+            samples += stack.findings("tslow-1")
+    finally:
+        end(job, str(script))
+    assert {(s["kind"], tuple(s["culpritRanks"])) for s in samples} == {("slow_rank", (2,))}
+    assert_straggler(finding, culprit=2)

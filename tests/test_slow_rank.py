@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.recorded import assert_straggler
 from tests.slowdown import slowed
 from tests.stack_up import free_ports, running_up
 
@@ -254,16 +255,7 @@ def test_a_recorded_rank_slow_from_its_first_step_is_named_with_the_share_lost_t
     ):
         gateway.until(lambda: len(_ranks(gateway, "dp-0")) == 4, 60)
         _, finding = gateway.named_slow("dp-0", culprit=2, within=NAMED_WITHIN_S, then=10)
-    paces = {e["deviceRank"]: e["pace"] for e in finding["evidence"]}
-    culprit, peers = paces[2], [paces[r] for r in (0, 1, 3)]
-    # how close the share is to the truth is checked where the truth is known (the unit
-    # tests' simulated job); here, on a machine the other tests share, that it stands out
-    assert culprit["waitedOn"] >= 0.10
-    assert culprit["waitedOn"] > max(p["waitedOn"] for p in peers)
-    assert culprit["lastArrival"] > 0.4  # chance: 0.25
-    assert culprit["workVsPeers"] > 1.1
-    assert "rank 2 (" in finding["summary"]
-    assert "is the straggler: the job loses" in finding["summary"]
+    assert_straggler(finding, culprit=2)
 
 
 def test_a_recorded_data_parallel_rank_slowed_is_named_and_cleared(tmp_path: Path) -> None:

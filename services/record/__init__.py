@@ -1,6 +1,7 @@
-"""`rankscope record`: the flight recorder for MLX programs rankscope did not start.
+"""`rankscope record`: the flight recorder for MLX and torch.distributed programs rankscope
+did not start.
 
-From inside a program, when no launcher passes `rankscope record`'s environment on::
+From inside an MLX program, when no launcher passes `rankscope record`'s environment on::
 
     from rankscope.services.record import start, step
 

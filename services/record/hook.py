@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import secrets
 import threading
@@ -37,14 +36,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rankscope.services.record.pipe import name_process
-from rankscope.services.record.rank import WAIT_NOTE_S, RankRecorder, node_id, note_exits
+from rankscope.services.record.rank import (
+    SAMPLED_KEPT,
+    WAIT_NOTE_S,
+    Cadence,
+    RankRecorder,
+    node_id,
+    note_exits,
+)
 from rankscope.services.record.rank import step as _step
 
 __all__ = [
     "COLLECTIVES",
-    "SAMPLE_GAP_S",
     "WAIT_NOTE_S",
-    "Cadence",
     "Recorder",
     "install",
     "step",
@@ -61,16 +65,6 @@ COLLECTIVES = (
     "recv_like",
 )
 _POINT_TO_POINT = frozenset({"send", "recv", "recv_like"})
-SAMPLE_GAP_S = 0.1
-"""About the time between two sampled steps: each costs two synchronisations per
-collective, so a job stepping fast samples one step in many, and one stepping slowly every
-step (ten samples a second tell a slow rank from one its neighbours on the core took turns
-from)."""
-FIRST_EVERY = 16
-"""One world collective in so many reaches a sampled step until the job's rate is known
-(after its first second): a job's first steps come fast, and sampling each costs."""
-SAMPLED_KEPT = 64
-"""Sampled steps said on their own in one pace sample (a second's worth and more)."""
 _EVALUATIONS = ("eval", "async_eval")  # async_eval too waits when the last one has not finished
 _ARRAY_EVALUATIONS = ("item", "tolist")
 
@@ -83,38 +77,6 @@ def _ring_port(rank: int) -> int:
         return int(str(address).rsplit(":", 1)[1])
     except (KeyError, OSError, ValueError, IndexError, TypeError):
         return 0
-
-
-class Cadence:
-    """Which steps a rank samples: those whose world collectives reach a multiple of
-    `every`, a power of two set from how many world collectives the job issues a second.
-    Ranks of a job in step issue them at one rate, so they sample the same steps; one a
-    step behind a change of rate samples every other of them, still the same steps."""
-
-    def __init__(self) -> None:
-        self.every = FIRST_EVERY
-        self._counted, self._at = 0, time.monotonic()
-
-    def retune(self, issued: int, moment: float) -> None:
-        """`issued` world collectives so far at `moment` (monotonic): `every` doubled, or
-        quartered, once the rate since the last call asks for it (not at each wobble)."""
-        elapsed = moment - self._at
-        if elapsed <= 0:
-            return
-        wanted = (
-            1
-            << (
-                max(1, math.ceil((issued - self._counted) / elapsed * SAMPLE_GAP_S)) - 1
-            ).bit_length()
-        )
-        if wanted >= 2 * self.every or 4 * wanted <= self.every:
-            self.every = wanted
-        self._counted, self._at = issued, moment
-
-    def due(self, first: int, last: int) -> bool:
-        """Whether a step whose world collectives are numbers `first` to `last` is
-        sampled."""
-        return last // self.every > (first - 1) // self.every
 
 
 class Recorder(RankRecorder):

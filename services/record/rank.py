@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -18,13 +19,65 @@ from typing import Any
 
 from rankscope.services.record.pipe import Pipe, now
 
-__all__ = ["WAIT_NOTE_S", "RankRecorder", "node_id", "note_exits", "step"]
+__all__ = [
+    "SAMPLED_KEPT",
+    "SAMPLE_GAP_S",
+    "WAIT_NOTE_S",
+    "Cadence",
+    "RankRecorder",
+    "node_id",
+    "note_exits",
+    "step",
+]
 
 WAIT_NOTE_S = 1.0
 """How long a rank waits on its collectives before it says so: `shared/recording.py`'s,
 kept here (this module is loaded by path where rankscope may not be installed;
 tests/test_recording.py checks the copy)."""
 TICK_S = 0.25
+
+SAMPLE_GAP_S = 0.1
+"""About the time between two sampled steps: ten a second tell a slow rank from one its
+neighbours on the core took turns from; a job stepping fast samples one step in many (an
+MLX rank's sampled step costs two synchronisations per collective), one stepping slowly
+every step."""
+FIRST_EVERY = 16
+"""One world collective in so many reaches a sampled step until the job's rate is known
+(after its first second): a job's first steps come fast, and sampling each costs."""
+SAMPLED_KEPT = 64
+"""Sampled steps said on their own in one pace sample (a second's worth and more)."""
+
+
+class Cadence:
+    """Which steps a rank samples: those whose world collectives reach a multiple of
+    `every`, a power of two set from how many world collectives the job issues a second.
+    Ranks of a job in step issue them at one rate, so they sample the same steps; one a
+    step behind a change of rate samples every other of them, still the same steps."""
+
+    def __init__(self) -> None:
+        self.every = FIRST_EVERY
+        self._counted, self._at = 0, time.monotonic()
+
+    def retune(self, issued: int, moment: float) -> None:
+        """`issued` world collectives so far at `moment` (monotonic): `every` doubled, or
+        quartered, once the rate since the last call asks for it (not at each wobble)."""
+        elapsed = moment - self._at
+        if elapsed <= 0:
+            return
+        wanted = (
+            1
+            << (
+                max(1, math.ceil((issued - self._counted) / elapsed * SAMPLE_GAP_S)) - 1
+            ).bit_length()
+        )
+        if wanted >= 2 * self.every or 4 * wanted <= self.every:
+            self.every = wanted
+        self._counted, self._at = issued, moment
+
+    def due(self, first: int, last: int) -> bool:
+        """Whether a step whose world collectives are numbers `first` to `last` is
+        sampled."""
+        return last // self.every > (first - 1) // self.every
 
 
 class RankRecorder:
@@ -69,7 +122,7 @@ class RankRecorder:
         its end."""
 
     def each_second(self, moment: float) -> None:
-        """Once a second, after the memory sample."""
+        """Once a second, before the memory sample."""
 
     def _tick(self) -> None:
         sampled = 0.0
@@ -78,9 +131,9 @@ class RankRecorder:
             moment = time.monotonic()
             if moment - sampled >= 1.0:
                 sampled = moment
+                self.each_second(moment)
                 self.pipe.send("memory", at=now(), pace=self.take_pace(), **self.memory())
                 self._note_steps()
-                self.each_second(moment)
             self.poll(moment)
 
     def _note_steps(self) -> None:

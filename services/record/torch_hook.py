@@ -12,6 +12,15 @@ completed); a collective in flight for `WAIT_NOTE_S` is read in full once (its o
 and dtype) and said, quoted as `fr_trace` users know it: `all_reduce #42 (group default_pg)`,
 42 being its `collective_seq_id`. Point-to-point ops, which gloo does not record there, are
 counted and timed at the Python call (`send`, `recv`; `isend`, `irecv` counted).
+
+The pace: a step ends where the program waits for its collectives, `backward()` returning
+(DDP's reducer waits for its allreduces there) or a blocking collective called from
+Python returning. Once a second the default group's new Flight Recorder entries are read
+(when each collective was enqueued, on this rank's clock): a step's last collective was
+enqueued when the rank arrived; from there to the step's end it waited, from the step
+before's end to there it worked. Every rank samples the same steps (`Cadence`, by the
+collectives' numbers), so the rank its peers wait on, the last to arrive, waits least on
+the same step. No clock is compared between ranks.
 """
 
 from __future__ import annotations
@@ -24,11 +33,19 @@ import secrets
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from rankscope.services.record.pipe import name_process
-from rankscope.services.record.rank import WAIT_NOTE_S, RankRecorder, node_id, note_exits
+from rankscope.services.record.rank import (
+    SAMPLED_KEPT,
+    WAIT_NOTE_S,
+    Cadence,
+    RankRecorder,
+    node_id,
+    note_exits,
+)
 
 __all__ = ["FR_BUFFER", "FR_ENTRIES", "TorchRecorder", "install"]
 
@@ -40,6 +57,24 @@ full, done once per wait, costs about 6 ms at this size."""
 _JOB_KEY = "rankscope/job"
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 _BLOCKING = frozenset({"send", "recv"})
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+)
+"""Collectives a step may wait for from Python (when not `async_op`)."""
+_KEPT = 1024
+"""Step ends, and the default group's collectives, kept between two reads (seconds of
+them)."""
 
 FlightRecorder = Callable[[bool], dict[str, Any]]
 """Torch's Flight Recorder read as JSON: with its entries (True) or its groups' status only."""
@@ -96,6 +131,17 @@ class TorchRecorder(RankRecorder):
         """A blocking point-to-point call in progress: its site, attrs, monotonic since."""
         self.call_said = False
         self._lock = threading.Lock()
+        self.world = _group_names(torch, None)[0]
+        """The default group's name: its collectives make the steps."""
+        self.cadence = Cadence()
+        self.ends: deque[int] = deque(maxlen=_KEPT)
+        """When steps ended (wall ns, this rank's clock), not yet read."""
+        self._collectives: deque[tuple[int, int]] = deque(maxlen=_KEPT)
+        """The default group's collectives not yet in a step: (number, enqueued wall ns)."""
+        self._read_up_to = -1
+        """The newest Flight Recorder record read."""
+        self._step_ended: int | None = None
+        self._pace: dict[str, Any] = _no_pace()
 
     def memory(self) -> dict[str, Any]:
         cuda = self.torch.cuda
@@ -108,6 +154,53 @@ class TorchRecorder(RankRecorder):
             "peak": cuda.max_memory_allocated(),
             "cache": cuda.memory_reserved() - active,
         }
+
+    def take_pace(self) -> dict[str, Any]:
+        pace, self._pace = self._pace, _no_pace()
+        return pace
+
+    def each_second(self, moment: float) -> None:
+        self.cadence.retune(self.counts.get(self.labels.get(self.world, ""), 0), moment)
+        if self.read is None or not self.ends:
+            return
+        read_at = time.time_ns()
+        try:
+            entries = self.read(True).get("entries", [])
+        except (RuntimeError, ValueError):
+            return
+        fresh = [e for e in entries if int(e.get("record_id", -1)) > self._read_up_to]
+        if not fresh:
+            return
+        newest = max(int(e["record_id"]) for e in fresh)
+        if self._read_up_to >= 0 and newest - self._read_up_to > len(fresh):
+            self._step_ended = None  # the buffer came round since the last read: begin anew
+        self._read_up_to = newest
+        for entry in fresh:
+            group = entry.get("process_group") or [""]
+            if str(group[0]) == self.world and not entry.get("is_p2p"):
+                created = int(entry.get("time_created_ns", 0))
+                self._collectives.append((int(entry.get("collective_seq_id", 0)), created))
+        while self.ends and self.ends[0] <= read_at:
+            self._step(self.ends.popleft())
+
+    def _step(self, ended: int) -> None:
+        """A step that ended at `ended` (wall ns): its collectives are those enqueued since
+        the step before ended; sampled when the cadence says."""
+        started, self._step_ended = self._step_ended, ended
+        inside: list[tuple[int, int]] = []
+        while self._collectives and self._collectives[0][1] <= ended:
+            inside.append(self._collectives.popleft())
+        if started is None or not inside:
+            return  # a step whose start is not known, or with no collective
+        (first, _), (last, arrived) = inside[0], inside[-1]
+        pace = self._pace
+        if not self.cadence.due(first, last) or len(pace["sampled"]) >= SAMPLED_KEPT:
+            return
+        work, wait = (arrived - started) / 1e9, (ended - arrived) / 1e9
+        pace["steps"] += 1
+        pace["workSeconds"] += work
+        pace["waitSeconds"] += wait
+        pace["sampled"].append((last, work, wait, 0.0))
 
     def poll(self, moment: float) -> None:
         self._poll_calls(moment)
@@ -216,6 +309,10 @@ class TorchRecorder(RankRecorder):
             self.note_resumed(moment - calling[2])
 
 
+def _no_pace() -> dict[str, Any]:
+    return {"steps": 0, "workSeconds": 0.0, "waitSeconds": 0.0, "sampled": []}
+
+
 def _world_labels(torch: Any) -> dict[str, str]:
     """Every process group the program made, by name, as said (`_label`)."""
     try:
@@ -262,6 +359,8 @@ def _start(torch: Any) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     recorder = TorchRecorder(torch, rank, size, _flight_recorder())
     job = _job_id(dist)
+    autograd = torch.autograd
+    autograd.backward = _wrap_step_end(autograd.backward)
     recorder.attach(job, node_id())
     name_process(job, rank)
     backend = str(dist.get_backend())
@@ -277,6 +376,21 @@ def _wrap_init(torch: Any, init: Callable[..., Any]) -> Callable[..., Any]:
             _start(torch)
         except Exception as exc:  # the program goes on, unrecorded
             print(f"rankscope record: rank not recorded: {exc}", file=sys.stderr)
+        return result
+
+    return wrapped
+
+
+def _wrap_step_end(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original` (`backward`, a collective) ends a step when it returns having waited
+    (a collective called with `async_op` has not)."""
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        recorder = _recorder
+        if recorder is not None and not kwargs.get("async_op"):
+            recorder.ends.append(time.time_ns())
         return result
 
     return wrapped
@@ -320,4 +434,7 @@ def install(dist: Any) -> None:
         for op in _POINT_TO_POINT:
             if hasattr(module, op):
                 setattr(module, op, _wrap_point_to_point(op, getattr(module, op)))
+        for op in _COLLECTIVES:
+            if hasattr(module, op):
+                setattr(module, op, _wrap_step_end(getattr(module, op)))
     note_exits(lambda: _recorder)
