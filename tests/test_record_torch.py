@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,6 +232,29 @@ def test_a_rank_in_a_broadcast_while_its_peers_all_reduce_is_named_with_both(
         assert "all_reduce #21 (group default_pg)" in finding["summary"]
     finally:
         end(job, desync)
+
+
+def test_ranks_recorded_one_by_one_under_torchrun_agree_on_one_job(
+    stack: Stack, torch: Torch
+) -> None:
+    train = stack.script("ddp-each.py", DDP)
+    record = [sys.executable, "-m", "rankscope.services.cli", "record", "--"]
+    each = torch.run(2, "--no-python", *record, str(torch.python), train, "150")
+    env = {**os.environ, "RANKSCOPE_NATS_URL": stack.nats}
+    done = subprocess.run(each, capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(line.split()[:2] for line in done.stdout.splitlines()) == [
+        ["rank", "0"],
+        ["rank", "1"],
+    ]
+
+    def drawn() -> list[dict[str, Any]]:
+        runners = stack.get("/v1/cluster/timeline")["runners"]
+        return [r for r in runners if r["instanceId"].startswith("job-")]
+
+    ranks = stack.until(lambda: len(drawn()) == 2 and drawn(), 20)
+    assert {r["instanceId"] for r in ranks} == {ranks[0]["instanceId"]}  # through its store
+    assert sorted(r["deviceRank"] for r in ranks) == [0, 1]
 
 
 def test_with_nats_gone_a_torch_job_runs_on_and_ends_the_same(stack: Stack, torch: Torch) -> None:
