@@ -307,6 +307,13 @@ class Settings:
         _duration,
         "How long a recorded rank's watcher keeps delivering after the rank ended.",
     )
+    record_kill_after: float = _setting(
+        15.0,
+        _duration,
+        "How long after `rankscope record` was asked to end the job its ranks may still run "
+        "before those still running are killed (blocked in a collective whose peer ended, "
+        "they run no signal handler).",
+    )
     record_ranks_per_node: int = _setting(
         256,
         _positive_int,

@@ -15,8 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rankscope.services.record.signals import STUCK_S
-
 
 def _record(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -84,11 +82,12 @@ COUNTING = (
 """A program that says which signals it received (after a moment for any second one)."""
 
 
-def _running(*args: str) -> subprocess.Popen[str]:
+def _running(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     started = subprocess.Popen(
         [sys.executable, "-m", "rankscope.services.cli", "record", *args],
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
     assert started.stdout is not None
     assert started.stdout.readline() == "ready\n"
@@ -186,13 +185,14 @@ peer ended, no signal reaches."""
 
 
 def test_a_rank_no_signal_reaches_is_killed_once_the_job_was_asked_to_end() -> None:
-    recording = _running("--", sys.executable, "-c", STUCK_LAUNCH)
+    soon = {**os.environ, "RANKSCOPE_RECORD_KILL_AFTER": "2s"}  # 15 s unless told
+    recording = _running("--", sys.executable, "-c", STUCK_LAUNCH, env=soon)
     started = time.monotonic()
     recording.send_signal(signal.SIGINT)
     recording.communicate(timeout=60)
     took = time.monotonic() - started
     assert recording.returncode != 0  # the launcher saw its rank killed
-    assert took >= STUCK_S
+    assert took >= 2
     leftover = [
         p
         for p in psutil.process_iter(["cmdline"])

@@ -83,7 +83,10 @@ def record(args: argparse.Namespace, settings: Settings) -> int:
     try:
         try:
             relay = Relay(
-                command, _environment(args, settings, exits), stopping=_stop_asked(Path(exits))
+                command,
+                _environment(args, settings, exits),
+                kill_after=settings.record_kill_after,
+                stopping=_stop_asked(Path(exits)),
             )
         except OSError as exc:
             print(f"rankscope record: cannot run {command[0]!r}: {exc}", file=sys.stderr)

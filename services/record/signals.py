@@ -31,10 +31,6 @@ _SI_KERNEL = 0x80
 """Linux's `si_code` of a signal the kernel sent: the terminal's Ctrl-C and Ctrl-\\."""
 GRACE_S = 5.0
 """How long a rank left behind has to end after the signal before it is killed."""
-STUCK_S = 15.0
-"""How long after a signal asked the job to end its ranks may still run while the command
-waits for them, before those still running are killed (blocked in a collective whose peer
-ended, they run no handler)."""
 
 
 class Relay:
@@ -44,8 +40,13 @@ class Relay:
         self,
         command: Sequence[str],
         env: dict[str, str],
+        kill_after: float,
         stopping: Callable[[signal.Signals], None] = lambda _: None,
     ) -> None:
+        self.kill_after = kill_after
+        """How long after a signal asked the command to end its ranks may still run while
+        it waits for them, before those still running are killed (blocked in a collective
+        whose peer ended, they run no handler)."""
         self.ending: signal.Signals | None = None
         """The last signal that asked the command to end, if any did."""
         self._stopping = stopping
@@ -107,14 +108,14 @@ class Relay:
 
         A rank blocked in a collective whose peer already ended runs no Python, so no
         signal ends it, and a launcher waiting for it never ends either: once a signal
-        asked the job to end, ranks still running `STUCK_S` later are killed."""
+        asked the job to end, ranks still running `kill_after` seconds later are killed."""
         while True:
             try:
                 returncode = self.child.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
                 asked = self._asked_at
-                if asked is not None and time.monotonic() - asked >= STUCK_S:
+                if asked is not None and time.monotonic() - asked >= self.kill_after:
                     self._kill_stuck()
         if self.ending is None:
             return returncode
