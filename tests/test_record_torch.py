@@ -8,6 +8,7 @@ numbers them, and with NATS gone the job runs on unharmed."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -169,7 +170,8 @@ def test_a_recorded_ddp_job_prints_and_ends_as_unrecorded_with_its_allreduces(
     ]
     steps = [e for e in timeline["timeline"] if e["event"] == "steps"]
     assert steps
-    assert all("(group default_pg)" in e["detail"] for e in steps), steps
+    assert all(re.search(r"the last \w+ #\d+ \(group default_pg\)$", e["detail"]) for e in steps)
+    assert any("the last all_reduce #" in e["detail"] for e in steps), steps  # DDP's, named
     assert {r["statusKind"] for r in timeline["runners"]} == {"RunnerShutdown"}
     assert stack.get("/v1/cluster/diagnosis/history?instanceId=ddp-1")["findings"] == []
 

@@ -180,6 +180,11 @@ class TorchRecorder(RankRecorder):
             if str(group[0]) == self.world and not entry.get("is_p2p"):
                 created = int(entry.get("time_created_ns", 0))
                 self._collectives.append((int(entry.get("collective_seq_id", 0)), created))
+        last = max(fresh, key=lambda e: int(e["record_id"]))
+        if not last.get("is_p2p"):  # how far the rank got, its op named
+            name = str((last.get("process_group") or [self.world])[0])
+            label = self.labels.get(name, f"pg {name}")
+            self.issued = (_op(last), label, int(last.get("collective_seq_id", 0)))
         while self.ends and self.ends[0] <= read_at:
             self._step(self.ends.popleft())
 
@@ -263,7 +268,7 @@ class TorchRecorder(RankRecorder):
             site = f"collective #{number} (group {label})"
             self.note_wait(site, group=label, step=number, pending=pending)
             return
-        op = str(found.get("profiling_name", "")).split(":")[-1] or "collective"
+        op = _op(found)
         sizes = found.get("input_sizes") or [[]]
         self.note_wait(
             f"{op} #{number} (group {label})",
@@ -307,6 +312,12 @@ class TorchRecorder(RankRecorder):
         self.calling, self.call_said = None, False
         if calling is not None and said:
             self.note_resumed(moment - calling[2])
+
+
+def _op(entry: dict[str, Any]) -> str:
+    """A Flight Recorder entry's op as `fr_trace` users say it (`nccl:all_reduce`: the
+    backend dropped)."""
+    return str(entry.get("profiling_name", "")).split(":")[-1] or "collective"
 
 
 def _no_pace() -> dict[str, Any]:
