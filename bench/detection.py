@@ -16,6 +16,10 @@ finding. Faults:
   of its work a step, as a slower device takes longer (`slow_rank`);
 - `first1.3`: such a job started with a rank given 4/3 of its work from its first step,
   timed from its four ranks showing (`slow_rank`), a new job each time;
+- `tfirst1.3`, `tfirst2`: the same for a recorded 4-rank torch DDP job under `torchrun`
+  (gloo; the one `tests/test_record_torch.py` records, two ranks to a core), its rank
+  given 4/3 or twice its own work (twelve 256-wide matrix products) from its first step;
+  needs `--torch-python`;
 - `nats`: the NATS server paused (SIGSTOP; `nats_unreachable`, naming no rank);
 - `linkcut`: the network link of node-b cut (in a deployment of its own, every service its
   own process and node-b behind a veth pair in a network namespace, as
@@ -35,6 +39,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +59,7 @@ from tests.reliability.deployment import Deployment, deployed  # noqa: E402
 from tests.reliability.netns import Link, behind  # noqa: E402
 from tests.slowdown import slowed  # noqa: E402
 from tests.stack_up import free_port, free_ports, running_up  # noqa: E402
+from tests.test_record_torch import STRAGGLER  # noqa: E402
 from tests.test_slow_rank import Gateway, chatting, more_work, recorded  # noqa: E402
 
 EXPECTED = {
@@ -64,6 +70,8 @@ EXPECTED = {
     "work2": "slow_rank",
     "work1.3": "slow_rank",
     "first1.3": "slow_rank",
+    "tfirst1.3": "slow_rank",
+    "tfirst2": "slow_rank",
     "nats": "nats_unreachable",
     "linkcut": "dead_rank",
 }
@@ -76,11 +84,19 @@ HOLD_S = {
     "work2": 30.0,
     "work1.3": 45.0,
     "first1.3": 30.0,
+    "tfirst1.3": 30.0,
+    "tfirst2": 30.0,
     "nats": 10.0,
 }
 """How long each fault lasts; a kill or a cut link, until it is named (the rank is then
 started again, or the job placed again once the node is back)."""
-NAMED_WITHIN_S = {"linkcut": 45.0, "work1.3": 30.0, "first1.3": 30.0}
+NAMED_WITHIN_S = {
+    "linkcut": 45.0,
+    "work1.3": 30.0,
+    "first1.3": 30.0,
+    "tfirst1.3": 30.0,
+    "tfirst2": 30.0,
+}
 """Longest wait for the first finding, if not 20 s (a lost node is known after up to two
 heartbeat TTLs)."""
 SPACING_S = {"sigkill": 31.0}
@@ -212,13 +228,21 @@ def _on_demo(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
                     inject(gateway, kind, rank, _fault(kind, rank, nats_pid), tallies[kind])
 
 
-def _on_recorded(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
+def _on_recorded(
+    faults: list[tuple[str, int]], tallies: dict[str, Tally], torch: str | None
+) -> None:
     """Inject `faults` into a recorded 4-rank data-parallel job, in a `rankscope up` of its
-    own."""
+    own (`torch`: a Python with torch, for the torch jobs)."""
     work = Path(tempfile.mkdtemp())
     env = {"RANKSCOPE_LOG_LEVEL": "error"}
     with running_up(work / ".rankscope", env=env) as (_, shown):
         gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
+        for kind, count in faults if torch else ():
+            for n in range(count if kind.startswith("tfirst") else 0):
+                rank, script = random.randrange(4), work / f"{kind}-{n}.py"
+                factor = float(kind.removeprefix("tfirst"))
+                job = _torch_job(gateway, f"{kind}-{n}", script, (rank, factor), torch or "")
+                inject(gateway, kind, rank, job, tallies[kind])
         for n in range(dict(faults).get("first1.3", 0)):
             rank, script = random.randrange(4), work / f"first-{n}.py"
             inject(gateway, "first1.3", rank, _new_job(gateway, f"first-{n}", script, rank),
@@ -288,6 +312,36 @@ async def _quiet(deployment: Deployment) -> dict[str, int]:
     return await deployment.until("both ranks ready, no finding", settled, 300)
 
 
+@contextlib.contextmanager
+def _torch_job(
+    gateway: Gateway, job: str, script: Path, slow: tuple[int, float], python: str
+) -> Iterator[None]:
+    """A recorded torch DDP job of 4 ranks (`STRAGGLER` at `script`) whose rank `slow[0]`
+    does `slow[1]` times its work from its first step, from its four ranks showing until
+    the block ends."""
+    script.write_text(STRAGGLER)
+    script.with_name(f"slower-{slow[0]}").write_text(str(slow[1]))
+    torchrun = [str(Path(python).parent / "torchrun"), "--nnodes", "1", "--nproc-per-node", "4"]
+    command = [*torchrun, "--master-port", str(free_port()), str(script)]
+    record = [sys.executable, "-m", "rankscope.services.cli", "record", "--job", job, "--"]
+    env = {**os.environ, "RANKSCOPE_NATS_URL": gateway.nats}
+    process = subprocess.Popen(
+        [*record, *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
+    try:
+        gateway.until(
+            lambda: (
+                len(gateway.get(f"/v1/cluster/timeline?instanceId={job}&limit=1")["runners"]) == 4
+            ),
+            90,
+        )
+        yield
+    finally:  # stopped as its user would (Ctrl-C): no incident of its own to count wrong
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=60)
+        script.with_name(f"slower-{slow[0]}").unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--injections", type=int, default=10, help="per fault")
@@ -295,6 +349,7 @@ def main() -> None:
         "--faults", default=",".join(EXPECTED), help="FAULT[:INJECTIONS], comma separated"
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--torch-python", help="a Python with torch, for the tfirst* faults")
     args = parser.parse_args()
     random.seed(args.seed)
     faults = [
@@ -306,12 +361,12 @@ def main() -> None:
         (k, n) for k, n in faults if k in ("sigstop", "sigkill", "nats", "slow2", "slow1.3")
     ]:
         _on_demo(on_demo, tallies)
-    if on_recorded := [(k, n) for k, n in faults if k.startswith(("work", "first"))]:
-        _on_recorded(on_recorded, tallies)
+    if on_recorded := [(k, n) for k, n in faults if k.startswith(("work", "first", "tfirst"))]:
+        _on_recorded(on_recorded, tallies, args.torch_python)
     if cuts := dict(faults).get("linkcut"):
         asyncio.run(_link_cuts(cuts, tallies["linkcut"]))
-    print("injections at random moments into a 2-rank pipeline under load (work*: into a")
-    print("recorded 4-rank data-parallel job)")
+    print("injections at random moments into a 2-rank pipeline under load (work*, first*: into")
+    print("a recorded 4-rank data-parallel mlx.launch job; tfirst*: a torchrun DDP job)")
     print(f"{'fault':10} {'runs':>4} {'named p50':>9} {'p90':>6} {'max':>6} {'missed':>6} "
           f"{'right':>7} {'wrong':>5} {'clear p50':>9} {'max':>6}")  # fmt: skip
     for kind, tally in tallies.items():
