@@ -234,6 +234,7 @@ def _on_recorded(
     """Inject `faults` into a recorded 4-rank data-parallel job, in a `rankscope up` of its
     own (`torch`: a Python with torch, for the torch jobs)."""
     work = Path(tempfile.mkdtemp())
+    print(f"recorded jobs kept in {work / '.rankscope'} (bench/arrivals_replay.py)", flush=True)
     env = {"RANKSCOPE_LOG_LEVEL": "error"}
     with running_up(work / ".rankscope", env=env) as (_, shown):
         gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
