@@ -4,7 +4,7 @@ what it named, when, and every rank's share, last-arrival rate and work meanwhil
 tuning the rule on a run already made (`bench/soak.py` prints its data directory).
 
     .venv/bin/python bench/arrivals_replay.py DATA_DIR --job soak [--share 0.1]
-        [--certainty 4] [--window 20] [--near 0.07]
+        [--certainty 4] [--window 20] [--dominance 2.5] [--near 0.07]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.wire import MemorySampled, SampledStep, decode
 
-Stored = list[tuple[float, int, list[SampledStep]]]
-"""When NATS stored each pace sample, its rank, its sampled steps."""
+Stored = list[tuple[float, int, str, list[SampledStep]]]
+"""When NATS stored each pace sample, its rank, the rank's node, its sampled steps."""
 
 
 async def _read(url: str, job: str) -> Stored:
@@ -45,7 +45,8 @@ async def _read(url: str, job: str) -> Stored:
             sample = decode(msg.data, MemorySampled)
             if sample.runner.instanceId == job and sample.pace is not None:
                 stored = msg.metadata.timestamp.timestamp()
-                found.append((stored, sample.runner.deviceRank, list(sample.pace.sampled)))
+                runner = sample.runner
+                found.append((stored, runner.deviceRank, runner.nodeId, list(sample.pace.sampled)))
     finally:
         await client.close()
     return found
@@ -54,17 +55,18 @@ async def _read(url: str, job: str) -> Stored:
 def _replay(stored: Stored, limits: ArrivalLimits, near: float) -> None:
     """Judge the samples second by second as the aggregator would have, printing each
     second that names a rank or comes within `near` of the share that would."""
-    world = max(rank for _, rank, _ in stored) + 1
+    world = max(rank for _, rank, _, _ in stored) + 1
     ranks = [Arrivals() for _ in range(world)]
+    nodes = [next(node for _, r, node, _ in stored if r == rank) for rank in range(world)]
     start, end = stored[0][0], stored[-1][0]
     named: frozenset[int] = frozenset()
     seconds_named, next_sample, moment = 0, 0, start
     while moment <= end:
         while next_sample < len(stored) and stored[next_sample][0] <= moment:
-            at, rank, steps = stored[next_sample]
+            at, rank, _, steps = stored[next_sample]
             ranks[rank].add(at, steps)
             next_sample += 1
-        straggle = judge_arrivals(ranks, moment, limits, named)
+        straggle = judge_arrivals(ranks, moment, limits, named, nodes)
         named = frozenset(straggle.stragglers) if straggle else frozenset()
         seconds_named += bool(named)
         if straggle is not None and (named or max(straggle.waited_on) >= near):
@@ -86,6 +88,7 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=defaults.share)
     parser.add_argument("--certainty", type=float, default=defaults.certainty)
     parser.add_argument("--window", type=float, default=defaults.window)
+    parser.add_argument("--dominance", type=float, default=defaults.dominance)
     parser.add_argument("--near", type=float, default=0.07, help="print seconds above this")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:  # the store copied: left as it was
@@ -96,7 +99,9 @@ def main() -> None:
     if not stored:
         sys.exit(f"no pace samples of job {args.job!r} in {args.data}")
     stored.sort(key=lambda sample: sample[0])
-    limits = ArrivalLimits(window=args.window, share=args.share, certainty=args.certainty)
+    limits = ArrivalLimits(
+        window=args.window, share=args.share, certainty=args.certainty, dominance=args.dominance
+    )
     _replay(stored, limits, args.near)
 
 

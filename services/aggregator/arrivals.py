@@ -49,6 +49,11 @@ class ArrivalLimits:
     deviations of chance's count: consistently, not by the luck of the scheduler."""
     clear: float = 0.05
     """A named rank stays named while the job loses this share to it."""
+    dominance: float = 2.5
+    """A rank is named alone only when the job loses this many times more to it than to
+    any other rank of its node: where two ranks share a busy core (or a node's ranks share
+    its slowness) the blame is split, and the node is the straggler (named as a whole when
+    its ranks together stand out from every other node's), or none is."""
 
 
 class Arrivals:
@@ -101,11 +106,12 @@ def judge_arrivals(
     now: float,
     limits: ArrivalLimits,
     named: frozenset[int] = frozenset(),
+    nodes: Sequence[str] = (),
 ) -> Straggle | None:
     """The ranks compared over the newest `limits.window` seconds of steps every one
     sampled, as of `now`; None when they cannot be (fewer than two ranks, a rank with no
     sampled steps, fewer than `limits.steps` in common). `named`: ranks an open finding
-    names, held to the `clear` bar."""
+    names, held to the `clear` bar; `nodes`: each rank's node (none given: each its own)."""
     if len(ranks) < 2 or any(r is None or not r.steps for r in ranks):
         return None
     held = [r.steps for r in ranks if r is not None]
@@ -138,15 +144,8 @@ def judge_arrivals(
     waited_on = [  # beyond its peers': on a busy machine every rank is now and then last
         max(0.0, shares[i] - statistics.median(shares[:i] + shares[i + 1 :])) for i in range(size)
     ]
-    chance = len(joined) / size
-    often = chance + limits.certainty * math.sqrt(chance * (1 - 1 / size))
     stragglers = sorted(
-        (
-            i
-            for i in range(size)
-            if (waited_on[i] >= limits.share and last[i] >= often)
-            or (i in named and waited_on[i] >= limits.clear)
-        ),
+        _stragglers(waited_on, last, list(nodes) or [str(i) for i in range(size)], named, limits),
         key=lambda i: -waited_on[i],
     )
     return Straggle(
@@ -158,3 +157,42 @@ def judge_arrivals(
         wait_ms=[1000 * statistics.median(r[i][2] for r in joined) for i in range(size)],
         stragglers=stragglers,
     )
+
+
+def _stragglers(
+    waited_on: list[float],
+    last: list[int],
+    nodes: list[str],
+    named: frozenset[int],
+    limits: ArrivalLimits,
+) -> set[int]:
+    """The ranks the job waits on: one rank, when the share lost to it is past the bar,
+    it was last more often than chance, and it dominates its node's other ranks; else a
+    node's ranks together, when the same holds of them against every other node's ranks;
+    and the ranks of an open finding, while the job still loses `clear` to them."""
+    size, steps = len(waited_on), sum(last)
+    members: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        members.setdefault(node, []).append(i)
+
+    def stands_out(group: list[int], rivals: list[int]) -> bool:
+        share, chance = sum(waited_on[i] for i in group), steps * len(group) / size
+        often = chance + limits.certainty * math.sqrt(chance * (1 - len(group) / size))
+        return (
+            share >= limits.share
+            and sum(last[i] for i in group) >= often
+            and all(share >= limits.dominance * waited_on[j] for j in rivals)
+        )
+
+    found = {
+        i
+        for i in range(size)
+        if stands_out([i], [j for j in members[nodes[i]] if j != i])
+        or (i in named and waited_on[i] >= limits.clear)
+    }
+    for group in members.values():
+        rivals = [j for j in range(size) if j not in group]
+        held = set(group) <= named and sum(waited_on[i] for i in group) >= limits.clear
+        if len(group) > 1 and rivals and (held or stands_out(group, rivals)):
+            found.update(group)
+    return found

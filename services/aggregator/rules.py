@@ -152,7 +152,8 @@ class Judge:
         by who the others wait on; others by their work against their own usual."""
         histories = [v.pace for v in self.views]
         arrivals = [h.arrivals if h is not None else None for h in histories]
-        straggle = judge_arrivals(arrivals, self.pace_now, self.limits.arrivals, named)
+        nodes = [v.ref.nodeId for v in self.views]
+        straggle = judge_arrivals(arrivals, self.pace_now, self.limits.arrivals, named, nodes)
         if straggle is not None:
             self._paces = self._straggle_paces(straggle)
             return straggle.stragglers, self._straggle_words(straggle)

@@ -132,6 +132,42 @@ def test_a_named_rank_stays_named_down_to_the_clearing_share() -> None:
     ).stragglers == [1]  # type: ignore[union-attr]
 
 
+def _job(last_of: list[int], world: int = 4) -> list[Arrivals]:
+    """`world` ranks over 10 ms steps: on step n the rank `last_of[n]` arrives last and
+    its peers wait 3 ms for it."""
+    ranks = [Arrivals() for _ in range(world)]
+    for n, late in enumerate(last_of, start=1):
+        for r, arrivals in enumerate(ranks):
+            wait = 0.0 if r == late else 0.003
+            arrivals.add(100.0 + n / 10, [SampledStep(n, 0.010 - wait, wait)])
+    return ranks
+
+
+def test_two_ranks_splitting_the_blame_on_one_node_name_nobody_a_node_of_two_is_named() -> None:
+    ranks = _job([0, 2] * 30)  # two ranks on a core a neighbour keeps busy, by turns
+    limits = ArrivalLimits(span=0.0)
+    one_node = judge_arrivals(ranks, now=106.0, limits=limits, nodes=["vm"] * 4)
+    assert one_node is not None
+    assert one_node.waited_on[0] == one_node.waited_on[2] >= limits.share
+    assert one_node.stragglers == []  # neither dominates: their core, not one of them
+    two_nodes = judge_arrivals(ranks, now=106.0, limits=limits, nodes=["a", "b", "a", "b"])
+    assert two_nodes is not None
+    assert sorted(two_nodes.stragglers) == [0, 2]  # node a's ranks, together
+    held = judge_arrivals(
+        ranks, now=106.0, limits=limits, named=frozenset({0, 2}), nodes=["vm"] * 4
+    )
+    assert held is not None
+    assert sorted(held.stragglers) == [0, 2]  # named before: kept while the job loses enough
+
+
+def test_a_straggler_whose_core_mate_is_now_and_then_last_is_named_alone() -> None:
+    ranks = _job([2, 2, 2, 2, 0] * 12)
+    straggle = judge_arrivals(ranks, now=106.0, limits=ArrivalLimits(span=0.0), nodes=["vm"] * 4)
+    assert straggle is not None
+    assert straggle.waited_on[2] > 2.5 * straggle.waited_on[0] > 0
+    assert straggle.stragglers == [2]
+
+
 def test_the_sampled_steps_survive_a_restart_from_a_snapshot() -> None:
     job = Lockstep(seed=4)
     job.slowdown[3] = 1.4
