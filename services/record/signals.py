@@ -86,14 +86,7 @@ class Relay:
             self.ending = sig
             self._asked_at = self._asked_at or time.monotonic()
             self._stopping(sig)
-            with contextlib.suppress(psutil.Error, OSError):
-                session = os.getsid(self.child.pid)
-                for process in psutil.Process(self.child.pid).children(recursive=True):
-                    # a process in a session of its own (a rank's recording watcher) is
-                    # no part of the job a terminal would signal: it ends on its own
-                    with contextlib.suppress(psutil.Error, OSError):
-                        if os.getsid(process.pid) == session:
-                            self._family.setdefault(process.pid, process)
+            self._gather()
         if terminal:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -130,9 +123,22 @@ class Relay:
         psutil.wait_procs(alive, timeout=GRACE_S)
         return returncode
 
+    def _gather(self) -> None:
+        """Add the processes under the command, in its session, to those ended with it: a
+        process in a session of its own (a rank's recording watcher) is no part of the job
+        a terminal would signal, and ends on its own."""
+        with contextlib.suppress(psutil.Error, OSError):
+            session = os.getsid(self.child.pid)
+            for process in psutil.Process(self.child.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error, OSError):
+                    if os.getsid(process.pid) == session:
+                        self._family.setdefault(process.pid, process)
+
     def _kill_stuck(self) -> None:
-        """Kill the ranks of the job still running, the command itself left to end once
-        they have."""
+        """Kill the ranks of the job still running (those under the command now too: one
+        a launcher started again, or not yet listed when the stop came), the command
+        itself left to end once they have."""
+        self._gather()
         for process in self._family.values():
             with contextlib.suppress(psutil.Error):
                 if process.is_running():
