@@ -182,8 +182,8 @@ class TorchRecorder(RankRecorder):
                 self._collectives.append((int(entry.get("collective_seq_id", 0)), created))
         last = max(fresh, key=lambda e: int(e["record_id"]))
         if not last.get("is_p2p"):  # how far the rank got, its op named
-            name = str((last.get("process_group") or [self.world])[0])
-            label = self.labels.get(name, f"pg {name}")
+            name, desc = [*(last.get("process_group") or []), self.world, ""][:2]
+            label = self.labels.setdefault(str(name), _label(str(name), str(desc)))
             self.issued = (_op(last), label, int(last.get("collective_seq_id", 0)))
         while self.ends and self.ends[0] <= read_at:
             self._step(self.ends.popleft())
