@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import math
 import os
+import resource
 import sys
 import threading
 import time
@@ -109,8 +110,16 @@ class RankRecorder:
 
     def memory(self) -> dict[str, Any]:
         """The rank's memory now: `active`, `peak`, `cache` in bytes, and the `source` of
-        the figures (`mlx.core`, `torch.cuda`, `process`)."""
-        raise NotImplementedError
+        the figures (`mlx.core`, `torch.cuda`): the process's resident memory and its peak
+        unless a framework says more."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak *= 1 if sys.platform == "darwin" else 1024  # bytes there, KiB here
+        try:
+            with open("/proc/self/statm") as statm:
+                active = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            active = peak
+        return {"source": "process", "active": active, "peak": peak, "cache": 0}
 
     def take_pace(self) -> dict[str, Any] | None:
         """The steps sampled since the last take (`StepPace`'s fields), reset; None when

@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import secrets
 import sys
 import threading
@@ -102,18 +101,6 @@ def _label(name: str, desc: str) -> str:
     return desc if desc and desc != "undefined" else f"pg {name}"
 
 
-def _process_memory() -> dict[str, Any]:
-    """The process's resident memory now and at its peak, in bytes."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak *= 1 if sys.platform == "darwin" else 1024
-    try:
-        with open("/proc/self/statm") as statm:
-            active = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        active = peak
-    return {"source": "process", "active": active, "peak": peak, "cache": 0}
-
-
 class TorchRecorder(RankRecorder):
     """One torch.distributed rank's recording: what each of its process groups has in
     flight, from the Flight Recorder, and its blocking point-to-point call."""
@@ -146,7 +133,7 @@ class TorchRecorder(RankRecorder):
     def memory(self) -> dict[str, Any]:
         cuda = self.torch.cuda
         if not (cuda.is_available() and cuda.is_initialized()):
-            return _process_memory()
+            return super().memory()
         active = cuda.memory_allocated()
         return {
             "source": "torch.cuda",
