@@ -184,8 +184,10 @@ def judge_recorded(
     sites: dict[str | None, list[RunnerView]] = {}
     for view in waiting:
         sites.setdefault(view.waiting_in, []).append(view)
-    odd = min(
-        sites.values(), key=lambda group: (len(group), min(v.synopsis.step or 0 for v in group))
+    odd = min(  # the fewest ranks; of as few, the newest (an older number is stale news:
+        # its peers could not have passed it without it, a completion said late)
+        sites.values(),
+        key=lambda group: (len(group), -max(v.synopsis.step or 0 for v in group)),
     )
     others = [v for v in waiting if v not in odd]
     words = "ranks wait in different collectives: " + "; ".join(

@@ -196,6 +196,18 @@ def test_ranks_waiting_in_different_collectives_disagree_and_each_is_said() -> N
     assert "rank 1 (node-1) in recv #21 (group world)" in finding.summary
 
 
+def test_of_ranks_alone_at_their_sites_the_one_at_the_newest_number_is_named() -> None:
+    job = Job(world=4)
+    job.waits(0, "all_reduce #21 (group default_pg)", 21)
+    job.waits(1, "broadcast #21 (group default_pg)", 21)
+    job.waits(2, "all_reduce #20 (group default_pg)", 20)  # #20's completion said late
+    job.waits(3, "all_reduce #21 (group default_pg)", 21)
+    job.pass_time(12, talking=(0, 1, 2, 3))
+    (finding,) = job.judge()
+    assert finding.kind is FindingKind.RANK_DISAGREEMENT
+    assert finding.culpritRanks == [1]
+
+
 def test_a_rank_that_ended_after_fewer_collectives_disagrees_with_its_waiting_peer() -> None:
     job = Job()
     job.entry(1, Phase.SHUTDOWN_CLEANUP, "program_exit", step=20)
