@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from rankscope.services.aggregator.arrivals import ArrivalLimits, judge_arrivals
+from rankscope.services.aggregator.rules import Thresholds, straggle_of
 from rankscope.services.aggregator.runners import RunnerView, TaskView
 from rankscope.services.aggregator.store import Selection
 from rankscope.services.aggregator.views import ClusterState
@@ -155,7 +155,7 @@ def timeline(state: ClusterState, query: TimelineQuery, *, local_node_id: str) -
     return msgspec.structs.replace(plan.head, timeline=plan.entries(0, plan.size))
 
 
-def history(state: ClusterState, limits: ArrivalLimits) -> list[RunnerHistory]:
+def history(state: ClusterState, limits: Thresholds) -> list[RunnerHistory]:
     """How much of each runner's history is held, by instance and rank, and how long its
     job waits for it (`limits`: the steps compared)."""
     waits = _waited_on(state, limits)
@@ -186,16 +186,16 @@ def history(state: ClusterState, limits: ArrivalLimits) -> list[RunnerHistory]:
 
 
 def _waited_on(
-    state: ClusterState, limits: ArrivalLimits
+    state: ClusterState, limits: Thresholds
 ) -> dict[str, tuple[float | None, float | None]]:
-    """Per runner of a job whose ranks sample the same steps: the share of the job's time
-    spent waiting for it and how often it arrived last, as of its ranks' newest message."""
+    """Per runner of a job whose ranks can be compared (`rules.straggle_of`): the share of
+    the job's time spent waiting for it and how often it was the one waited on, as of its
+    ranks' newest message."""
     found: dict[str, tuple[float | None, float | None]] = {}
     for instance in state.instances.values():
         views = [state.runners[a.runnerId] for a in instance.assignments]
         newest = max((v.stored_ns for v in views if v.stored_ns), default=None)
-        arrivals = [v.pace.arrivals if v.pace is not None else None for v in views]
-        straggle = judge_arrivals(arrivals, newest / 1e9, limits) if newest else None
+        straggle = straggle_of(state, views, newest / 1e9, limits) if newest else None
         if straggle is not None:
             for index, view in enumerate(views):
                 found[view.ref.runnerId] = (

@@ -94,11 +94,18 @@ class Straggle:
     """Each rank's median wait a step, in milliseconds."""
     stragglers: list[int]
     """The ranks the job waits on, by index, the most waited on first."""
+    layers: list[int] | None = None
+    """The layers each rank holds, where ranks are a pipeline's stages (their work is
+    compared per layer)."""
 
     def work_vs_peers(self, rank: int) -> float:
-        """The rank's median work a step over its peers' median of theirs."""
-        peers = statistics.median(self.work_ms[:rank] + self.work_ms[rank + 1 :])
-        return self.work_ms[rank] / peers if peers > 0 else 1.0
+        """The rank's median work a step (per layer, in a pipeline) over its peers' median
+        of theirs."""
+        work = self.work_ms
+        if self.layers is not None:
+            work = [ms / held for ms, held in zip(work, self.layers, strict=True)]
+        peers = statistics.median(work[:rank] + work[rank + 1 :])
+        return work[rank] / peers if peers > 0 else 1.0
 
 
 def judge_arrivals(

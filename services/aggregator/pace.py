@@ -27,7 +27,15 @@ from rankscope.services.aggregator.arrivals import Arrivals
 from rankscope.shared.settings import default
 from rankscope.shared.wire import PaceHistogram, RankPace, StepPace
 
-__all__ = ["BOUNDS", "PaceHistory", "PaceImage", "PaceLimits", "SlowVerdict", "judge_pace"]
+__all__ = [
+    "BOUNDS",
+    "PaceHistory",
+    "PaceImage",
+    "PaceLimits",
+    "SlowVerdict",
+    "judge_pace",
+    "strays",
+]
 
 BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Bucket bounds of the work and wait histograms, in seconds a step."""
@@ -342,7 +350,7 @@ def _spans(
     return out
 
 
-def _strays(history: PaceHistory, since: float, span: float, limits: PaceLimits) -> float:
+def strays(history: PaceHistory, since: float, span: float, limits: PaceLimits) -> float:
     """The ratio to its usual that a rank's own spread over spans of `span` seconds reaches
     (`PaceLimits.noise` deviations); infinite while it is not known."""
     usual, spread = history.usual(since, limits), history.spread(since, span, limits)
@@ -383,7 +391,7 @@ def judge_pace(
             i
             for i, (pace, history, since) in enumerate(found)
             if _slow(pace, peers[i], limits, (bar, apart), named=held[i])
-            and (held[i] or ratios[i] >= _strays(history, since, span, limits))
+            and (held[i] or ratios[i] >= strays(history, since, span, limits))
         ]
         if not slow:
             judged_none = judged_none or SlowVerdict(slow=[], paces=judged, peers_ratio=peers)

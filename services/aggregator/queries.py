@@ -16,8 +16,8 @@ from nats.micro.request import Request, ServiceError
 from nats.micro.service import Service
 
 from rankscope.services.aggregator import answers
-from rankscope.services.aggregator.arrivals import ArrivalLimits
 from rankscope.services.aggregator.bounds import diagnosis_answer
+from rankscope.services.aggregator.rules import Thresholds
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.partitions import Partition
 from rankscope.shared.subjects import AGGREGATOR_SERVICE, Subjects
@@ -74,7 +74,7 @@ class Queries:
         node_id: str,
         findings: Callable[[], list[Finding]],
         health: Callable[[], AggregatorHealth],
-        arrivals: ArrivalLimits,
+        thresholds: Thresholds,
         clock: Callable[[], float],
     ) -> None:
         self._nc = nc
@@ -84,7 +84,7 @@ class Queries:
         self._node_id = node_id
         self._findings = findings
         self._health = health
-        self._arrivals = arrivals
+        self._thresholds = thresholds
         self._clock = clock
         self._cache: dict[bytes, tuple[int, float, bytes]] = {}
         self._cache_bytes = 0
@@ -180,7 +180,7 @@ class Queries:
         if view is INSTANCES:
             return encode(answers.instance_states(self._state))
         if view is HISTORY:
-            return encode(answers.history(self._state, self._arrivals))
+            return encode(answers.history(self._state, self._thresholds))
         return encode(self._health())
 
     def _placement(self, asked: PlacementQuery) -> bytes:

@@ -10,8 +10,9 @@ from datetime import timedelta
 
 from rankscope.services.aggregator.arrivals import ArrivalLimits, Straggle, judge_arrivals
 from rankscope.services.aggregator.collectives import judge_recorded
-from rankscope.services.aggregator.pace import PaceLimits, judge_pace, paces_of
+from rankscope.services.aggregator.pace import PaceLimits, judge_pace, paces_of, strays
 from rankscope.services.aggregator.runners import RunnerView
+from rankscope.services.aggregator.stages import StageLimits, judge_stages
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.recording import WAIT_NOTE_S
 from rankscope.shared.settings import default
@@ -27,7 +28,15 @@ from rankscope.shared.wire import (
     RunnerStatusKind,
 )
 
-__all__ = ["PHASE_ORDER", "Incident", "Judge", "Thresholds", "Verdict", "evidence"]
+__all__ = [
+    "PHASE_ORDER",
+    "Incident",
+    "Judge",
+    "Thresholds",
+    "Verdict",
+    "evidence",
+    "straggle_of",
+]
 
 PHASE_ORDER = {phase: index for index, phase in enumerate(Phase)}
 """Phases in the order a request goes through them (the seed's order)."""
@@ -52,6 +61,7 @@ class Thresholds:
     means its process is frozen, not merely waiting in a collective."""
     slow: PaceLimits = field(default_factory=PaceLimits)
     arrivals: ArrivalLimits = field(default_factory=ArrivalLimits)
+    stages: StageLimits = field(default_factory=StageLimits)
 
     def of(self, phase: Phase | None) -> float:
         """The threshold that applies in `phase`."""
@@ -149,17 +159,24 @@ class Judge:
     def _slowness(self, named: frozenset[int]) -> tuple[list[int], str] | None:
         """The slow ranks by index and the words naming them (none: an empty list), or
         None when the ranks cannot be judged. Ranks that sample the same steps are judged
-        by who the others wait on; others by their work against their own usual."""
+        by who the others wait on; a pipeline's stages by their work per layer against
+        each other's, then each by its work against its own usual (a stage slowed mid-run
+        by less than stages stray apart on a busy machine), then as held by the first;
+        others by their own usual alone."""
+        judged = straggle_of(self.state, self.views, self.pace_now, self.limits, named)
+        if judged is not None and judged.layers is None:
+            return self._straggled(judged)
+        fresh = judged
+        if judged is not None and named:  # a stage named anew; one merely held comes last
+            fresh = straggle_of(self.state, self.views, self.pace_now, self.limits)
+        if fresh is not None and fresh.stragglers:
+            return self._straggled(fresh)
         histories = [v.pace for v in self.views]
-        arrivals = [h.arrivals if h is not None else None for h in histories]
-        nodes = [v.ref.nodeId for v in self.views]
-        straggle = judge_arrivals(arrivals, self.pace_now, self.limits.arrivals, named, nodes)
-        if straggle is not None:
-            self._paces = self._straggle_paces(straggle)
-            return straggle.stragglers, self._straggle_words(straggle)
         found = judge_pace(histories, self.pace_now, self.limits.slow, named)
+        if (found is None or not found.slow) and judged is not None and judged.stragglers:
+            return self._straggled(judged)
         if found is None:
-            return None
+            return None if judged is None else ([], "")
         self._paces = list(found.paces)  # the evidence: the span that showed it
         words = "; ".join(
             f"{_ranks([self.views[i]])} works {pace.ratio:.2g}x slower than usual: "
@@ -174,6 +191,10 @@ class Judge:
             if i not in found.slow
         )
         return found.slow, words
+
+    def _straggled(self, straggle: Straggle) -> tuple[list[int], str]:
+        self._paces = self._straggle_paces(straggle)
+        return straggle.stragglers, self._straggle_words(straggle)
 
     def _straggle_paces(self, straggle: Straggle) -> list[RankPace | None]:
         """Each rank's pace over the steps compared, its own history's ratio beside it
@@ -190,6 +211,7 @@ class Judge:
                 waitedOn=round(straggle.waited_on[i], 3),
                 lastArrival=round(straggle.last[i], 3),
                 workVsPeers=round(straggle.work_vs_peers(i), 3),
+                layers=straggle.layers[i] if straggle.layers else None,
             )
             for i, mine in enumerate(own)
         ]
@@ -199,10 +221,16 @@ class Judge:
         last to arrive on 94% of 120 steps; its work per step is 1.3x its peers'
         median`, and what the others wait a step."""
         said = [
-            f"{_ranks([self.views[i]])} is the straggler: the job loses "
-            f"{straggle.waited_on[i]:.0%} of its time waiting for it, last to arrive on "
-            f"{straggle.last[i]:.0%} of {straggle.steps} steps; its work per step is "
-            f"{straggle.work_vs_peers(i):.2g}x its peers' median"
+            f"{_ranks([self.views[i]])} is the straggler: "
+            + (
+                f"the job loses {straggle.waited_on[i]:.0%} of its time waiting for it, "
+                f"last to arrive on {straggle.last[i]:.0%} of {straggle.steps} steps; its "
+                f"work per step is {straggle.work_vs_peers(i):.2g}x its peers' median"
+                if straggle.layers is None
+                else f"its work per layer is {straggle.work_vs_peers(i):.2g}x its peers' "
+                f"median, the most of any stage in {straggle.last[i]:.0%} of the span; the "
+                f"pipeline loses {straggle.waited_on[i]:.0%} of its work a step to it"
+            )
             for i in straggle.stragglers
         ]
         waiting = [i for i in range(len(self.views)) if i not in straggle.stragglers]
@@ -435,3 +463,27 @@ def evidence(judge: Judge, view: RunnerView, culprit: bool) -> RankEvidence:
         exitReason=_exit(view) if judge.down(view) or view.gave_up else None,
         pace=judge.pace(view),
     )
+
+
+def straggle_of(
+    state: ClusterState,
+    views: list[RunnerView],
+    now: float,
+    limits: Thresholds,
+    named: frozenset[int] = frozenset(),
+) -> Straggle | None:
+    """Who one instance's ranks wait on, the ranks compared with each other: on the same
+    steps where they sample the same steps (a recorded job), else per layer over the same
+    span where they are a pipeline's stages (rankscope's runners); None when they cannot be
+    compared."""
+    histories = [v.pace for v in views]
+    arrivals = [h.arrivals if h is not None else None for h in histories]
+    nodes = [v.ref.nodeId for v in views]
+    found = judge_arrivals(arrivals, now, limits.arrivals, named, nodes)
+    instance = state.instances.get(views[0].ref.instanceId) if views else None
+    if found is None and instance is not None and instance.recorded is None:
+        layers = [a.endLayer - a.startLayer for a in instance.assignments]
+        window = limits.stages.window
+        wander = [strays(h, now - window, window, limits.slow) if h else 0.0 for h in histories]
+        found = judge_stages(histories, layers, now, limits.stages, named, wander)
+    return found

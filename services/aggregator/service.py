@@ -142,7 +142,7 @@ class AggregatorService:
             node_id=node_id,
             findings=lambda: [i.finding for i in self.findings.incidents.values()],
             health=self.health,
-            arrivals=self.findings.thresholds.arrivals,
+            thresholds=self.findings.thresholds,
             clock=clock,
         )
         self._snapshots = Snapshots(

@@ -110,7 +110,13 @@ def _pace_words(pace: dict[str, Any]) -> str:
     usual = pace.get("usualWorkMs")
     against = f" (usually {usual:.3g}, {pace['ratio']:.2g}x)" if usual and pace.get("ratio") else ""
     said = f"work {pace['workMs']:.3g} ms a step{against}, wait {pace['waitMs']:.3g} ms"
-    if (waited_on := pace.get("waitedOn")) is not None:
+    if (waited_on := pace.get("waitedOn")) is not None and pace.get("layers"):
+        said += (
+            f"; {pace['layers']} layers, {pace.get('workVsPeers') or 0:.2g}x its peers' work per "
+            f"layer; the pipeline loses {waited_on:.0%} of its work a step to it, the most per "
+            f"layer in {pace.get('lastArrival') or 0:.0%} of the span"
+        )
+    elif waited_on is not None:
         said += (
             f"; the job loses {waited_on:.0%} of its time waiting for it, last to arrive on "
             f"{pace.get('lastArrival') or 0:.0%} of its steps"

@@ -83,6 +83,10 @@ class RankPace(CamelStruct, kw_only=True, frozen=True):
     """The share of those steps on which it arrived last (chance: one in as many ranks)."""
     workVsPeers: float | None = None
     """Its median work a step over its peers' median of theirs."""
+    layers: int | None = None
+    """The layers it holds, where its job is a pipeline whose stages are compared per layer:
+    `workVsPeers` is then per layer, `waitedOn` a share of the pipeline's work a step, and
+    `lastArrival` the share of the span's slices in which it did the most per layer."""
 
 
 class RankEvidence(CamelStruct, kw_only=True, frozen=True):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from prometheus_client.core import Metric
 
 from rankscope.services.aggregator.answers import history
-from rankscope.services.aggregator.arrivals import ArrivalLimits
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.services.gateway.metrics import cluster_families
@@ -48,9 +48,13 @@ def rank(index: int, instance: str = "i", world: int = 2) -> RunnerRef:
     )
 
 
-def placed(instance: str = "i", world: int = 2, layers: int = 8) -> InstanceCreated:
-    """An instance of `world` ranks splitting `layers` evenly."""
-    share = layers // world
+def placed(
+    instance: str = "i", world: int = 2, layers: int = 8, split: Sequence[int] = ()
+) -> InstanceCreated:
+    """An instance of `world` ranks splitting `layers` evenly, or holding `split[r]` layers
+    each."""
+    held = list(split) or [layers // world] * world
+    starts = [sum(held[:r]) for r in range(len(held))]
     return InstanceCreated(
         at=at(0),
         instanceId=instance,
@@ -61,14 +65,14 @@ def placed(instance: str = "i", world: int = 2, layers: int = 8) -> InstanceCrea
                 runnerId=f"{instance}-r{r}",
                 nodeId=f"node-{r}",
                 deviceRank=r,
-                worldSize=world,
-                startLayer=r * share,
-                endLayer=(r + 1) * share,
-                nLayers=layers,
+                worldSize=len(held),
+                startLayer=starts[r],
+                endLayer=starts[r] + held[r],
+                nLayers=sum(held) if split else layers,
                 host="127.0.0.1",
                 port=50000 + r,
             )
-            for r in range(world)
+            for r in range(len(held))
         ],
     )
 
@@ -140,5 +144,5 @@ def metric_families(state: ClusterState) -> list[Metric]:
         AggregatorHealth(ready=True, partition="0"),
         ClusterTimeline(generatedAt=at(0), localNodeId="node-0"),
         Diagnosis(generatedAt=at(0)),
-        history(state, ArrivalLimits()),
+        history(state, Thresholds()),
     )

@@ -32,7 +32,13 @@ from rankscope.shared.wire import (
 from tests.aggregator.builders import at, entries, judged, metric_families, placed, rank
 
 STEPS_A_SECOND = 40
+LAYER_S = 0.0001
+"""A layer's work a step: ranks differ by design in the layers they hold."""
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "pace"
+
+
+def _layers(usual: list[float]) -> list[int]:
+    return [round(work / LAYER_S) for work in usual]
 
 
 class Job:
@@ -49,7 +55,7 @@ class Job:
     ) -> None:
         self.now = 1000.0
         self.state = ClusterState(store=EntryStore(), clock=lambda: self.now, wall=time.time)
-        self.state.apply_placement(placed(world=len(usual)), stored_ns=self._ns())
+        self.state.apply_placement(placed(split=_layers(usual)), stored_ns=self._ns())
         self.usual, self.slowdown = usual, [1.0] * len(usual)
         self.ranks = [rank(r, world=len(usual)) for r in range(len(usual))]
         self.seqs = [0] * len(usual)
@@ -182,11 +188,15 @@ def test_a_slowed_rank_is_named_within_its_bound_its_peers_never(
     }
     assert len({f.incidentId for f in named}) == 1  # one incident while it lasts
     shown = [next(e.pace for e in f.evidence if e.deviceRank == 2) for f in named]
-    assert min(p.ratio or 0.0 for p in shown if p is not None) >= 1 + (factor - 1) / 2
+    against = [p.workVsPeers or p.ratio or 0.0 for p in shown if p is not None]
+    assert min(against) >= 1 + (factor - 1) / 2  # per layer against its peers', or its usual
     finding = named[-1]
-    assert re.search(
-        r"rank 2 \(node-2\) works [\d.]+x slower than usual: [\d.]+ ms a step", finding.summary
-    )
+    assert re.search(  # out of line with its peers per layer (2x), or with its usual (1.3x)
+        r"rank 2 \(node-2\) (is the straggler: its work per layer is [\d.]+x its peers' "
+        r"median, the most of any stage in \d+% of the span; the pipeline loses \d+% of its "
+        r"work a step to it|works [\d.]+x slower than usual: [\d.]+ ms a step)",
+        finding.summary,
+    ), finding.summary
     assert "rank 0 (node-0) waits" in finding.summary
     culprit = next(e for e in finding.evidence if e.deviceRank == 2)
     assert culprit.pace is not None
@@ -237,7 +247,9 @@ def test_a_healthy_job_names_nobody_for_half_an_hour() -> None:
 
 def test_a_rank_whose_work_strays_by_nature_is_named_only_beyond_its_own_spread() -> None:
     job = Job([0.001, 0.001, 0.001, 0.001], seed=3, wobbly=frozenset({1, 3}))
-    assert not any(job.run(900))
+    learning = job.run(120)  # its spread unknown yet: a stretch out of line may name it
+    assert {tuple(f.culpritRanks) for fs in learning for f in fs} <= {(1,), (3,)}
+    assert not any(job.run(780)[30:])
     job.slowdown[1] = 2.0
     named = {tuple(f.culpritRanks) for found in job.run(30) for f in found}
     assert named == {(1,)}
@@ -286,10 +298,28 @@ def test_a_machine_wide_slowdown_names_nobody() -> None:
     assert not any(job.run(90))
 
 
-def test_a_rank_slow_from_its_first_step_has_no_usual_to_differ_from() -> None:
+@pytest.mark.parametrize("factor", [1.3, 2.0])
+def test_a_stage_slow_from_its_first_step_is_named_by_its_work_per_layer(factor: float) -> None:
+    job = Job([0.001, 0.002, 0.0015])  # stages of 10, 20 and 15 layers
+    job.slowdown[1] = factor
+    found = job.run(60)
+    assert _first(found) <= 15  # no usual to learn: its peers' pace per layer is the line
+    assert {(f.kind, tuple(f.culpritRanks)) for fs in found for f in fs} == {
+        (FindingKind.SLOW_RANK, (1,))
+    }
+    evidence = next(e.pace for e in found[-1][0].evidence if e.deviceRank == 1)
+    assert evidence is not None
+    assert evidence.workVsPeers == pytest.approx(factor, rel=0.1)
+    assert evidence.ratio is None  # its own history has no usual yet: nothing to corroborate
+
+
+def test_a_stage_slowed_less_than_stages_stray_apart_is_named_against_its_usual() -> None:
     job = Job([0.001, 0.001])
-    job.slowdown[1] = 2.0
-    assert not any(job.run(120))
+    job.run(120)
+    job.slowdown[1] = 1.18
+    found = [f for fs in job.run(60) for f in fs]
+    assert {(f.kind, tuple(f.culpritRanks)) for f in found} == {(FindingKind.SLOW_RANK, (1,))}
+    assert re.match(r"rank 1 \(node-1\) works 1\.\dx slower than usual", found[0].summary)
 
 
 def test_a_frozen_rank_is_stalled_not_slow() -> None:
@@ -381,3 +411,15 @@ def test_prometheus_has_each_ranks_work_and_wait_histograms() -> None:
     assert counts[("1", "0.0025")] == 0
     assert counts[("1", "0.005")] == 5 * STEPS_A_SECOND
     assert counts[("1", "+Inf")] == 5 * STEPS_A_SECOND
+
+
+def test_prometheus_has_what_a_pipeline_loses_to_each_stage() -> None:
+    job = Job([0.001, 0.002])
+    job.slowdown[0] = 1.6
+    job.run(10)
+    families = metric_families(job.state)
+    by_name = {f.name: {s.labels.get("rank"): s.value for s in f.samples} for f in families}
+    waited = by_name["rankscope_rank_waited_on_ratio"]
+    assert waited["1"] == 0.0
+    assert waited["0"] == pytest.approx(0.6 / 3.6, abs=0.05)  # beyond its share of the line
+    assert by_name["rankscope_rank_last_arrival_ratio"]["0"] > 0.8

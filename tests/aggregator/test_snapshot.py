@@ -12,7 +12,7 @@ import pytest
 from nats.aio.client import Client
 
 from rankscope.services.aggregator import answers
-from rankscope.services.aggregator.arrivals import ArrivalLimits
+from rankscope.services.aggregator.rules import Thresholds
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.store import EntryStore
@@ -74,7 +74,7 @@ def _views(service: AggregatorService) -> tuple[object, ...]:
         timeline.timeline,
         [(f.timeline, [r.runnerId for r in f.runners]) for f in filtered],
         [(r.runnerId, r.phase, r.lastProgressAt, r.activeTaskId) for r in timeline.runners],
-        answers.history(state, ArrivalLimits()),
+        answers.history(state, Thresholds()),
         answers.placement(state, local_node_id="agg"),
         answers.instance_states(state),
         state.duplicates,
@@ -146,7 +146,7 @@ async def test_a_snapshot_of_streams_since_made_again_is_ignored(
     await _history(nc, js_ready, 200, 2)
     async with aggregator(nc, js_ready, EntryStore(), snapshots=snapshots) as running:
         await until(lambda: running.service.state.store.size == 2 * 2)
-        history = answers.history(running.service.state, ArrivalLimits())
+        history = answers.history(running.service.state, Thresholds())
     assert [(h.firstSeq, h.lastSeq) for h in history] == [(200, 201), (200, 201)]
 
 

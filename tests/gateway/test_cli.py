@@ -284,6 +284,25 @@ def test_diagnose_verbose_says_how_long_the_job_waits_for_each_rank() -> None:
     )
 
 
+def test_diagnose_verbose_says_what_a_pipeline_loses_to_each_stage() -> None:
+    pace = {"steps": 150, "workMs": 1.9, "waitMs": 1.1, "waitedOn": 0.15, "lastArrival": 0.9,
+            "workVsPeers": 1.4, "layers": 2}  # fmt: skip
+    finding = {
+        "instanceId": "demo-0",
+        "kind": "slow_rank",
+        "summary": "rank 1 (node-a) is the straggler",
+        "since": "2026-01-02T12:00:00Z",
+        "culpritRunnerIds": ["demo-0-r1"],
+        "evidence": [{"runnerId": "demo-0-r1", "nodeId": "node-a", "deviceRank": 1, "pace": pace}],
+    }
+    (culprit,) = finding_lines(finding, verbose=True)[1:]
+    assert culprit == (
+        "  CULPRIT rank 1 (node-a): work 1.9 ms a step, wait 1.1 ms; 2 layers, 1.4x its peers' "
+        "work per layer; the pipeline loses 15% of its work a step to it, the most per layer in "
+        "90% of the span"
+    )
+
+
 def test_ranktable_without_a_job_starts_no_service_but_says_what_to_give() -> None:
     for args in ([], ["job-0", "--serve"]):
         done = subprocess.run(

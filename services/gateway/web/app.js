@@ -341,7 +341,11 @@ function evidence(rank, culprit) {
   const said = ["phase", "step", "waitingIn", "gaveUp", "exitReason", "process"]
     .filter((k) => rank[k] !== null && rank[k] !== undefined)
     .map((k) => `${k} ${escape(rank[k])}`)
-    .concat(rank.pace && rank.pace.waitedOn != null
+    .concat(rank.pace && rank.pace.waitedOn != null && rank.pace.layers
+      ? [`the pipeline loses ${Math.round(100 * rank.pace.waitedOn)}% of its work a step to it, ` +
+        `the most per layer in ${Math.round(100 * rank.pace.lastArrival)}% of the span, ` +
+        `work per layer ${rank.pace.workVsPeers.toFixed(2)}× its peers'`]
+      : rank.pace && rank.pace.waitedOn != null
       ? [`the job loses ${Math.round(100 * rank.pace.waitedOn)}% of its time waiting for it, last in ` +
         `${Math.round(100 * rank.pace.lastArrival)}% of steps, ` +
         `work ${rank.pace.workVsPeers.toFixed(2)}× its peers'`] : [])

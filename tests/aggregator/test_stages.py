@@ -1,0 +1,102 @@
+"""The stage a pipeline waits on, read by comparing its stages' work per layer over the same
+span: named from its first step, with the share of the pipeline's work lost to it; stages
+holding different layers, a machine-wide slowdown and a stage held up once name nobody."""
+
+from __future__ import annotations
+
+import random
+
+from rankscope.services.aggregator.pace import PaceHistory
+from rankscope.services.aggregator.stages import StageLimits, judge_stages
+from rankscope.shared.wire import StepPace
+
+LAYER_S = 0.0002
+"""A layer's work a step."""
+
+
+class Pipeline:
+    """Stages holding `layers` each, sampling ten steps a second: a stage's step works
+    `LAYER_S` a layer times its slowdown, with noise."""
+
+    def __init__(self, layers: list[int], seed: int = 1) -> None:
+        self.layers = layers
+        self.slowdown = [1.0] * len(layers)
+        self.histories = [PaceHistory() for _ in layers]
+        self.now = 1000.0
+        self.noise = random.Random(seed)
+
+    def run(self, seconds: int, named: frozenset[int] = frozenset()) -> list[list[int]]:
+        """`seconds` of steps, judged each second: the stages named."""
+        found = []
+        for _ in range(seconds):
+            self.now += 1.0
+            works = [
+                held * LAYER_S * slow * self.noise.uniform(0.85, 1.2)
+                for held, slow in zip(self.layers, self.slowdown, strict=True)
+            ]
+            for history, work in zip(self.histories, works, strict=True):
+                wait = sum(works) - work
+                history.add(
+                    self.now, StepPace(steps=10, workSeconds=10 * work, waitSeconds=10 * wait)
+                )
+            straggle = judge_stages(self.histories, self.layers, self.now, StageLimits(), named)
+            named = frozenset(straggle.stragglers) if straggle else frozenset()
+            found.append(sorted(named))
+        return found
+
+
+def test_a_stage_slow_from_its_first_step_is_named_with_the_work_lost_to_it() -> None:
+    pipeline = Pipeline([8, 8, 8, 8])
+    pipeline.slowdown[2] = 1.3
+    found = pipeline.run(30)
+    first = next(i for i, named in enumerate(found) if named) + 1
+    assert first <= 15
+    assert {tuple(named) for named in found} <= {(), (2,)}
+    assert all(found[first:])
+    straggle = judge_stages(pipeline.histories, pipeline.layers, pipeline.now, StageLimits())
+    assert straggle is not None
+    assert straggle.layers == [8, 8, 8, 8]
+    assert abs(straggle.work_vs_peers(2) - 1.3) < 0.1
+    assert abs(straggle.waited_on[2] - 0.3 / 4.3) < 0.03  # its excess over the line's work
+    assert straggle.last[2] > 0.9
+
+
+def test_stages_holding_different_layers_at_one_pace_name_nobody() -> None:
+    pipeline = Pipeline([3, 12, 6, 1], seed=2)
+    assert not any(pipeline.run(600))
+
+
+def test_a_machine_wide_slowdown_names_nobody() -> None:
+    pipeline = Pipeline([8, 8, 8])
+    pipeline.run(60)
+    pipeline.slowdown = [1.6, 1.6, 1.6]
+    assert not any(pipeline.run(60))
+
+
+def test_a_stage_held_up_for_a_moment_is_not_named() -> None:
+    pipeline = Pipeline([8, 8])
+    pipeline.run(30)
+    pipeline.slowdown[0] = 3.0
+    pipeline.run(2)
+    pipeline.slowdown[0] = 1.0
+    assert not any(pipeline.run(30))
+
+
+def test_a_named_stage_is_cleared_once_back_in_line() -> None:
+    pipeline = Pipeline([8, 8, 8])
+    pipeline.slowdown[1] = 2.0
+    assert pipeline.run(20)[-1] == [1]
+    pipeline.slowdown[1] = 1.0
+    after = pipeline.run(30, named=frozenset({1}))
+    assert after[-1] == []
+
+
+def test_stages_that_cannot_be_compared_are_not_judged() -> None:
+    pipeline = Pipeline([8, 8])
+    pipeline.run(3)
+    assert judge_stages(pipeline.histories, [8, 8], pipeline.now, StageLimits()) is None  # 3 s
+    pipeline.run(20)
+    assert judge_stages(pipeline.histories[:1], [8], pipeline.now, StageLimits()) is None
+    assert judge_stages(pipeline.histories, [8, 0], pipeline.now, StageLimits()) is None
+    assert judge_stages([pipeline.histories[0], None], [8, 8], pipeline.now, StageLimits()) is None
+    assert judge_stages(pipeline.histories, [8, 8], pipeline.now + 60, StageLimits()) is None
