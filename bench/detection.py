@@ -11,6 +11,12 @@ finding. Faults:
 - `sigkill`: a rank's process killed (`dead_rank`; its agent starts it again);
 - `slow2`, `slow1.3`: a rank made 2x and 1.3x slower by a stop/continue duty cycle
   (`slow_rank`);
+- `hog2`, `hog1.3`: a rank's core shared with a busy process niced to leave it 1/2 or
+  3/4 of it (the two ranks kept on a core each while it lasts), as a noisy neighbour or a
+  throttled core slows it (`slow_rank`; Linux);
+- `pfirst1.3`: the demo's instance placed anew (its spec deleted and created again: no
+  finding), its rank's core shared so from the rank's start, timed from its ranks ready
+  (`slow_rank`; Linux);
 - `work2`, `work1.3`: in a recorded 4-rank data-parallel `mlx.launch` job of its own (the
   one `tests/test_slow_rank.py` records, two ranks to a core), a rank given twice and 4/3
   of its work a step, as a slower device takes longer (`slow_rank`);
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 import random
@@ -43,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -54,10 +62,11 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
+from rankscope.services.stack.demo import spec  # noqa: E402
 from rankscope.shared.nats_server import EmbeddedNats  # noqa: E402
 from tests.reliability.deployment import Deployment, deployed  # noqa: E402
 from tests.reliability.netns import Link, behind  # noqa: E402
-from tests.slowdown import slowed  # noqa: E402
+from tests.slowdown import crowded, slowed  # noqa: E402
 from tests.stack_up import free_port, free_ports, running_up  # noqa: E402
 from tests.test_record_torch import STRAGGLER  # noqa: E402
 from tests.test_slow_rank import Gateway, chatting, more_work, recorded  # noqa: E402
@@ -67,6 +76,9 @@ EXPECTED = {
     "sigkill": "dead_rank",
     "slow2": "slow_rank",
     "slow1.3": "slow_rank",
+    "hog2": "slow_rank",
+    "hog1.3": "slow_rank",
+    "pfirst1.3": "slow_rank",
     "work2": "slow_rank",
     "work1.3": "slow_rank",
     "first1.3": "slow_rank",
@@ -75,12 +87,15 @@ EXPECTED = {
     "nats": "nats_unreachable",
     "linkcut": "dead_rank",
 }
-DEMO_FAULTS = ("sigstop", "sigkill", "nats", "slow2", "slow1.3")
+DEMO_FAULTS = ("sigstop", "sigkill", "nats", "slow2", "slow1.3", "hog2", "hog1.3", "pfirst1.3")
 """The faults injected into the demo's pipeline."""
 HOLD_S = {
     "sigstop": 15.0,
     "slow2": 30.0,
     "slow1.3": 45.0,
+    "hog2": 30.0,
+    "hog1.3": 45.0,
+    "pfirst1.3": 30.0,
     "work2": 30.0,
     "work1.3": 45.0,
     "first1.3": 30.0,
@@ -93,6 +108,7 @@ started again, or the job placed again once the node is back)."""
 NAMED_WITHIN_S = {
     "linkcut": 45.0,
     "work1.3": 30.0,
+    "pfirst1.3": 30.0,
     "first1.3": 30.0,
     "tfirst1.3": 30.0,
     "tfirst2": 30.0,
@@ -128,11 +144,35 @@ def _pid(title: str) -> int:
     raise LookupError(title)
 
 
+def _rank_pid(rank: int) -> int:
+    return _pid(f"rankscope runner demo-0 rank {rank} ")
+
+
+def _apart(rank: int) -> dict[int, int]:
+    """Where each process of the stack is kept while `rank` shares its core (`rank`) with a
+    busy process: its peer on the other core alone, everything else (the services, NATS,
+    this bench's chats) beside it, as on a machine of its own with its node's services. On
+    two cores, three processes always running (two ranks polling while they wait, and the
+    busy one) leave the services with whichever rank shares least: kept beside its peer,
+    they slowed the peer more than the busy process slowed the rank."""
+    slowed, peer = _rank_pid(rank), _rank_pid(1 - rank)
+    kept = {peer: 1 - rank, os.getpid(): rank}
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if process.pid not in (slowed, peer) and ("rankscope" in line or "nats-server" in line):
+            kept[process.pid] = rank
+    return kept
+
+
 @contextlib.contextmanager
 def _fault(kind: str, rank: int, nats_pid: int) -> Iterator[None]:
-    pid = _pid(f"rankscope runner demo-0 rank {rank} ")
+    pid = _rank_pid(rank)
     if kind.startswith("slow"):
         with slowed(pid, float(kind.removeprefix("slow"))):
+            yield
+        return
+    if kind.startswith("hog"):
+        with crowded(pid, float(kind.removeprefix("hog")), rank, _apart(rank)):
             yield
         return
     target, stop, go = {
@@ -170,6 +210,7 @@ def inject(
     """`fault` (to `rank`) at a random moment of the load, sampled until it ends."""
     right = _right(kind, rank)
     time.sleep(random.uniform(0, 3))  # a random moment of the load: between or inside steps
+    begun = time.strftime("%H:%M:%S")
     hold, wait = HOLD_S.get(kind, 0.0), NAMED_WITHIN_S.get(kind, 20.0)
     with fault:
         started = time.monotonic()  # once the fault is in place (a new job: its ranks up)
@@ -197,7 +238,7 @@ def inject(
         tally.named.append(first)
         tally.cleared.append(time.monotonic() - ended)
         named = f"named after {first:.1f} s, cleared after {tally.cleared[-1]:.1f} s"
-    print(f"  {kind} rank {rank}: {named}; wrong so far {len(tally.wrong)}", flush=True)
+    print(f"  {begun} {kind} rank {rank}: {named}; wrong so far {len(tally.wrong)}", flush=True)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -211,6 +252,7 @@ def _quantile(values: list[float], q: float) -> float:
 def _on_demo(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
     """Inject `faults` into one `rankscope up --demo`, chats back to back."""
     data = Path(tempfile.mkdtemp()) / ".rankscope"
+    print(f"the demo kept in {data} (bench/straggler_replay.py)", flush=True)
     env = {"RANKSCOPE_LOG_LEVEL": "error"}
     with running_up(data, "--demo", "--ring-port-base", str(free_ports(2)), env=env) as (_, shown):
         gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
@@ -225,7 +267,41 @@ def _on_demo(faults: list[tuple[str, int]], tallies: dict[str, Tally]) -> None:
                     time.sleep(max(0.0, last + SPACING_S.get(kind, 0.0) - time.monotonic()))
                     last = time.monotonic()
                     rank = random.choice((0, 1))
-                    inject(gateway, kind, rank, _fault(kind, rank, nats_pid), tallies[kind])
+                    fault = (
+                        _new_pipeline(gateway, data, rank, float(kind.removeprefix("pfirst")))
+                        if kind.startswith("pfirst")
+                        else _fault(kind, rank, nats_pid)
+                    )
+                    inject(gateway, kind, rank, fault, tallies[kind])
+
+
+@contextlib.contextmanager
+def _new_pipeline(gateway: Gateway, data: Path, rank: int, factor: float) -> Iterator[None]:
+    """The demo's instance placed anew, its `rank` sharing its core with a busy process
+    (`crowded`) from its start, from both ranks ready until the block ends."""
+    _send(gateway, "DELETE", "/v1/runners/demo")
+    gateway.until(lambda: not _rank_pids(), 60, "the demo's ranks gone")
+    _send(gateway, "POST", "/v1/runners", {"runners": [spec(data / "models" / "tiny-qwen2")]})
+    pids = gateway.until(_rank_pids, 120, "the demo's ranks started")
+    with crowded(pids[rank], factor, rank, _apart(rank)):
+        gateway.until(lambda: _ready(gateway), 180)
+        yield
+
+
+def _rank_pids() -> list[int] | None:
+    """The demo's two ranks' pids, by rank, once both run."""
+    try:
+        return [_rank_pid(0), _rank_pid(1)]
+    except LookupError:
+        return None
+
+
+def _send(gateway: Gateway, method: str, path: str, body: Any = None) -> None:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(gateway.base + path, data, method=method)
+    request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        reply.read()
 
 
 def _on_recorded(
@@ -234,7 +310,7 @@ def _on_recorded(
     """Inject `faults` into a recorded 4-rank data-parallel job, in a `rankscope up` of its
     own (`torch`: a Python with torch, for the torch jobs)."""
     work = Path(tempfile.mkdtemp())
-    print(f"recorded jobs kept in {work / '.rankscope'} (bench/arrivals_replay.py)", flush=True)
+    print(f"recorded jobs kept in {work / '.rankscope'} (bench/straggler_replay.py)", flush=True)
     env = {"RANKSCOPE_LOG_LEVEL": "error"}
     with running_up(work / ".rankscope", env=env) as (_, shown):
         gateway = Gateway(shown["web"].split()[0].rstrip("/"), shown["NATS"].split()[0])
@@ -358,9 +434,7 @@ def main() -> None:
         for kind, _, count in (f.partition(":") for f in args.faults.split(","))
     ]
     tallies = {kind: Tally() for kind, _ in faults}
-    if on_demo := [
-        (k, n) for k, n in faults if k in ("sigstop", "sigkill", "nats", "slow2", "slow1.3")
-    ]:
+    if on_demo := [(k, n) for k, n in faults if k in DEMO_FAULTS]:
         _on_demo(on_demo, tallies)
     if on_recorded := [(k, n) for k, n in faults if k.startswith(("work", "first", "tfirst"))]:
         _on_recorded(on_recorded, tallies, args.torch_python)

@@ -49,7 +49,7 @@ def main() -> None:
     print(f"incidents in the history: {len(history)}")
     for incident in history:
         print(f"  {incident['since']} .. {incident['clearedAt']}: {incident['summary'][:160]}")
-    print(f"kept: {work / '.rankscope'} (bench/arrivals_replay.py judges its job again)")
+    print(f"kept: {work / '.rankscope'} (bench/straggler_replay.py judges its job again)")
 
 
 if __name__ == "__main__":

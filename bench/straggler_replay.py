@@ -1,10 +1,15 @@
-"""A recorded job's sampled steps, read back from a stopped `rankscope up`'s JetStream store,
-judged again by the arrivals rule (`services/aggregator/arrivals.py`) second by second:
-what it named, when, and every rank's share, last-arrival rate and work meanwhile. For
-tuning the rule on a run already made (`bench/soak.py` prints its data directory).
+"""A job's pace samples, read back from a stopped `rankscope up`'s JetStream store, judged
+again second by second by the rule that names the rank a job waits on: a recorded job's
+ranks step by step (`services/aggregator/arrivals.py`), a pipeline's stages per layer
+(`services/aggregator/stages.py`, with `--layers`). Prints what it named, when, and every
+rank's share, how often it was the one waited on, and its work meanwhile. For tuning the
+rules on a run already made (`bench/soak.py` and `bench/detection.py` print their data
+directories).
 
-    .venv/bin/python bench/arrivals_replay.py DATA_DIR --job soak [--share 0.1]
+    .venv/bin/python bench/straggler_replay.py DATA_DIR --job soak [--share 0.1]
         [--certainty 4] [--window 20] [--dominance 2.5] [--near 0.07]
+    .venv/bin/python bench/straggler_replay.py DATA_DIR --job demo-0 --layers 2,2
+        [--apart 1.25] [--certainty 2] [--share 0.03] [--slice 2]
 """
 
 from __future__ import annotations
@@ -14,18 +19,23 @@ import asyncio
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from rankscope.services.aggregator.arrivals import ArrivalLimits, Arrivals, judge_arrivals
+from rankscope.services.aggregator.arrivals import ArrivalLimits, Straggle, judge_arrivals
+from rankscope.services.aggregator.pace import PaceHistory
+from rankscope.services.aggregator.stages import StageLimits, judge_stages
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
-from rankscope.shared.wire import MemorySampled, SampledStep, decode
+from rankscope.shared.wire import MemorySampled, StepPace, decode
 
-Stored = list[tuple[float, int, str, list[SampledStep]]]
-"""When NATS stored each pace sample, its rank, the rank's node, its sampled steps."""
+Stored = list[tuple[float, int, str, StepPace]]
+"""When NATS stored each pace sample, its rank, the rank's node, the sample."""
+Judged = Callable[[list[PaceHistory], float, frozenset[int]], Straggle | None]
 
 
 async def _read(url: str, job: str) -> Stored:
@@ -46,35 +56,37 @@ async def _read(url: str, job: str) -> Stored:
             if sample.runner.instanceId == job and sample.pace is not None:
                 stored = msg.metadata.timestamp.timestamp()
                 runner = sample.runner
-                found.append((stored, runner.deviceRank, runner.nodeId, list(sample.pace.sampled)))
+                found.append((stored, runner.deviceRank, runner.nodeId, sample.pace))
     finally:
         await client.close()
     return found
 
 
-def _replay(stored: Stored, limits: ArrivalLimits, near: float) -> None:
+def _replay(stored: Stored, judge: Judged, near: float) -> None:
     """Judge the samples second by second as the aggregator would have, printing each
     second that names a rank or comes within `near` of the share that would."""
     world = max(rank for _, rank, _, _ in stored) + 1
-    ranks = [Arrivals() for _ in range(world)]
-    nodes = [next(node for _, r, node, _ in stored if r == rank) for rank in range(world)]
+    ranks = [PaceHistory() for _ in range(world)]
     start, end = stored[0][0], stored[-1][0]
     named: frozenset[int] = frozenset()
     seconds_named, next_sample, moment = 0, 0, start
     while moment <= end:
         while next_sample < len(stored) and stored[next_sample][0] <= moment:
-            at, rank, _, steps = stored[next_sample]
-            ranks[rank].add(at, steps)
+            at, rank, _, pace = stored[next_sample]
+            ranks[rank].add(at, pace)
             next_sample += 1
-        straggle = judge_arrivals(ranks, moment, limits, named, nodes)
+        straggle = judge(ranks, moment, named)
         named = frozenset(straggle.stragglers) if straggle else frozenset()
         seconds_named += bool(named)
         if straggle is not None and (named or max(straggle.waited_on) >= near):
             print(
+                f"{time.strftime('%H:%M:%S', time.gmtime(moment))} "
                 f"{moment - start:7.0f}s named {sorted(named)!s:8} share "
                 f"{[round(s, 3) for s in straggle.waited_on]} last "
                 f"{[round(s, 2) for s in straggle.last]} work ms "
-                f"{[round(w, 1) for w in straggle.work_ms]} ({straggle.steps} steps)"
+                f"{[round(w, 2) for w in straggle.work_ms]} vs peers "
+                f"{[round(straggle.work_vs_peers(r), 2) for r in range(world)]} "
+                f"({straggle.steps} steps)"
             )
         moment += 1.0
     print(f"{end - start:.0f} s judged, a rank named for {seconds_named} s")
@@ -82,13 +94,16 @@ def _replay(stored: Stored, limits: ArrivalLimits, near: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    defaults = ArrivalLimits()
+    arrivals, stages = ArrivalLimits(), StageLimits()
     parser.add_argument("data", type=Path, help="the stopped stack's data directory")
     parser.add_argument("--job", required=True)
-    parser.add_argument("--share", type=float, default=defaults.share)
-    parser.add_argument("--certainty", type=float, default=defaults.certainty)
-    parser.add_argument("--window", type=float, default=defaults.window)
-    parser.add_argument("--dominance", type=float, default=defaults.dominance)
+    parser.add_argument("--layers", help="a pipeline's layers per stage, comma separated")
+    parser.add_argument("--share", type=float)
+    parser.add_argument("--certainty", type=float)
+    parser.add_argument("--window", type=float, default=arrivals.window)
+    parser.add_argument("--dominance", type=float, default=arrivals.dominance)
+    parser.add_argument("--apart", type=float, default=stages.apart)
+    parser.add_argument("--slice", type=float, default=stages.slice)
     parser.add_argument("--near", type=float, default=0.07, help="print seconds above this")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:  # the store copied: left as it was
@@ -99,10 +114,32 @@ def main() -> None:
     if not stored:
         sys.exit(f"no pace samples of job {args.job!r} in {args.data}")
     stored.sort(key=lambda sample: sample[0])
-    limits = ArrivalLimits(
-        window=args.window, share=args.share, certainty=args.certainty, dominance=args.dominance
-    )
-    _replay(stored, limits, args.near)
+    world = max(rank for _, rank, _, _ in stored) + 1
+    nodes = [next(node for _, r, node, _ in stored if r == rank) for rank in range(world)]
+    limits: StageLimits | ArrivalLimits
+    if args.layers:
+        layers = [int(count) for count in args.layers.split(",")]
+        limits = StageLimits(
+            window=args.window,
+            share=stages.share if args.share is None else args.share,
+            certainty=stages.certainty if args.certainty is None else args.certainty,
+            apart=args.apart,
+            slice=args.slice,
+        )
+    else:
+        limits = ArrivalLimits(
+            window=args.window,
+            share=arrivals.share if args.share is None else args.share,
+            certainty=arrivals.certainty if args.certainty is None else args.certainty,
+            dominance=args.dominance,
+        )
+
+    def judge(ranks: list[PaceHistory], now: float, named: frozenset[int]) -> Straggle | None:
+        if isinstance(limits, StageLimits):
+            return judge_stages(ranks, layers, now, limits, named)
+        return judge_arrivals([r.arrivals for r in ranks], now, limits, named, nodes)
+
+    _replay(stored, judge, args.near)
 
 
 if __name__ == "__main__":

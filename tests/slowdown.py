@@ -1,23 +1,76 @@
 """A rank made slower for real: its process stopped and continued on a duty cycle, so it
 computes at `1 / factor` of its pace (SIGSTOP/SIGCONT reach any process, on Linux and
-macOS alike; no cgroup needed)."""
+macOS alike; no cgroup needed); or its core shared with a busy process, as a noisy
+neighbour or a throttled core takes its time (Linux: CPU affinity)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["PERIOD_S", "slowed"]
+from rankscope.shared.processes import die_with_parent
+
+__all__ = ["PERIOD_S", "crowded", "slowed"]
 
 PERIOD_S = 0.004
 """One stop and one run: short beside a step (the demo's decode step takes ~4 ms, ~1 ms of
 it working), so every step is slowed alike. Stops of 10 ms every 20 ms landed on some
 steps' work and on others' wait: a rank slowed 2x worked 1.1-1.3x slower for 20 s at a
 time."""
+_WEIGHTS = {nice: round(1024 / 1.25**nice) for nice in range(20)}
+"""The kernel's scheduler weight of each nice level (each level ~1.25x lighter): a busy
+process of weight w beside a runnable one of 1024 takes w / (1024 + w) of their core."""
+
+
+@contextlib.contextmanager
+def crowded(pid: int, factor: float, cpu: int, others: dict[int, int]) -> Iterator[None]:
+    """Process `pid`, kept on core `cpu` (and each of `others` on its core, so no peer
+    shares it), shares the core with a busy process niced so that `pid`, always runnable
+    (a rank that polls while it waits is), runs about `1 / factor` of the time; the busy
+    process gone and every affinity as it was after. Every thread is kept: a process's
+    affinity is each thread's own (MLX computes on a thread of its own)."""
+    nice = min(_WEIGHTS, key=lambda n: abs(1024 / (1024 + _WEIGHTS[n]) - 1 / factor))
+    before: dict[int, set[int]] = {}
+    kept = {thread: core for p, core in {pid: cpu, **others}.items() for thread in _threads(p)}
+    for thread in kept:
+        with contextlib.suppress(ProcessLookupError):  # one gone since it was listed
+            before[thread] = os.sched_getaffinity(thread)
+    tie = die_with_parent(signal.SIGKILL)
+
+    def placed() -> None:
+        os.sched_setaffinity(0, {cpu})
+        if tie is not None:  # gone with whoever crowds it, however that ends
+            tie()
+
+    busy = subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.nice({nice})\nwhile True: pass"],
+        preexec_fn=placed,
+    )
+    try:
+        for thread, core in kept.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(thread, {core})
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+        for thread, cores in before.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(thread, cores)
+
+
+def _threads(pid: int) -> list[int]:
+    """The ids of process `pid`'s threads (none once it is gone)."""
+    try:
+        return [int(name) for name in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []
 
 
 @contextlib.contextmanager
