@@ -120,6 +120,8 @@ SPACING_S = {"sigkill": 31.0}
 in 60 s (a crash loop), which a kill every 20 s would be."""
 SETTLE_S = 60.0
 """Longest wait for no finding before the next injection."""
+_SERVING = frozenset({"RunnerReady", "RunnerRunning"})
+"""A rank's statuses once it serves."""
 
 
 @dataclass
@@ -284,7 +286,7 @@ def _new_pipeline(gateway: Gateway, data: Path, rank: int, factor: float) -> Ite
     _send(gateway, "POST", "/v1/runners", {"runners": [spec(data / "models" / "tiny-qwen2")]})
     pids = gateway.until(_rank_pids, 120, "the demo's ranks started")
     with crowded(pids[rank], factor, rank, _apart(rank)):
-        gateway.until(lambda: _ready(gateway), 180)
+        gateway.until(lambda: _serving(gateway), 180)
         yield
 
 
@@ -469,12 +471,18 @@ def _until_ready(gateway: Gateway) -> None:
 
 
 def _ready(gateway: Gateway) -> bool:
+    return _serving(gateway) and not _findings(gateway)
+
+
+def _serving(gateway: Gateway) -> bool:
+    """Whether both of the demo's placed ranks are ready (or serving); the timeline also
+    keeps an instance's ranks of an earlier placement."""
     try:
-        ranks = gateway.get("/v1/cluster/timeline?instanceId=demo-0&limit=1")["runners"]
+        placed = gateway.get("/v1/placement/runners")
     except OSError:
         return False
-    ready = len(ranks) == 2 and all(r["statusKind"] == "RunnerReady" for r in ranks)
-    return ready and not _findings(gateway)
+    ranks = [r for r in placed if r.get("instanceId") == "demo-0"]
+    return len(ranks) == 2 and all(r["statusKind"] in _SERVING for r in ranks)
 
 
 def _nats_pid(data: Path) -> int:

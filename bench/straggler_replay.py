@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--dominance", type=float, default=arrivals.dominance)
     parser.add_argument("--apart", type=float, default=stages.apart)
     parser.add_argument("--slice", type=float, default=stages.slice)
+    parser.add_argument("--clear", type=float, default=stages.clear, help="a stage held")
     parser.add_argument("--near", type=float, default=0.07, help="print seconds above this")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:  # the store copied: left as it was
@@ -125,6 +126,7 @@ def main() -> None:
             certainty=stages.certainty if args.certainty is None else args.certainty,
             apart=args.apart,
             slice=args.slice,
+            clear=args.clear,
         )
     else:
         limits = ArrivalLimits(

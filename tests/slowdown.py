@@ -36,33 +36,38 @@ def crowded(pid: int, factor: float, cpu: int, others: dict[int, int]) -> Iterat
     process gone and every affinity as it was after. Every thread is kept: a process's
     affinity is each thread's own (MLX computes on a thread of its own)."""
     nice = min(_WEIGHTS, key=lambda n: abs(1024 / (1024 + _WEIGHTS[n]) - 1 / factor))
+    placed = {pid: cpu, **others}
     before: dict[int, set[int]] = {}
-    kept = {thread: core for p, core in {pid: cpu, **others}.items() for thread in _threads(p)}
-    for thread in kept:
+    for process in placed:
         with contextlib.suppress(ProcessLookupError):  # one gone since it was listed
-            before[thread] = os.sched_getaffinity(thread)
+            before[process] = os.sched_getaffinity(process)
     tie = die_with_parent(signal.SIGKILL)
 
-    def placed() -> None:
+    def alone() -> None:
         os.sched_setaffinity(0, {cpu})
         if tie is not None:  # gone with whoever crowds it, however that ends
             tie()
 
     busy = subprocess.Popen(
         [sys.executable, "-c", f"import os\nos.nice({nice})\nwhile True: pass"],
-        preexec_fn=placed,
+        preexec_fn=alone,
     )
     try:
-        for thread, core in kept.items():
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(thread, {core})
+        for process, core in placed.items():
+            _keep(process, {core})
         yield
     finally:
         busy.kill()
         busy.wait()
-        for thread, cores in before.items():
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(thread, cores)
+        for process, cores in before.items():  # threads started meanwhile too
+            _keep(process, cores)
+
+
+def _keep(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` on `cores` (a thread starts where its starter runs)."""
+    for thread in _threads(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(thread, cores)
 
 
 def _threads(pid: int) -> list[int]:

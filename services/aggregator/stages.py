@@ -53,8 +53,9 @@ class StageLimits:
     share: float = 0.03
     """...and the pipeline loses this share of its work a step to it, at least (a stage
     doing next to nothing costs nothing to speak of, however out of line)."""
-    clear: float = 1.1
-    """A named stage stays named while its work per layer is this many times its peers'."""
+    clear: float = 1.2
+    """A named stage stays named while its work per layer is this many times its peers'
+    (above the 1.1x healthy stages often stray apart, so it clears once back in line)."""
 
 
 def judge_stages(
