@@ -162,7 +162,7 @@ def history(state: ClusterState, limits: Thresholds) -> list[RunnerHistory]:
     found = []
     for view in sorted(state.runners.values(), key=lambda v: (v.ref.instanceId, v.ref.deviceRank)):
         oldest, evicted = state.store.retention(view.ref.runnerId)
-        waited_on, last = waits.get(view.ref.runnerId, (None, None))
+        waited_on, last, layers = waits.get(view.ref.runnerId, (None, None, None))
         found.append(
             RunnerHistory(
                 runnerId=view.ref.runnerId,
@@ -180,6 +180,7 @@ def history(state: ClusterState, limits: Thresholds) -> list[RunnerHistory]:
                 pace=view.pace.histogram() if view.pace is not None else None,
                 waitedOn=waited_on,
                 lastArrival=last,
+                layers=layers,
             )
         )
     return found
@@ -187,11 +188,12 @@ def history(state: ClusterState, limits: Thresholds) -> list[RunnerHistory]:
 
 def _waited_on(
     state: ClusterState, limits: Thresholds
-) -> dict[str, tuple[float | None, float | None]]:
+) -> dict[str, tuple[float | None, float | None, int | None]]:
     """Per runner of a job whose ranks can be compared (`rules.straggle_of`): the share of
-    the job's time spent waiting for it and how often it was the one waited on, as of its
-    ranks' newest message."""
-    found: dict[str, tuple[float | None, float | None]] = {}
+    the job's time spent waiting for it, how often it was the one waited on, and the layers
+    it holds where the job is a pipeline compared per layer, as of its ranks' newest
+    message."""
+    found: dict[str, tuple[float | None, float | None, int | None]] = {}
     for instance in state.instances.values():
         views = [state.runners[a.runnerId] for a in instance.assignments]
         newest = max((v.stored_ns for v in views if v.stored_ns), default=None)
@@ -201,6 +203,7 @@ def _waited_on(
                 found[view.ref.runnerId] = (
                     round(straggle.waited_on[index], 3),
                     round(straggle.last[index], 3),
+                    straggle.layers[index] if straggle.layers else None,
                 )
     return found
 

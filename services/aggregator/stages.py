@@ -86,18 +86,16 @@ def judge_stages(
         return None
     work = [typical(samples, 2) for samples in taken]
     wait = [typical(samples, 3) for samples in taken]
-    per_layer = [w / held for w, held in zip(work, layers, strict=True)]
+    ratios = _vs_peers(taken, layers)
     middle = (since + now) / 2
     halves = [  # each half of the span on its own: out of line throughout, not by a burst
-        _vs_all([[s for s in samples if (s[0] <= middle) == first] for samples in taken], layers)
+        _vs_peers([[s for s in samples if (s[0] <= middle) == first] for samples in taken], layers)
         for first in (True, False)
     ]
     size, total = len(work), sum(work)
-    lost = [
-        max(0.0, work[i] - layers[i] * statistics.median(per_layer[:i] + per_layer[i + 1 :]))
-        for i in range(size)
-    ]
+    lost = [w - w / ratio if ratio > 1 else 0.0 for w, ratio in zip(work, ratios, strict=True)]
     waited_on = [seconds / total if total > 0 else 0.0 for seconds in lost]
+    bars = [max(limits.apart, own if own < math.inf else 0.0) for own in strays or [0.0] * size]
     most, slices = _most_per_layer(taken, layers, now, limits)
     chance = slices / size
     often = chance + limits.certainty * math.sqrt(chance * (1 - 1 / size))
@@ -105,12 +103,11 @@ def judge_stages(
         i
         for i in range(size)
         if (
-            min(_vs_peers(per_layer, i), *(half[i] for half in halves))
-            >= max(limits.apart, strays[i] if i < len(strays) and strays[i] < math.inf else 0)
+            min(ratios[i], *(half[i] for half in halves)) >= bars[i]
             and most[i] >= often
             and waited_on[i] >= limits.share
         )
-        or (i in named and _vs_peers(per_layer, i) >= limits.clear)
+        or (i in named and ratios[i] >= limits.clear)
     ]
     return Straggle(
         steps=min(sum(s[1] for s in samples) for samples in taken),
@@ -124,18 +121,18 @@ def judge_stages(
     )
 
 
-def _vs_peers(per_layer: list[float], rank: int) -> float:
-    peers = statistics.median(per_layer[:rank] + per_layer[rank + 1 :])
-    return per_layer[rank] / peers if peers > 0 else 1.0
-
-
-def _vs_all(taken: list[list[Sample]], layers: Sequence[int]) -> list[float]:
+def _vs_peers(taken: list[list[Sample]], layers: Sequence[int]) -> list[float]:
     """Each stage's work per layer over `taken` against its peers' median (0.0 for every
     stage when one took no step in it)."""
     if any(not samples for samples in taken):
         return [0.0] * len(taken)
     per_layer = [typical(s, 2) / held for s, held in zip(taken, layers, strict=True)]
-    return [_vs_peers(per_layer, i) for i in range(len(per_layer))]
+    return [
+        per_layer[i] / peers
+        if (peers := statistics.median(per_layer[:i] + per_layer[i + 1 :]))
+        else 1.0
+        for i in range(len(per_layer))
+    ]
 
 
 def _most_per_layer(

@@ -269,12 +269,16 @@ class RunnerHistory(CamelStruct, kw_only=True, frozen=True):
     """Seqs up to `acknowledgedSeq` newer than `lastSeq`: stored, yet not read here (a
     loss at the end of the range, which no gap between seqs can show)."""
     pace: PaceHistogram | None = None
+    """Its work and wait per step, when it keeps a pace."""
     waitedOn: float | None = None
     """The share of its job's time spent waiting for it over the newest steps every rank
-    sampled (`RankPace.waitedOn`); None where its job's ranks do not sample the same steps."""
+    sampled, or of its pipeline's work a step (`RankPace.waitedOn`); None where its job's
+    ranks cannot be compared."""
     lastArrival: float | None = None
-    """The share of those steps on which it arrived last."""
-    """Its work and wait per step, when it keeps a pace."""
+    """The share of those steps on which it arrived last (`RankPace.lastArrival`)."""
+    layers: int | None = None
+    """The layers it holds, where its job is a pipeline compared per layer
+    (`RankPace.layers`)."""
 
 
 class TimelineQuery(CamelStruct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from rankscope.services.aggregator.answers import history
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds
 from rankscope.services.aggregator.pace import PaceHistory, PaceLimits, judge_pace
 from rankscope.services.aggregator.snapshot import capture, restore
@@ -423,3 +424,6 @@ def test_prometheus_has_what_a_pipeline_loses_to_each_stage() -> None:
     assert waited["1"] == 0.0
     assert waited["0"] == pytest.approx(0.6 / 3.6, abs=0.05)  # beyond its share of the line
     assert by_name["rankscope_rank_last_arrival_ratio"]["0"] > 0.8
+    told = {h.deviceRank: h for h in history(job.state, Thresholds())}
+    assert (told[0].layers, told[1].layers) == (10, 20)  # what the web page words it by
+    assert told[0].waitedOn == pytest.approx(waited["0"])

@@ -277,8 +277,11 @@ function drawPace(width, x) {
     const waits = waitedOn.get(series.runnerId);
     const words = `${series.instanceId} rank ${series.deviceRank} · ${series.nodeId}: ` +
       `${last.workMs.toFixed(2)} ms work, ${last.waitMs.toFixed(2)} ms wait a step` +
-      (waits ? ` · the job loses ${Math.round(100 * waits.waitedOn)}% of its time waiting for it, ` +
-        `last in ${Math.round(100 * waits.lastArrival)}% of steps` : "");
+      (waits && waits.layers
+        ? ` · the pipeline loses ${Math.round(100 * waits.waitedOn)}% of its work a step to it, ` +
+          `the most per layer in ${Math.round(100 * waits.lastArrival)}% of the span`
+        : waits ? ` · the job loses ${Math.round(100 * waits.waitedOn)}% of its time waiting for it, ` +
+          `last in ${Math.round(100 * waits.lastArrival)}% of steps` : "");
     said.push(words);
     c.fillStyle = "#d8dee9"; c.fillText(words, 4, y + PACE_ROW / 2 - 2);
     const points = series.points.filter((p) => seconds(p.at) >= view.start);
