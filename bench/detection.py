@@ -66,7 +66,7 @@ from rankscope.services.stack.demo import spec  # noqa: E402
 from rankscope.shared.nats_server import EmbeddedNats  # noqa: E402
 from tests.reliability.deployment import Deployment, deployed  # noqa: E402
 from tests.reliability.netns import Link, behind  # noqa: E402
-from tests.slowdown import crowded, slowed  # noqa: E402
+from tests.slowdown import apart, crowded, slowed  # noqa: E402
 from tests.stack_up import free_port, free_ports, running_up  # noqa: E402
 from tests.test_record_torch import STRAGGLER  # noqa: E402
 from tests.test_slow_rank import Gateway, chatting, more_work, recorded  # noqa: E402
@@ -150,22 +150,6 @@ def _rank_pid(rank: int) -> int:
     return _pid(f"rankscope runner demo-0 rank {rank} ")
 
 
-def _apart(rank: int) -> dict[int, int]:
-    """Where each process of the stack is kept while `rank` shares its core (`rank`) with a
-    busy process: its peer on the other core alone, everything else (the services, NATS,
-    this bench's chats) beside it, as on a machine of its own with its node's services. On
-    two cores, three processes always running (two ranks polling while they wait, and the
-    busy one) leave the services with whichever rank shares least: kept beside its peer,
-    they slowed the peer more than the busy process slowed the rank."""
-    slowed, peer = _rank_pid(rank), _rank_pid(1 - rank)
-    kept = {peer: 1 - rank, os.getpid(): rank}
-    for process in psutil.process_iter(["cmdline"]):
-        line = " ".join(process.info["cmdline"] or [])
-        if process.pid not in (slowed, peer) and ("rankscope" in line or "nats-server" in line):
-            kept[process.pid] = rank
-    return kept
-
-
 @contextlib.contextmanager
 def _fault(kind: str, rank: int, nats_pid: int) -> Iterator[None]:
     pid = _rank_pid(rank)
@@ -174,7 +158,8 @@ def _fault(kind: str, rank: int, nats_pid: int) -> Iterator[None]:
             yield
         return
     if kind.startswith("hog"):
-        with crowded(pid, float(kind.removeprefix("hog")), rank, _apart(rank)):
+        others = apart(pid, _rank_pid(1 - rank), rank)
+        with crowded(pid, float(kind.removeprefix("hog")), rank, others):
             yield
         return
     target, stop, go = {
@@ -285,7 +270,7 @@ def _new_pipeline(gateway: Gateway, data: Path, rank: int, factor: float) -> Ite
     gateway.until(lambda: not _rank_pids(), 60, "the demo's ranks gone")
     _send(gateway, "POST", "/v1/runners", {"runners": [spec(data / "models" / "tiny-qwen2")]})
     pids = gateway.until(_rank_pids, 120, "the demo's ranks started")
-    with crowded(pids[rank], factor, rank, _apart(rank)):
+    with crowded(pids[rank], factor, rank, apart(pids[rank], pids[1 - rank], rank)):
         gateway.until(lambda: _serving(gateway), 180)
         yield
 

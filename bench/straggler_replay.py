@@ -1,7 +1,8 @@
 """A job's pace samples, read back from a stopped `rankscope up`'s JetStream store, judged
 again second by second by the rule that names the rank a job waits on: a recorded job's
 ranks step by step (`services/aggregator/arrivals.py`), a pipeline's stages per layer
-(`services/aggregator/stages.py`, with `--layers`). Prints what it named, when, and every
+(`services/aggregator/stages.py`, with `--layers`: the whole pipeline rule, each stage's
+own usual backed by the stages compared, `slowness.py`). Prints what it named, when, and every
 rank's share, how often it was the one waited on, and its work meanwhile. For tuning the
 rules on a run already made (`bench/soak.py` and `bench/detection.py` print their data
 directories).
@@ -27,15 +28,17 @@ import nats
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from rankscope.services.aggregator.arrivals import ArrivalLimits, Straggle, judge_arrivals
-from rankscope.services.aggregator.pace import PaceHistory
-from rankscope.services.aggregator.stages import StageLimits, judge_stages
+from rankscope.services.aggregator.pace import PaceHistory, SlowVerdict
+from rankscope.services.aggregator.rules import Thresholds
+from rankscope.services.aggregator.slowness import Ranks, judge_slowness
+from rankscope.services.aggregator.stages import StageLimits
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.nats_server import EmbeddedNats
 from rankscope.shared.wire import MemorySampled, StepPace, decode
 
 Stored = list[tuple[float, int, str, StepPace]]
 """When NATS stored each pace sample, its rank, the rank's node, the sample."""
-Judged = Callable[[list[PaceHistory], float, frozenset[int]], Straggle | None]
+Judged = Callable[[list[PaceHistory], float, frozenset[int]], Straggle | SlowVerdict | None]
 
 
 async def _read(url: str, job: str) -> Stored:
@@ -75,7 +78,18 @@ def _replay(stored: Stored, judge: Judged, near: float) -> None:
             at, rank, _, pace = stored[next_sample]
             ranks[rank].add(at, pace)
             next_sample += 1
-        straggle = judge(ranks, moment, named)
+        found = judge(ranks, moment, named)
+        if isinstance(found, SlowVerdict):  # a stage named by its own usual, backed
+            named = frozenset(found.slow)
+            seconds_named += 1
+            print(
+                f"{time.strftime('%H:%M:%S', time.gmtime(moment))} "
+                f"{moment - start:7.0f}s named {sorted(named)!s:8} by its own usual "
+                f"{[p.ratio for p in found.paces]} vs peers per layer {found.backed}"
+            )
+            moment += 1.0
+            continue
+        straggle = found
         named = frozenset(straggle.stragglers) if straggle else frozenset()
         seconds_named += bool(named)
         if straggle is not None and (named or max(straggle.waited_on) >= near):
@@ -136,9 +150,13 @@ def main() -> None:
             dominance=args.dominance,
         )
 
-    def judge(ranks: list[PaceHistory], now: float, named: frozenset[int]) -> Straggle | None:
-        if isinstance(limits, StageLimits):
-            return judge_stages(ranks, layers, now, limits, named)
+    def judge(
+        ranks: list[PaceHistory], now: float, named: frozenset[int]
+    ) -> Straggle | SlowVerdict | None:
+        if isinstance(limits, StageLimits):  # the whole pipeline rule, own usual included
+            return judge_slowness(
+                Ranks(ranks, nodes, layers), now, Thresholds(stages=limits), named
+            )
         return judge_arrivals([r.arrivals for r in ranks], now, limits, named, nodes)
 
     _replay(stored, judge, args.near)

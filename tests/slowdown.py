@@ -14,9 +14,11 @@ import threading
 import time
 from collections.abc import Iterator
 
+import psutil
+
 from rankscope.shared.processes import die_with_parent
 
-__all__ = ["PERIOD_S", "crowded", "slowed"]
+__all__ = ["PERIOD_S", "apart", "crowded", "slowed"]
 
 PERIOD_S = 0.004
 """One stop and one run: short beside a step (the demo's decode step takes ~4 ms, ~1 ms of
@@ -61,6 +63,22 @@ def crowded(pid: int, factor: float, cpu: int, others: dict[int, int]) -> Iterat
         busy.wait()
         for process, cores in before.items():  # threads started meanwhile too
             _keep(process, cores)
+
+
+def apart(slowed: int, peer: int, cpu: int) -> dict[int, int]:
+    """Where each process of a stack on this machine is kept while rank process `slowed`
+    shares core `cpu` with a busy process (`crowded`'s `others`): its peer `peer` on
+    another core alone, everything else (the services, NATS, this process) beside it, as
+    on a machine of its own with its node's services. On two cores, three processes always
+    running (two ranks polling while they wait, and the busy one) leave the services with
+    whichever rank shares least: kept beside its peer, they slowed the peer more than the
+    busy process slowed the rank."""
+    kept = {peer: (cpu + 1) % (os.cpu_count() or 2), os.getpid(): cpu}
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if process.pid not in (slowed, peer) and ("rankscope" in line or "nats-server" in line):
+            kept[process.pid] = cpu
+    return kept
 
 
 def _keep(pid: int, cores: set[int]) -> None:

@@ -316,6 +316,9 @@ class SlowVerdict:
     slow: list[int]
     paces: list[RankPace]
     peers_ratio: list[float]
+    backed: list[float] | None = None
+    """Where a pipeline's stages compared back it: each stage's work per layer over its
+    peers' median."""
 
 
 def paces_of(

@@ -8,11 +8,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from rankscope.services.aggregator.arrivals import ArrivalLimits, Straggle, judge_arrivals
+from rankscope.services.aggregator.arrivals import ArrivalLimits, Straggle
 from rankscope.services.aggregator.collectives import judge_recorded
-from rankscope.services.aggregator.pace import PaceLimits, judge_pace, paces_of, strays
+from rankscope.services.aggregator.pace import PaceLimits, paces_of
 from rankscope.services.aggregator.runners import RunnerView
-from rankscope.services.aggregator.stages import StageLimits, judge_stages
+from rankscope.services.aggregator.slowness import Ranks, compared, judge_slowness
+from rankscope.services.aggregator.stages import StageLimits
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.recording import WAIT_NOTE_S
 from rankscope.shared.settings import default
@@ -158,30 +159,22 @@ class Judge:
 
     def _slowness(self, named: frozenset[int]) -> tuple[list[int], str] | None:
         """The slow ranks by index and the words naming them (none: an empty list), or
-        None when the ranks cannot be judged. Ranks that sample the same steps are judged
-        by who the others wait on; a pipeline's stages by their work per layer against
-        each other's, then each by its work against its own usual (a stage slowed mid-run
-        by less than stages stray apart on a busy machine), then as held by the first;
-        others by their own usual alone."""
-        judged = straggle_of(self.state, self.views, self.pace_now, self.limits, named)
-        if judged is not None and judged.layers is None:
-            return self._straggled(judged)
-        fresh = judged
-        if judged is not None and named:  # a stage named anew; one merely held comes last
-            fresh = straggle_of(self.state, self.views, self.pace_now, self.limits)
-        if fresh is not None and fresh.stragglers:
-            return self._straggled(fresh)
-        histories = [v.pace for v in self.views]
-        found = judge_pace(histories, self.pace_now, self.limits.slow, named)
-        if (found is None or not found.slow) and judged is not None and judged.stragglers:
-            return self._straggled(judged)
-        if found is None:
-            return None if judged is None else ([], "")
+        None when the ranks cannot be judged (`slowness.judge_slowness`)."""
+        ranks = _ranks_of(self.state, self.views)
+        found = judge_slowness(ranks, self.pace_now, self.limits, named)
+        if isinstance(found, Straggle):
+            return self._straggled(found)
+        if found is None or not found.slow:
+            return None if found is None else ([], "")
         self._paces = list(found.paces)  # the evidence: the span that showed it
         words = "; ".join(
             f"{_ranks([self.views[i]])} works {pace.ratio:.2g}x slower than usual: "
             f"{pace.workMs:.3g} ms a step, usually {pace.usualWorkMs:.3g} ms "
-            f"(its peers: {found.peers_ratio[i]:.2g}x theirs)"
+            + (
+                f"(its peers: {found.peers_ratio[i]:.2g}x theirs)"
+                if found.backed is None
+                else f"(its work per layer: {found.backed[i]:.2g}x its peers')"
+            )
             for i in found.slow
             if (pace := found.paces[i]).ratio is not None and pace.usualWorkMs is not None
         )
@@ -470,20 +463,17 @@ def straggle_of(
     views: list[RunnerView],
     now: float,
     limits: Thresholds,
-    named: frozenset[int] = frozenset(),
 ) -> Straggle | None:
-    """Who one instance's ranks wait on, the ranks compared with each other: on the same
-    steps where they sample the same steps (a recorded job), else per layer over the same
-    span where they are a pipeline's stages (rankscope's runners); None when they cannot be
-    compared."""
-    histories = [v.pace for v in views]
-    arrivals = [h.arrivals if h is not None else None for h in histories]
-    nodes = [v.ref.nodeId for v in views]
-    found = judge_arrivals(arrivals, now, limits.arrivals, named, nodes)
+    """Who one instance's ranks wait on, the ranks compared with each other
+    (`slowness.compared`); None when they cannot be compared."""
+    return compared(_ranks_of(state, views), now, limits)
+
+
+def _ranks_of(state: ClusterState, views: list[RunnerView]) -> Ranks:
+    """One instance's ranks as the slowness rules compare them: the layers each holds
+    where they are a pipeline of rankscope's runners."""
     instance = state.instances.get(views[0].ref.instanceId) if views else None
-    if found is None and instance is not None and instance.recorded is None:
+    layers = None
+    if instance is not None and instance.recorded is None:
         layers = [a.endLayer - a.startLayer for a in instance.assignments]
-        window = limits.stages.window
-        wander = [strays(h, now - window, window, limits.slow) if h else 0.0 for h in histories]
-        found = judge_stages(histories, layers, now, limits.stages, named, wander)
-    return found
+    return Ranks([v.pace for v in views], [v.ref.nodeId for v in views], layers)

@@ -25,7 +25,7 @@ from rankscope.services.aggregator.arrivals import Straggle
 from rankscope.services.aggregator.pace import PaceHistory, typical
 from rankscope.shared.settings import default
 
-__all__ = ["StageLimits", "judge_stages"]
+__all__ = ["StageLimits", "judge_stages", "vs_peers"]
 
 Sample = tuple[float, int, float, float]
 """(when NATS stored it, steps, work seconds, wait seconds)."""
@@ -119,6 +119,15 @@ def judge_stages(
         stragglers=sorted(stragglers, key=lambda i: -waited_on[i]),
         layers=list(layers),
     )
+
+
+def vs_peers(
+    histories: Sequence[PaceHistory], layers: Sequence[int], now: float, span: float
+) -> list[float]:
+    """Each stage's work per layer over the newest `span` seconds as of `now`, against its
+    peers' median (0.0 for every stage when one took no step in it)."""
+    taken = [[s for s in h.samples if now - span < s[0] <= now and s[1]] for h in histories]
+    return _vs_peers(taken, layers)
 
 
 def _vs_peers(taken: list[list[Sample]], layers: Sequence[int]) -> list[float]:
