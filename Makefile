@@ -19,7 +19,7 @@ demo: $(RUNS)
 
 # Two workers, then the test that times a pipeline rank's slowdown, alone on the machine
 test: lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not solo"
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not solo" --durations=20
 	$(BIN)/python -m pytest -m solo
 
 # The inner loop: no MLX computation and no multi-process end-to-end test (CI runs them all)

@@ -27,7 +27,7 @@ from rankscope.shared.jetstream import Layout
 from rankscope.shared.partitions import Partition
 from rankscope.shared.replay import follow
 from rankscope.shared.storage import Storage
-from rankscope.shared.timestamps import now
+from rankscope.shared.timestamps import from_micros
 from rankscope.shared.wire import (
     EvidenceRequest,
     Finding,
@@ -171,13 +171,17 @@ class Findings:
                             RESTORE_INCIDENTS_S)  # fmt: skip
             return
         self._known = {finding.key for finding in past}
-        self._held.take_up(found, at=self._clock(), wall=now())
+        self._held.take_up(found, at=self._clock(), wall=self._wall())
         self._announced |= {(f.instanceId, f.since) for f in found.values()}
         if self._alerter is not None:
             self._alerter.remember(past)
             self._alerter.update(list(found.values()), [])  # its alert fires on, one alert
         if found:
             log.info("took up %d open incidents", len(found))
+
+    def _wall(self) -> str:
+        """Now, by the views' wall clock (virtual in tests), as a wire timestamp."""
+        return from_micros(round(self._state.wall() * 1e6))
 
     def _outage(self) -> Outage | None:
         if not self._reach.reachable:
@@ -208,7 +212,7 @@ class Findings:
         `SWEEP_S` (thresholds are crossed with time alone), `JUDGE_SLICE` instances at a
         time between turns of the queries; returns (findings opened or changed, findings
         that cleared), and asks for the evidence of those that opened."""
-        at, wall = self._clock(), now()  # the round's moment, read once
+        at, wall = self._clock(), self._wall()  # the round's moment, read once
         outage = self._outage()
         if outage is not None:
             every = list(self._state.instances.values())
@@ -283,7 +287,7 @@ class Findings:
     async def stop_watching(self) -> None:
         """Say of each open incident of its instances that rankscope stops watching it now:
         whatever follows until an aggregator takes it up again goes unseen."""
-        wall = now()
+        wall = self._wall()
         for incident in self.incidents.values():
             finding = incident.finding
             if not finding.instanceId or finding.kind in _OUTAGES:

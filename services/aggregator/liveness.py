@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Mapping
 
 from nats.aio.client import NO_RESPONDERS_STATUS as NO_RESPONDERS
@@ -143,7 +142,7 @@ class Liveness:
             moment = self._clock()
             self.silence.outage_over(moment)
             self._state.forgive(moment, keep=self._culprits())
-        asked_ns = time.time_ns()
+        asked_ns = round(self._state.wall() * 1e9)  # the views' wall clock: virtual in tests
         answers = await self._ask_nodes(ask.nodes)
         if any(not isinstance(a, set) for a in answers) and not await self._reach.check():
             return
