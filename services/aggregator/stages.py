@@ -53,6 +53,11 @@ class StageLimits:
     share: float = 0.03
     """...and the pipeline loses this share of its work a step to it, at least (a stage
     doing next to nothing costs nothing to speak of, however out of line)."""
+    beyond: float = 1.6
+    """A stage this many times its peers' work per layer is named whatever its own work
+    strays: the pipeline loses a sixth of its work a step to it or more. (A stage's spread
+    is learnt over 15 minutes, slowdowns included: one crowded a minute in three strayed
+    2.2-2.8x by its history, and was named 40 s into a slowdown instead of 7.)"""
     clear: float = 1.2
     """A named stage stays named while its work per layer is this many times its peers'
     (above the 1.1x healthy stages often stray apart, so it clears once back in line)."""
@@ -71,7 +76,8 @@ def judge_stages(
     (fewer than two stages, a stage holding no layer, too few steps or seconds). `named`:
     stages an open finding names, held to the `clear` bar; `strays`: how far each stage's
     own work strays by nature over such a span, where known (`pace.strays`): a stage whose
-    work wanders (sharing a core with a busy neighbour) is named only beyond that."""
+    work wanders (sharing a core with a busy neighbour) is named only beyond that, or
+    beyond `limits.beyond`."""
     if len(histories) < 2 or len(layers) != len(histories) or min(layers, default=0) < 1:
         return None
     taken: list[list[Sample]] = []
@@ -95,7 +101,10 @@ def judge_stages(
     size, total = len(work), sum(work)
     lost = [w - w / ratio if ratio > 1 else 0.0 for w, ratio in zip(work, ratios, strict=True)]
     waited_on = [seconds / total if total > 0 else 0.0 for seconds in lost]
-    bars = [max(limits.apart, own if own < math.inf else 0.0) for own in strays or [0.0] * size]
+    bars = [
+        max(limits.apart, min(own if own < math.inf else 0.0, limits.beyond))
+        for own in strays or [0.0] * size
+    ]
     most, slices = _most_per_layer(taken, layers, now, limits)
     chance = slices / size
     often = chance + limits.certainty * math.sqrt(chance * (1 - 1 / size))

@@ -100,3 +100,17 @@ def test_stages_that_cannot_be_compared_are_not_judged() -> None:
     assert judge_stages(pipeline.histories, [8, 0], pipeline.now, StageLimits()) is None
     assert judge_stages([pipeline.histories[0], None], [8, 8], pipeline.now, StageLimits()) is None
     assert judge_stages(pipeline.histories, [8, 8], pipeline.now + 60, StageLimits()) is None
+
+
+def test_a_stage_that_strays_by_nature_is_named_beyond_its_spread_or_far_out_of_line() -> None:
+    """Its spread, learnt over its history, slowdowns included, says 2.8x: a stage at 1.5x
+    its peers is within it; at 2x the pipeline loses a third of its work to it: named."""
+    for slowdown, named in ((1.5, []), (2.0, [0])):
+        pipeline = Pipeline([8, 8])
+        pipeline.slowdown[0] = slowdown
+        pipeline.run(20)
+        straggle = judge_stages(
+            pipeline.histories, [8, 8], pipeline.now, StageLimits(), strays=[2.8, 1.1]
+        )
+        assert straggle is not None
+        assert straggle.stragglers == named
