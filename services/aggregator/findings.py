@@ -1,15 +1,15 @@
-"""Findings as they open, change and clear: the diagnosis judged over the views, evidence
-gathered from the agents as an incident opens, each finding published in order (kept
-while NATS is out), logged once and handed to the alerts."""
+"""The I/O around the judging core (`core.py`): a `Tick` fed every round with the time and
+the state of NATS, evidence asked of the agents as an incident opens and fed back, each
+finding published in order (kept while NATS is out), logged once and handed to the
+alerts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.client import Client
@@ -18,13 +18,20 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 
 from rankscope.services.aggregator.alerts import Alerter
-from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
-from rankscope.services.aggregator.floods import Floods
-from rankscope.services.aggregator.incidents import Incidents
-from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.aggregator.core import (
+    Capture,
+    Core,
+    EvidenceArrived,
+    Outage,
+    Pause,
+    Publish,
+    Resume,
+    TakeUp,
+    Tick,
+)
+from rankscope.services.aggregator.diagnosis import Incident
 from rankscope.shared.connection import Reachability
 from rankscope.shared.jetstream import Layout
-from rankscope.shared.partitions import Partition
 from rankscope.shared.replay import follow
 from rankscope.shared.storage import Storage
 from rankscope.shared.timestamps import from_micros
@@ -32,7 +39,6 @@ from rankscope.shared.wire import (
     EvidenceRequest,
     Finding,
     FindingKind,
-    InstanceCreated,
     NodeEvidence,
     WireError,
     decode,
@@ -43,12 +49,8 @@ __all__ = ["Findings"]
 
 log = logging.getLogger(__name__)
 
-SWEEP_S = 1.0
-"""How often the diagnosis judges every instance; in between, the ones that changed."""
 ROUND_S = 0.25
 """How often the instances that changed are judged."""
-JUDGE_SLICE = 100
-"""Instances judged between two turns of the queries (about a millisecond of work)."""
 EVIDENCE_WAIT_S = 5.0
 """Longest the aggregator waits for an agent's evidence of a new finding."""
 UNPUBLISHED_FINDINGS = 10_000
@@ -56,7 +58,6 @@ UNPUBLISHED_FINDINGS = 10_000
 RESTORE_INCIDENTS_S = 10.0
 """How long taking up the open incidents may take at start."""
 
-Outage = tuple[FindingKind, str, str]
 _OUTAGES = {FindingKind.NATS_UNREACHABLE, FindingKind.JETSTREAM_STORAGE}
 
 
@@ -67,10 +68,7 @@ class Findings:
         nc: NATS connection (evidence requests).
         js: JetStream context (the diagnosis stream).
         layout: subjects.
-        state: the views judged.
-        partition: the instances it judges.
-        thresholds: when a rank counts as stuck.
-        placed_at: when each instance was placed, by `clock`.
+        core: the judging core (its views, its incidents).
         reach: whether NATS answers (an outage is the only finding then).
         storage: whether JetStream stores.
         alerter: where findings go as alerts, if anywhere.
@@ -84,10 +82,7 @@ class Findings:
         nc: Client,
         js: JetStreamContext,
         layout: Layout,
-        state: ClusterState,
-        partition: Partition,
-        thresholds: Thresholds,
-        placed_at: Mapping[str, float],
+        core: Core,
         reach: Reachability,
         storage: Storage,
         alerter: Alerter | None,
@@ -97,10 +92,9 @@ class Findings:
         self._nc = nc
         self._js = js
         self._layout = layout
-        self._state = state
-        self._partition = partition
-        self.thresholds = thresholds
-        self._placed_at = placed_at
+        self.core = core
+        self._state = core.state
+        self._partition = core.partition
         self._reach = reach
         self._storage = storage
         self._alerter = alerter
@@ -108,25 +102,17 @@ class Findings:
         self._known: set[str] = set()
         """Every incident the diagnosis stream held as this aggregator started."""
         self._clock = clock
-        self._held = Incidents(settling=thresholds.slow.window)
-        self._swept = -math.inf
-        """When the diagnosis last judged every instance."""
         self.capturing: set[asyncio.Task[None]] = set()
         self._unpublished: deque[Finding] = deque(maxlen=UNPUBLISHED_FINDINGS)
         """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
         self._announced: set[tuple[str, str]] = set()
         """Open findings already logged (an update of one is published, not logged)."""
-        self._floods = Floods(partition=str(partition))
 
     @property
     def incidents(self) -> dict[str, Incident]:
         """The open incident of each instance (`""`: an outage; `Floods.key`: a node
         sending more than is kept)."""
-        return self._held.open
-
-    def culprits(self) -> set[str]:
-        """The runners the open incidents blame."""
-        return self._held.culprits()
+        return self.core.incidents.open
 
     async def restore(self, stop: asyncio.Event) -> None:
         """Take up the incidents of its instances that were open when the last aggregator
@@ -140,7 +126,7 @@ class Findings:
             with contextlib.suppress(WireError):  # only aggregators write there
                 finding = decode(msg.data, Finding)
                 past.append(finding)
-                key = finding.instanceId or self._floods.owns(finding)
+                key = finding.instanceId or self.core.floods.owns(finding)
                 if not key:
                     return
                 if finding.open and (not finding.instanceId or self._partition.owns(key)):
@@ -171,7 +157,7 @@ class Findings:
                             RESTORE_INCIDENTS_S)  # fmt: skip
             return
         self._known = {finding.key for finding in past}
-        self._held.take_up(found, at=self._clock(), wall=self._wall())
+        self.core.feed(TakeUp(found, at=self._clock(), wall=self._wall()))
         self._announced |= {(f.instanceId, f.since) for f in found.values()}
         if self._alerter is not None:
             self._alerter.remember(past)
@@ -192,57 +178,19 @@ class Findings:
             return FindingKind.JETSTREAM_STORAGE, storage.failing_since_wall or "", storage.why()
         return None
 
-    def _judged(
-        self, instances: Iterable[InstanceCreated], outage: Outage | None, at: float, wall: str
-    ) -> dict[str, Incident]:
-        return diagnose(
-            self._state,
-            now=at,
-            wall=wall,
-            incidents=self.incidents,
-            placed_at=lambda i: self._placed_at.get(i, at),
-            thresholds=self.thresholds,
-            outage=outage,
-            instances=instances,
-            unsettled=self._held.unsettled,
-        )
-
     async def evaluate(self) -> tuple[list[Finding], list[Finding]]:
-        """Diagnose the instances touched since the last call, and every instance once per
-        `SWEEP_S` (thresholds are crossed with time alone), `JUDGE_SLICE` instances at a
-        time between turns of the queries; returns (findings opened or changed, findings
-        that cleared), and asks for the evidence of those that opened."""
-        at, wall = self._clock(), self._wall()  # the round's moment, read once
-        outage = self._outage()
-        if outage is not None:
-            every = list(self._state.instances.values())
-            return self._settle(self._judged(every, outage, at, wall), at, wall)
-        instances, touched = self._state.instances, self._state.take_touched()
-        found: dict[str, Incident] = {}
-        if at >= self._swept + SWEEP_S:
-            self._swept, picked = at, list(instances.values())
-        else:
-            picked = [instances[i] for i in touched if i in instances]
-            found = {i: kept for i, kept in self.incidents.items() if i in instances}
-        for start in range(0, len(picked), JUDGE_SLICE):
-            if start:
-                await asyncio.sleep(0)
-            judged = picked[start : start + JUDGE_SLICE]
-            for instance in judged:
-                found.pop(instance.instanceId, None)
-            found |= self._judged(judged, None, at, wall)
-        found |= self._floods.judge(
-            self._state.store.trimmed, self._state, self.incidents, now=at, wall=wall
-        )
-        return self._settle(found, at, wall)
-
-    def _settle(
-        self, found: dict[str, Incident], at: float, wall: str
-    ) -> tuple[list[Finding], list[Finding]]:
-        settled = self._held.settle(found, at=at, wall=wall)
-        for finding in settled.capture:
-            self._capture(finding)
-        return settled.changed, settled.cleared
+        """Judge this moment (`core.Core`), a slice of instances at a time between turns of
+        the queries; returns (findings opened or changed, findings that cleared), and asks
+        for the evidence of those that opened."""
+        effects = self.core.feed(Tick(self._clock(), self._wall(), self._outage()))
+        while effects and isinstance(effects[-1], Pause):
+            await asyncio.sleep(0)
+            effects = self.core.feed(Resume())
+        for effect in effects:
+            if isinstance(effect, Capture):
+                self._capture(effect.finding)
+        published = [e.finding for e in effects if isinstance(e, Publish)]
+        return [f for f in published if f.open], [f for f in published if not f.open]
 
     def _capture(self, finding: Finding) -> None:
         """Ask the agents of every rank of `finding` for their stacks and memory now; they
@@ -273,8 +221,7 @@ class Findings:
         except (NatsError, TimeoutError, WireError) as exc:
             log.warning("no evidence from %s: %s", node_id, exc or type(exc).__name__)
             return
-        if self._held.captured(finding, runner_ids, answer.runners):
-            self._state.version += 1
+        self.core.feed(EvidenceArrived(finding, runner_ids, answer.runners))
 
     def _take_loaded(self) -> list[Finding]:
         """The incidents of dumps loaded since the last round, but those the diagnosis

@@ -1,14 +1,14 @@
 """Which nodes are alive, the I/O of it: heartbeats read from the nodes bucket and rounds of
-live diagnostics requests asked on NATS, fed with the time to `silence.Silence`, whose
-verdicts go to the views. A node silent in both is unreachable, well before the rank-table
-service gives it up at the heartbeat TTL."""
+live diagnostics requests asked on NATS, fed with the time to the core (`core.Core`, its
+`silence.Silence`), whose verdicts go to the views. A node silent in both is unreachable,
+well before the rank-table service gives it up at the heartbeat TTL."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from nats.aio.client import NO_RESPONDERS_STATUS as NO_RESPONDERS
 from nats.aio.client import Client
@@ -17,13 +17,21 @@ from nats.errors import Error as NatsError
 from nats.js.api import Header
 from nats.js.kv import KeyValue
 
-from rankscope.services.aggregator.silence import NO_AGENT, Answer, Ask, ClockNote, Silence
-from rankscope.services.aggregator.views import ClusterState
+from rankscope.services.aggregator.core import (
+    Answered,
+    ClockDrift,
+    Core,
+    Effect,
+    Heartbeat,
+    OutageOver,
+    Probe,
+    Wake,
+)
+from rankscope.services.aggregator.silence import NO_AGENT, Answer, Ask, ClockNote
 from rankscope.shared.connection import Reachability
 from rankscope.shared.deadletter import DeadLetters
 from rankscope.shared.heartbeat import heard
 from rankscope.shared.jetstream import Layout
-from rankscope.shared.partitions import Partition
 from rankscope.shared.storage import Storage
 from rankscope.shared.wire import NodeDiagnostics, WireError, decode
 
@@ -32,26 +40,23 @@ __all__ = ["Liveness"]
 log = logging.getLogger(__name__)
 
 PROBE_SLICE = 500
-"""Nodes asked, or whose answers are taken in, between two turns of the queries (a few ms
-of work)."""
+"""Nodes asked between two turns of the queries (a few ms of work)."""
 
 
 class Liveness:
-    """Heartbeats read and probe rounds asked; the verdicts go to `state.unreachable`.
+    """Heartbeats read and probe rounds asked, fed to the core (`core.Core`), whose
+    verdicts go to `state.unreachable`.
 
     Args:
         nc: NATS connection.
-        layout: subjects, and the heartbeat TTL.
-        state: the views (nodes, runners listed by their agents, unreachable nodes).
-        partition: the nodes it probes besides those of its instances.
-        placed_elsewhere: the nodes of each instance of another partition (not probed).
+        layout: subjects.
+        core: the judging core (its views, its liveness machine).
         reach: whether NATS answers (a round counts only while it does).
         storage: whether JetStream stores.
         dead_letters: where undecodable heartbeats go.
-        culprits: the runners open findings blame (kept suspect after an outage of NATS).
-        probe_interval: seconds between rounds.
         probe_timeout: deadline of one round.
         clock: monotonic seconds.
+        wall: seconds since the epoch.
     """
 
     def __init__(
@@ -59,103 +64,75 @@ class Liveness:
         *,
         nc: Client,
         layout: Layout,
-        state: ClusterState,
-        partition: Partition,
-        placed_elsewhere: Mapping[str, set[str]],
+        core: Core,
         reach: Reachability,
         storage: Storage,
         dead_letters: DeadLetters,
-        culprits: Callable[[], set[str]],
-        probe_interval: float,
         probe_timeout: float,
         clock: Callable[[], float],
+        wall: Callable[[], float],
     ) -> None:
         self._nc = nc
         self._layout = layout
-        self._state = state
-        self._partition = partition
-        self._placed_elsewhere = placed_elsewhere
+        self._core = core
         self._reach = reach
         self._storage = storage
         self._dead_letters = dead_letters
-        self._culprits = culprits
         self._probe_timeout = probe_timeout
-        self._clock = clock
-        self.silence = Silence(
-            ttl_s=layout.node_ttl_s, probe_interval=probe_interval, probe_timeout=probe_timeout
-        )
+        self._clock, self._wall = clock, wall
 
     @property
     def heartbeats(self) -> dict[str, float]:
         """When this aggregator read each node's last heartbeat, by its clock."""
-        return self.silence.heartbeats
+        return self._core.silence.heartbeats
 
     @property
     def clock_offsets(self) -> dict[str, float]:
         """Seconds each node's clock is ahead of the NATS server's (negative: behind)."""
-        return self.silence.clock_offsets
+        return self._core.silence.clock_offsets
 
     async def on_node(self, entry: KeyValue.Entry) -> None:
         """Take in a node's heartbeat (or its entry's expiry)."""
         if (node := heard(entry, self._layout.nodes_bucket.bucket, self._dead_letters)) is None:
             return
         node_id, info = node
-        self._state.set_node(node_id, info)
-        if (note := self.silence.heard(node_id, info, entry.created, self._clock())) is not None:
-            _say(note)
+        self._carry_out(self._core.feed(Heartbeat(node_id, info, entry.created, self._clock())))
 
     async def probe_forever(self, stop: asyncio.Event) -> None:
-        """Ask what the silence machine says is due, when it says it is."""
+        """Ask what the core says is due, when it says it is."""
         while not stop.is_set():
-            ask = self.silence.due(
-                self._clock(),
-                placed=self._state.placed_nodes,
-                elsewhere=self._elsewhere(),
-                owns=self._partition.owns,
-                unreachable=self._state.unreachable,
-            )
-            if ask is not None:
-                await self.probe(ask)
-            wake = self.silence.wake(self._state.unreachable)
+            for effect in self._core.feed(Wake(self._clock())):
+                if isinstance(effect, Probe):
+                    await self.probe(effect.ask)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, wake - self._clock()))
-
-    def _elsewhere(self) -> set[str]:
-        return set().union(*self._placed_elsewhere.values())
+                await asyncio.wait_for(stop.wait(), max(0.0, self._core.wake - self._clock()))
 
     async def probe(self, ask: Ask | None = None) -> None:
         """Ask the nodes of `ask` (a full round now when None) at once, under one deadline,
-        and record who is silent.
+        and feed the core who answered.
 
         Only while NATS answers, before and after the round: when the bus itself is out,
         silence says nothing of the nodes, and once it is back every rank starts afresh.
         """
         if ask is None:
-            ask = self.silence.round(
-                self._clock(), self._state.placed_nodes(), elsewhere=self._elsewhere(),
-                owns=self._partition.owns,
-            )  # fmt: skip
+            (effect,) = self._core.feed(Wake(self._clock(), full=True))
+            assert isinstance(effect, Probe)
+            ask = effect.ask
         was_out = not (self._reach.reachable and self._storage.storing)
         if not await self._reach.check() or not await self._storage.check():
             return
         if was_out:
-            moment = self._clock()
-            self.silence.outage_over(moment)
-            self._state.forgive(moment, keep=self._culprits())
-        asked_ns = round(self._state.wall() * 1e9)  # the views' wall clock: virtual in tests
+            self._core.feed(OutageOver(self._clock()))
+        asked_ns = round(self._wall() * 1e9)
         answers = await self._ask_nodes(ask.nodes)
         if any(not isinstance(a, set) for a in answers) and not await self._reach.check():
             return
-        for index, (node_id, listed) in enumerate(zip(ask.nodes, answers, strict=True)):
-            if index and index % PROBE_SLICE == 0:
-                await asyncio.sleep(0)  # queries and ingest go on between slices
-            if isinstance(listed, set):
-                self._state.note_listed(listed, self._state.runners.on_node(node_id))
-        unreachable = self.silence.answered(
-            ask, answers, self._clock(), nodes=self._state.nodes,
-            unreachable=self._state.unreachable,
-        )  # fmt: skip
-        self._state.set_unreachable(unreachable, asked_ns)
+        self._core.feed(Answered(ask, answers, self._clock(), asked_ns))
+
+    def _carry_out(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, ClockDrift):
+                _say(effect.note)
 
     async def _ask_nodes(self, targets: list[str]) -> list[Answer]:
         """Ask every node of `targets` at once, on one inbox, under one deadline: the
@@ -208,7 +185,7 @@ class Liveness:
         listed = set()
         for runner in answer.runners:
             if runner.nodeId == node_id:  # a node speaks only for its own runners
-                self._state.note_acknowledged(runner.runnerId, runner.acknowledgedSeq)
+                self._core.state.note_acknowledged(runner.runnerId, runner.acknowledgedSeq)
                 listed.add(runner.runnerId)
         return listed
 

@@ -16,12 +16,14 @@ from nats.js import JetStreamContext
 from nats.micro.service import Service
 
 from rankscope.services.aggregator.alerts import Alerter
+from rankscope.services.aggregator.core import Core
 from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.services.aggregator.findings import Findings
 from rankscope.services.aggregator.ingest import Ingest
 from rankscope.services.aggregator.liveness import Liveness
 from rankscope.services.aggregator.queries import Queries
 from rankscope.services.aggregator.resume import Snapshots
+from rankscope.services.aggregator.silence import Silence
 from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.buckets import follow_bucket
@@ -106,14 +108,21 @@ class AggregatorService:
             dead_letters=self.dead_letters,
             clock=clock,
         )
+        self.core = Core(
+            state,
+            thresholds or Thresholds(),
+            placed_at=self.ingest.placed_at,
+            partition=partition,
+            silence=Silence(
+                ttl_s=layout.node_ttl_s, probe_interval=probe_interval, probe_timeout=probe_timeout
+            ),
+            placed_elsewhere=self.ingest.placed_elsewhere,
+        )
         self.findings = Findings(
             nc=nc,
             js=js,
             layout=layout,
-            state=state,
-            partition=partition,
-            thresholds=thresholds or Thresholds(),
-            placed_at=self.ingest.placed_at,
+            core=self.core,
             reach=self.reach,
             storage=self.storage,
             alerter=alerter,
@@ -123,16 +132,13 @@ class AggregatorService:
         self.liveness = Liveness(
             nc=nc,
             layout=layout,
-            state=state,
-            partition=partition,
-            placed_elsewhere=self.ingest.placed_elsewhere,
+            core=self.core,
             reach=self.reach,
             storage=self.storage,
             dead_letters=self.dead_letters,
-            culprits=self.findings.culprits,
-            probe_interval=probe_interval,
             probe_timeout=probe_timeout,
             clock=clock,
+            wall=state.wall,
         )
         self.queries = Queries(
             nc=nc,
@@ -142,7 +148,7 @@ class AggregatorService:
             node_id=node_id,
             findings=lambda: [i.finding for i in self.findings.incidents.values()],
             health=self.health,
-            thresholds=self.findings.thresholds,
+            thresholds=self.core.thresholds,
             clock=clock,
         )
         self._snapshots = Snapshots(

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 from prometheus_client.core import Metric
 
 from rankscope.services.aggregator.answers import history
+from rankscope.services.aggregator.core import Core
 from rankscope.services.aggregator.diagnosis import Incident, Thresholds, diagnose
+from rankscope.services.aggregator.silence import Silence
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.services.gateway.metrics import cluster_families
-from rankscope.shared.partitions import partition_of
+from rankscope.shared.partitions import Partition, partition_of
 from rankscope.shared.subjects import token
 from rankscope.shared.timestamps import format_ts
 from rankscope.shared.wire import (
@@ -134,6 +136,21 @@ def judged(
         placed_at=lambda _: 1000.0,
         thresholds=thresholds,
         unsettled=unsettled,
+    )
+
+
+def core_of(
+    state: ClusterState, thresholds: Thresholds, placed_at: Mapping[str, float] | None = None
+) -> Core:
+    """The judging core of `state`, one partition, probes every 2 s (1 s deadline), the
+    heartbeat TTL 10 s."""
+    return Core(
+        state,
+        thresholds,
+        placed_at=placed_at or {},
+        partition=Partition(),
+        silence=Silence(ttl_s=10.0, probe_interval=2.0, probe_timeout=1.0),
+        placed_elsewhere={},
     )
 
 

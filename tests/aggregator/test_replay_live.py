@@ -1,17 +1,17 @@
 """The diagnosis is a function of what was stored and when it was judged: an event log of a
 soak (healthy, a rank slowed, back in line) replayed offline into a fresh aggregator core,
-judged at the same moments, says the same, sample for sample."""
+fed the same ticks, says the same, sample for sample."""
 
 from __future__ import annotations
 
 import time
 
-from rankscope.services.aggregator.diagnosis import Thresholds, diagnose
-from rankscope.services.aggregator.incidents import Incidents, Settled
+from rankscope.services.aggregator.core import Core, Effect, Publish, Tick
+from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.wire import FindingKind, InstanceCreated, RunnerTelemetry
-from tests.aggregator.builders import at
+from tests.aggregator.builders import at, core_of
 from tests.aggregator.lockstep import Lockstep
 
 THRESHOLDS = Thresholds()
@@ -19,51 +19,45 @@ THRESHOLDS = Thresholds()
 Log = list[tuple[float, list[tuple[RunnerTelemetry, int]]]]
 
 
-def _judge(state: ClusterState, incidents: Incidents, moment: float) -> Settled:
-    """One round of the aggregator's judging at `moment`, as `findings.py` runs it."""
-    found = diagnose(
-        state,
-        now=moment,
-        wall=at(moment - 1000),
-        incidents=incidents.open,
-        placed_at=lambda _: 1000.0,
-        thresholds=THRESHOLDS,
-        unsettled=incidents.unsettled,
-    )
-    return incidents.settle(found, at=moment, wall=at(moment - 1000))
+def _core(state: ClusterState, placed: InstanceCreated) -> Core:
+    return core_of(state, THRESHOLDS, {placed.instanceId: 1000.0})
 
 
-def _live(job: Lockstep, seconds: int, incidents: Incidents) -> list[Settled]:
+def _tick(moment: float) -> Tick:
+    return Tick(at=moment, wall=at(moment - 1000))
+
+
+def _live(job: Lockstep, seconds: int, core: Core) -> list[list[Effect]]:
     said = []
     for _ in range(seconds):
         job.second()
-        said.append(_judge(job.state, incidents, job.now))
+        said.append(core.feed(_tick(job.now)))
     return said
 
 
-def _replayed(placed: InstanceCreated, log: Log) -> list[Settled]:
-    """`log` applied to a fresh state in order, judged after each second as it was."""
+def _replayed(placed: InstanceCreated, log: Log) -> list[list[Effect]]:
+    """`log` applied to a fresh state in order, a tick fed after each second as it was."""
     moment = [1000.0]
     state = ClusterState(store=EntryStore(), clock=lambda: moment[0], wall=time.time)
     state.apply_placement(placed, stored_ns=int(1000 * 1e9))
-    incidents, said = Incidents(settling=THRESHOLDS.slow.window), []
+    core, said = _core(state, placed), []
     for second, events in log:
         moment[0] = second
         for event, stored_ns in events:
             state.apply_telemetry(event, stored_ns=stored_ns)
-        said.append(_judge(state, incidents, second))
+        said.append(core.feed(_tick(second)))
     return said
 
 
 def test_an_event_log_replayed_offline_says_what_was_said_live_sample_for_sample() -> None:
     job = Lockstep(seed=12)
-    incidents = Incidents(settling=THRESHOLDS.slow.window)
-    live = _live(job, 40, incidents)
+    core = _core(job.state, job.placed)
+    live = _live(job, 40, core)
     job.slowdown[3] = 1.4
-    live += _live(job, 40, incidents)
+    live += _live(job, 40, core)
     job.slowdown[3] = 1.0
-    live += _live(job, 60, incidents)
-    kinds = [f.kind for s in live for f in s.changed]
-    assert FindingKind.SLOW_RANK in kinds  # the soak said something worth replaying
-    assert any(f.clearedAt for s in live for f in s.cleared)
+    live += _live(job, 60, core)
+    published = [e.finding for effects in live for e in effects if isinstance(e, Publish)]
+    assert FindingKind.SLOW_RANK in {f.kind for f in published}  # worth replaying
+    assert any(f.clearedAt for f in published)
     assert _replayed(job.placed, job.seconds) == live

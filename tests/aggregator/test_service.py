@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from rankscope.services.aggregator import answers
-from rankscope.services.aggregator import findings as findings_module
+from rankscope.services.aggregator import core as core_module
 from rankscope.services.aggregator import liveness as liveness_module
 from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.services.aggregator.ingest import FOLLOW_RELEASED_S
@@ -162,7 +162,7 @@ async def test_changed_instances_are_judged_at_once_and_every_instance_as_time_p
         # nothing arrives after these: only judging every instance sees them go stale
         opened = await asyncio.wait_for(findings.get(), WAIT)
         assert (opened.kind, opened.open) == (FindingKind.RANK_DISAGREEMENT, True)
-        monkeypatch.setattr(findings_module, "SWEEP_S", 3600.0)  # no more sweeps
+        monkeypatch.setattr(core_module, "SWEEP_S", 3600.0)  # no more sweeps
         await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
         cleared = await asyncio.wait_for(findings.get(), WAIT)  # judged: it changed
         assert (cleared.kind, cleared.open) == (FindingKind.RANK_DISAGREEMENT, False)
