@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
@@ -110,6 +111,8 @@ class Alerter:
         token: a bearer token sent with every post, if set.
         link: where an operator reads an incident (`{instance}` and `{incident}` in it
             replaced by their ids, each made safe for a URL; nothing else is read in it).
+        history: the incidents seen before (how often an alert's fault was).
+        wall: seconds since the epoch (`time.time`, or a virtual clock).
     """
 
     def __init__(
@@ -118,7 +121,10 @@ class Alerter:
         token: str | None,
         link: str,
         history: FaultHistory | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
+        self._wall = wall
+        """Seconds since the epoch, read as each round of posts is made."""
         self._history = history or FaultHistory()
         """Every incident seen: how often an alert's fault was seen before."""
         self._urls = [u.rstrip("/") for u in urls]
@@ -166,7 +172,7 @@ class Alerter:
                 stopping.cancel()
 
     async def _post_all(self, client: httpx.AsyncClient) -> None:
-        now = datetime.now(UTC)
+        now = datetime.fromtimestamp(self._wall(), UTC)
         await asyncio.gather(*(self._post(client, url, now) for url in self._urls))
 
     async def _post(self, client: httpx.AsyncClient, url: str, now: datetime) -> None:
