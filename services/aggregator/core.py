@@ -278,8 +278,8 @@ class Core:
         settle it."""
         assert self._round is not None
         tick, round_ = self._round.tick, self._round
-        slice_ = round_.left if tick.outage else round_.left[:JUDGE_SLICE]
-        del round_.left[: len(slice_)]
+        size = len(round_.left) if tick.outage else JUDGE_SLICE
+        slice_, round_.left = round_.left[:size], round_.left[size:]
         for instance in slice_:
             round_.found.pop(instance.instanceId, None)
         round_.found |= diagnose(
