@@ -10,7 +10,7 @@ directories).
     .venv/bin/python bench/straggler_replay.py DATA_DIR --job soak [--share 0.1]
         [--certainty 4] [--window 20] [--dominance 2.5] [--near 0.07]
     .venv/bin/python bench/straggler_replay.py DATA_DIR --job demo-0 --layers 2,2
-        [--apart 1.25] [--certainty 2] [--share 0.03] [--slice 2]
+        [--apart 1.25] [--certainty 2] [--share 0.03] [--slice 2] [--glance 8] [--spins 0.25]
 """
 
 from __future__ import annotations
@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--apart", type=float, default=stages.apart)
     parser.add_argument("--slice", type=float, default=stages.slice)
     parser.add_argument("--clear", type=float, default=stages.clear, help="a stage held")
+    parser.add_argument("--glance", type=float, default=stages.glance)
+    parser.add_argument("--spins", type=float, default=stages.spins, help="> 1: CPU unread")
     parser.add_argument("--near", type=float, default=0.07, help="print seconds above this")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:  # the store copied: left as it was
@@ -141,6 +143,8 @@ def main() -> None:
             apart=args.apart,
             slice=args.slice,
             clear=args.clear,
+            glance=args.glance,
+            spins=args.spins,
         )
     else:
         limits = ArrivalLimits(

@@ -32,6 +32,7 @@ __all__ = [
     "PaceHistory",
     "PaceImage",
     "PaceLimits",
+    "Sample",
     "SlowVerdict",
     "judge_pace",
     "strays",
@@ -48,6 +49,8 @@ lasting more than half of it becomes its usual."""
 _CHUNK_STEPS = 3
 _LEARN_CHUNKS = 5
 """Sampled steps a stretch of time needs to count towards a rank's usual."""
+UNSAID = -1.0
+"""A sample's CPU time in its waits when the rank does not say it."""
 _MAD_TO_SD = 1.4826
 """The median absolute deviation of normal values, times this, is their deviation."""
 
@@ -100,10 +103,15 @@ class PaceLimits:
     sharing its core with others strays far, and only a slowdown beyond that names it."""
 
 
+Sample = tuple[float, int, float, float, float]
+"""(when NATS stored it, steps, work seconds, wait seconds, CPU seconds in the waits or
+`UNSAID`)."""
+
+
 class PaceImage(msgspec.Struct, array_like=True):
     """A `PaceHistory` as a snapshot keeps it."""
 
-    samples: list[tuple[float, int, float, float]]
+    samples: list[Sample]
     work_counts: list[int]
     wait_counts: list[int]
     totals: tuple[int, float, float]
@@ -121,8 +129,8 @@ class PaceHistory:
 
     def __init__(self, history: float = HISTORY_S) -> None:
         self._history = history
-        self.samples: deque[tuple[float, int, float, float]] = deque()
-        """(when NATS stored it, steps, work seconds, wait seconds), oldest first."""
+        self.samples: deque[Sample] = deque()
+        """Oldest first."""
         self._work_counts = [0] * (len(BOUNDS) + 1)
         self._wait_counts = [0] * (len(BOUNDS) + 1)
         self._totals = (0, 0.0, 0.0)
@@ -136,7 +144,8 @@ class PaceHistory:
     def add(self, at: float, pace: StepPace) -> None:
         """A sample stored at `at` (seconds since the epoch); one older than the newest
         held goes in its place, so the samples stay in time order."""
-        sample = (at, pace.steps, pace.workSeconds, pace.waitSeconds)
+        cpu = UNSAID if pace.waitCpuSeconds is None else pace.waitCpuSeconds
+        sample = (at, pace.steps, pace.workSeconds, pace.waitSeconds, cpu)
         if self.samples and at < self.samples[-1][0]:
             self.samples.insert(bisect.bisect(self.samples, sample), sample)
         else:
@@ -158,7 +167,7 @@ class PaceHistory:
         """Whether, as of `now`, its newest sampled step is at most `within` seconds old,
         or at most twice as old as the gap before it (a job stepping slowly)."""
         newest: float | None = None
-        for at, count, _, _ in reversed(self.samples):
+        for at, count, *_ in reversed(self.samples):
             if not count or at > now:
                 continue
             if newest is not None:
@@ -174,7 +183,7 @@ class PaceHistory:
         """(since when, steps, work per step, wait per step: their `typical`) of the newest
         samples, back `span` seconds from `now`, further (up to `reach`) until they hold
         `steps` steps."""
-        taken: list[tuple[float, int, float, float]] = []
+        taken: list[Sample] = []
         steps, since = 0, now
         for sample in reversed(self.samples):
             at, count = sample[0], sample[1]
@@ -193,7 +202,7 @@ class PaceHistory:
         worked_out, value = self._usual
         if abs(before - worked_out) < _USUAL_EVERY_S:
             return value
-        chunks: dict[int, list[tuple[float, int, float, float]]] = {}
+        chunks: dict[int, list[Sample]] = {}
         first: float | None = None
         for sample in self.samples:
             if sample[0] >= before or not sample[1]:
@@ -230,7 +239,7 @@ class PaceHistory:
         span = max(limits.glance, min(span, seconds / _LEARN_CHUNKS))
         typicals: list[float] = []
         steps, first = 0, 0
-        for last, (at, count, _, _) in enumerate(held):
+        for last, (at, count, *_) in enumerate(held):
             steps += count
             while held[first][0] <= at - span:
                 steps, first = steps - held[first][1], first + 1
@@ -282,7 +291,7 @@ class PaceHistory:
         return history
 
 
-def typical(samples: Sequence[tuple[float, int, float, float]], field: int) -> float:
+def typical(samples: Sequence[Sample], field: int) -> float:
     """The interquartile mean per step of the seconds at `field` (2: work, 3: wait) of
     `samples`: the mean of the middle half of their values per step, each sample weighing
     its steps (0.0 when they hold none). A sampled step preempted on a busy core (ten times

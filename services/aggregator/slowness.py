@@ -56,8 +56,10 @@ def judge_slowness(
     """The slow ranks (`stragglers` or `slow`, empty: none is) and the comparison that
     found them; None when the ranks cannot be judged. A pipeline's stage is named by the
     stages compared (or held while named before); else by its own usual when the stages
-    compared back it: its work per layer over their window at their holding bar, or over
-    the own usual's short glance at their naming bar. So a stage slowed mid-run by less
+    compared back it: its work per layer over their window and their glance at their
+    holding bar, or over their glance at their naming bar while over the window it does
+    more per layer than its peers (a stage its peers' stops leave waiting works unevenly
+    for a glance too). So a stage slowed mid-run by less
     than healthy stages stray apart is named, while a stage's own pace wobbling with the
     machine's load, in line with its peers' per layer, is not."""
     histories, layers = ranks.histories, ranks.layers
@@ -75,10 +77,14 @@ def judge_slowness(
     if own is None or not own.slow or layers is None:
         return judged
     kept = [h for h in histories if h is not None]
-    ratios = vs_peers(kept, layers, now, limits.stages.window)
-    glance = vs_peers(kept, layers, now, limits.slow.glance)  # a relapse, seen sooner
+    stages = limits.stages
+    ratios = vs_peers(kept, layers, now, stages.window, stages)
+    glance = vs_peers(kept, layers, now, stages.glance, stages)  # a relapse, seen sooner
     backed = [
-        i for i in own.slow if ratios[i] >= limits.stages.clear or glance[i] >= limits.stages.apart
+        i
+        for i in own.slow
+        if min(ratios[i], glance[i]) >= stages.clear
+        or (glance[i] >= stages.apart and ratios[i] > 1)  # and not the one waited on before
     ]
     if not backed:
         return judged

@@ -11,6 +11,13 @@ machine-wide slowdown and a stage slow from its first step read right, with no h
 to learn, and no clock compared between hosts: works are durations on each rank's own
 clock.
 
+A stage stopped or starved of its core while it waits (a SIGSTOP duty cycle, a busy
+neighbour) may show it in its wait rather than its work: stopped when its input arrives,
+it starts late and its wait grows, as its peers' do. Its waits say it apart: a rank waits
+spinning, and one not running takes less CPU in its wait than its peers take in theirs.
+The wait a stage did not spin through, as its peers spin, is counted as its work, where
+its work is out of line already.
+
 Pure: samples come in with the time NATS stored them; the judgement takes the time now.
 """
 
@@ -22,13 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rankscope.services.aggregator.arrivals import Straggle
-from rankscope.services.aggregator.pace import PaceHistory, typical
+from rankscope.services.aggregator.pace import PaceHistory, Sample, typical
 from rankscope.shared.settings import default
 
 __all__ = ["StageLimits", "judge_stages", "vs_peers"]
-
-Sample = tuple[float, int, float, float]
-"""(when NATS stored it, steps, work seconds, wait seconds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +62,25 @@ class StageLimits:
     strays: the pipeline loses a sixth of its work a step to it or more. (A stage's spread
     is learnt over 15 minutes, slowdowns included: one crowded a minute in three strayed
     2.2-2.8x by its history, and was named 40 s into a slowdown instead of 7.)"""
+    glance: float = 8.0
+    """Seconds of the newest samples a stage `sharp` times its peers' work per layer in
+    each half of is named without waiting for the whole window (a stage twice its peers'
+    work named in ~6 s, not ~12), and a named stage back within `clear` over is cleared."""
+    sharp: float = 1.8
+    """(Above the 1.6x a stage sharing its core with a bursty neighbour holds for seconds
+    at a time.)"""
+    spins: float = 0.25
+    """The share of their waits peers spend on a CPU for a stage's wait not spun through
+    to count as its work: below it, ranks wait blocked (a backend that does not spin) and
+    CPU time in a wait says nothing."""
+    starved: float = 0.6
+    """A stage spinning through its waits at this share of its peers' rate or less, over
+    the window, is starved or stopped whatever its work per layer says (healthy stages on
+    two busy cores spun at 0.76x their peer's or more over 20 s, 19 times in 20)."""
     clear: float = 1.2
-    """A named stage stays named while its work per layer is this many times its peers'
-    (above the 1.1x healthy stages often stray apart, so it clears once back in line)."""
+    """A named stage stays named while its work per layer is this many times its peers',
+    over the window and over the newest `glance` alike (above the 1.1x healthy stages
+    often stray apart, so it clears once back in line)."""
 
 
 def judge_stages(
@@ -90,53 +110,167 @@ def judge_stages(
     since = min(samples[0][0] for samples in taken)
     if now - since < limits.span:
         return None
-    work = [typical(samples, 2) for samples in taken]
-    wait = [typical(samples, 3) for samples in taken]
-    ratios = _vs_peers(taken, layers)
-    middle = (since + now) / 2
-    halves = [  # each half of the span on its own: out of line throughout, not by a burst
-        _vs_peers([[s for s in samples if (s[0] <= middle) == first] for samples in taken], layers)
-        for first in (True, False)
-    ]
-    size, total = len(work), sum(work)
-    lost = [w - w / ratio if ratio > 1 else 0.0 for w, ratio in zip(work, ratios, strict=True)]
-    waited_on = [seconds / total if total > 0 else 0.0 for seconds in lost]
+    taken = _stalls_as_work(taken, layers, limits)
+    whole = _compared(taken, layers, since, now, limits)
+    newest = [[s for s in samples if s[0] > now - limits.glance] for samples in taken]
+    glance = _compared(newest, layers, now - limits.glance, now, limits)
     bars = [
         max(limits.apart, min(own if own < math.inf else 0.0, limits.beyond))
-        for own in strays or [0.0] * size
+        for own in strays or [0.0] * len(taken)
     ]
-    most, slices = _most_per_layer(taken, layers, now, limits)
-    chance = slices / size
-    often = chance + limits.certainty * math.sqrt(chance * (1 - 1 / size))
+    sharply = [
+        i for i in range(len(taken)) if glance.out_of_line(i, limits.sharp) and glance.costs(i)
+    ]
     stragglers = [
         i
-        for i in range(size)
-        if (
-            min(ratios[i], *(half[i] for half in halves)) >= bars[i]
-            and most[i] >= often
-            and waited_on[i] >= limits.share
-        )
-        or (i in named and ratios[i] >= limits.clear)
+        for i in range(len(taken))
+        if (whole.out_of_line(i, bars[i]) and whole.costs(i))
+        or i in sharply
+        or (i in named and min(whole.ratios[i], glance.ratios[i]) >= limits.clear)
     ]
+    shown = glance if any(glance.ratios[i] > whole.ratios[i] for i in sharply) else whole
+    work = [typical(samples, 2) for samples in shown.samples]
     return Straggle(
-        steps=min(sum(s[1] for s in samples) for samples in taken),
-        since=since,
-        waited_on=waited_on,
-        last=[count / slices if slices else 0.0 for count in most],
+        steps=min(sum(s[1] for s in samples) for samples in shown.samples),
+        since=shown.since,
+        waited_on=shown.waited_on,
+        last=[count / shown.slices if shown.slices else 0.0 for count in shown.most],
         work_ms=[1000 * w for w in work],
-        wait_ms=[1000 * w for w in wait],
-        stragglers=sorted(stragglers, key=lambda i: -waited_on[i]),
+        wait_ms=[1000 * typical(samples, 3) for samples in shown.samples],
+        stragglers=sorted(stragglers, key=lambda i: -shown.waited_on[i]),
         layers=list(layers),
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """The stages compared over one span of their samples."""
+
+    samples: list[list[Sample]]
+    since: float
+    ratios: list[float]
+    """Each stage's work per layer against its peers' median."""
+    halves: list[list[float]]
+    """The same over each half of the span: out of line throughout, not by a burst."""
+    most: list[int]
+    """In how many slices of the span each stage worked the most per layer..."""
+    slices: int
+    often: float
+    """...of how many, and how many are more than chance."""
+    waited_on: list[float]
+    """The share of the pipeline's work a step lost to each stage."""
+    share: float
+
+    def out_of_line(self, stage: int, bar: float) -> bool:
+        """Whether `stage` worked `bar` times its peers per layer throughout the span, the
+        most per layer more often than chance."""
+        throughout = min(self.ratios[stage], *(half[stage] for half in self.halves))
+        return throughout >= bar and self.most[stage] >= self.often
+
+    def costs(self, stage: int) -> bool:
+        """Whether the pipeline loses `share` of its work a step to `stage`, at least."""
+        return self.waited_on[stage] >= self.share
+
+
+def _compared(
+    samples: list[list[Sample]],
+    layers: Sequence[int],
+    since: float,
+    now: float,
+    limits: StageLimits,
+) -> _Span:
+    """The stages compared over `samples`, `since`..`now`."""
+    work = [typical(held, 2) for held in samples]
+    ratios = _vs_peers(samples, layers)
+    lost = [w - w / ratio if ratio > 1 else 0.0 for w, ratio in zip(work, ratios, strict=True)]
+    total = sum(work)
+    middle = (since + now) / 2
+    most, slices = _most_per_layer(samples, layers, now, limits)
+    chance = slices / len(samples)
+    return _Span(
+        samples=samples,
+        since=since,
+        ratios=ratios,
+        halves=[
+            _vs_peers([[s for s in held if (s[0] <= middle) == first] for held in samples], layers)
+            for first in (True, False)
+        ],
+        most=most,
+        slices=slices,
+        often=chance + limits.certainty * math.sqrt(chance * (1 - 1 / len(samples))),
+        waited_on=[seconds / total if total > 0 else 0.0 for seconds in lost],
+        share=limits.share,
+    )
+
+
 def vs_peers(
-    histories: Sequence[PaceHistory], layers: Sequence[int], now: float, span: float
+    histories: Sequence[PaceHistory],
+    layers: Sequence[int],
+    now: float,
+    span: float,
+    limits: StageLimits,
 ) -> list[float]:
-    """Each stage's work per layer over the newest `span` seconds as of `now`, against its
-    peers' median (0.0 for every stage when one took no step in it)."""
+    """Each stage's work per layer over the newest `span` seconds as of `now` (the wait it
+    did not spin through counted as work), against its peers' median (0.0 for every stage
+    when one took no step in it)."""
     taken = [[s for s in h.samples if now - span < s[0] <= now and s[1]] for h in histories]
-    return _vs_peers(taken, layers)
+    return _vs_peers(_stalls_as_work(taken, layers, limits), layers)
+
+
+def _stalls_as_work(
+    taken: list[list[Sample]], layers: Sequence[int], limits: StageLimits
+) -> list[list[Sample]]:
+    """The samples with the wait a stage did not spin through, as its peers spun through
+    theirs, moved into its work, where in each half of the span its work per layer is out
+    of line with its peers' already (at the `clear` bar: a stage stopped or starved is so
+    in its work too) or it spun `starved` (a stage holding few layers waits so long that a
+    wobble in how fast it spins would outweigh its work, and a rank descheduled a moment
+    while it waits, as a busy machine's scheduler does to spinning ranks, loses nothing);
+    as they are where a stage does not say its CPU time or its peers wait blocked."""
+    spun = _spun(taken)
+    if spun is None or min(spun) < 0:
+        return taken
+    first = min((samples[0][0] for samples in taken if samples), default=0.0)
+    last = max((samples[-1][0] for samples in taken if samples), default=0.0)
+    halves = [
+        [[s for s in samples if (s[0] <= (first + last) / 2) == early] for samples in taken]
+        for early in (True, False)
+    ]
+    judged = [(_vs_peers(half, layers), _spun(half)) for half in halves]
+    moved: list[list[Sample]] = []
+    for i, samples in enumerate(taken):
+        peers = statistics.median(spun[:i] + spun[i + 1 :])
+        if peers < limits.spins:
+            return taken
+        throughout = all(
+            ratios[i] >= limits.clear
+            or (
+                rates is not None
+                and 0 <= rates[i] <= limits.starved * statistics.median(rates[:i] + rates[i + 1 :])
+            )
+            for ratios, rates in judged
+        )
+        moved.append([_moved(s, peers) for s in samples] if throughout else samples)
+    return moved
+
+
+def _spun(taken: list[list[Sample]]) -> list[float] | None:
+    """The share of its waits each stage spent on a CPU over `taken` (-1.0 for a stage
+    that waited not at all); None where a stage does not say its CPU time."""
+    spun: list[float] = []
+    for samples in taken:
+        if any(s[4] < 0 for s in samples):
+            return None
+        wait, cpu = sum(s[3] for s in samples), sum(s[4] for s in samples)
+        spun.append(cpu / wait if wait else -1.0)
+    return spun
+
+
+def _moved(sample: Sample, spun: float) -> Sample:
+    """`sample` with the wait not spun through at the rate `spun` counted as work."""
+    at, steps, work, wait, cpu = sample
+    idle = min(wait, max(0.0, wait - cpu / spun))
+    return (at, steps, work + idle, wait - idle, cpu)
 
 
 def _vs_peers(taken: list[list[Sample]], layers: Sequence[int]) -> list[float]:

@@ -100,6 +100,10 @@ class StepPace(CamelStruct, kw_only=True, frozen=True):
     steps: Annotated[int, msgspec.Meta(ge=0)]
     workSeconds: Annotated[float, msgspec.Meta(ge=0)]
     waitSeconds: Annotated[float, msgspec.Meta(ge=0)]
+    waitCpuSeconds: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """CPU time the rank's process took during those waits, where it says (a rank waits
+    spinning: one stopped or starved while it waits takes less CPU in its wait than its
+    peers in theirs)."""
     sampled: Annotated[list[SampledStep], msgspec.Meta(max_length=MAX_SAMPLED_STEPS)] = []
     """Each sampled step on its own, where the rank samples the steps its peers sample
     (a recorded rank does): the time the job lost waiting for a rank is read by comparing

@@ -149,6 +149,7 @@ def test_split_generates_what_one_process_generates(model: Path, split: tuple[in
         assert pace.steps >= decoded, f"rank {rank} timed {pace.steps} of {decoded} steps"
         assert pace.workSeconds > 0, pace
         assert pace.waitSeconds > 0, pace
+        assert pace.waitCpuSeconds, pace  # its waits spin: the CPU time in them is said
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(run, expected, strict=True):
             assert tokens == want_tokens, f"rank {rank}"
             worst = max(

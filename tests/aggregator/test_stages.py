@@ -1,6 +1,7 @@
 """The stage a pipeline waits on, read by comparing its stages' work per layer over the same
 span: named from its first step, with the share of the pipeline's work lost to it; stages
-holding different layers, a machine-wide slowdown and a stage held up once name nobody."""
+holding different layers, a machine-wide slowdown and a stage held up once name nobody; a
+stage stopped while it waits named by the wait it did not spin through."""
 
 from __future__ import annotations
 
@@ -16,11 +17,16 @@ LAYER_S = 0.0002
 
 class Pipeline:
     """Stages holding `layers` each, sampling ten steps a second: a stage's step works
-    `LAYER_S` a layer times its slowdown, with noise."""
+    `LAYER_S` a layer times its slowdown, with noise; it is stopped `stopped` seconds a
+    step while it waits, and waits spinning at `spin` CPU seconds a second otherwise (said
+    where `cpu`)."""
 
-    def __init__(self, layers: list[int], seed: int = 1) -> None:
+    def __init__(self, layers: list[int], seed: int = 1, spin: float = 0.8) -> None:
         self.layers = layers
         self.slowdown = [1.0] * len(layers)
+        self.stopped = [0.0] * len(layers)
+        self.spin = spin
+        self.cpu = True
         self.histories = [PaceHistory() for _ in layers]
         self.now = 1000.0
         self.noise = random.Random(seed)
@@ -34,11 +40,17 @@ class Pipeline:
                 held * LAYER_S * slow * self.noise.uniform(0.85, 1.2)
                 for held, slow in zip(self.layers, self.slowdown, strict=True)
             ]
-            for history, work in zip(self.histories, works, strict=True):
-                wait = sum(works) - work
-                history.add(
-                    self.now, StepPace(steps=10, workSeconds=10 * work, waitSeconds=10 * wait)
+            step = sum(works) + sum(self.stopped)
+            for history, work, stopped in zip(self.histories, works, self.stopped, strict=True):
+                wait = step - work
+                cpu = (wait - stopped) * self.spin * self.noise.uniform(0.85, 1.0)
+                pace = StepPace(
+                    steps=10,
+                    workSeconds=10 * work,
+                    waitSeconds=10 * wait,
+                    waitCpuSeconds=10 * cpu if self.cpu else None,
                 )
+                history.add(self.now, pace)
             straggle = judge_stages(self.histories, self.layers, self.now, StageLimits(), named)
             named = frozenset(straggle.stragglers) if straggle else frozenset()
             found.append(sorted(named))
@@ -114,3 +126,22 @@ def test_a_stage_that_strays_by_nature_is_named_beyond_its_spread_or_far_out_of_
         )
         assert straggle is not None
         assert straggle.stragglers == named
+
+
+def test_a_stage_stopped_in_its_waits_too_is_named_by_the_wait_it_did_not_spin_through() -> None:
+    """Stopped in its work (1.25x its peer's, under the naming bar) and as long again in its
+    waits: its wait grows as its peer's does, but its peer spins through its wait and it
+    does not. Named, as 2x its peer, where ranks say their CPU time and wait spinning; not
+    otherwise."""
+    for cpu, spin, named in ((True, 0.8, [1]), (False, 0.8, []), (True, 0.05, [])):
+        pipeline = Pipeline([8, 8], spin=spin)
+        pipeline.cpu = cpu
+        pipeline.slowdown[1] = 1.25
+        pipeline.stopped[1] = 0.75 * 8 * LAYER_S
+        found = pipeline.run(30)
+        assert found[-1] == named, (cpu, spin)
+        if named:
+            assert next(i for i, n in enumerate(found) if n) + 1 <= 10
+            straggle = judge_stages(pipeline.histories, [8, 8], pipeline.now, StageLimits())
+            assert straggle is not None
+            assert abs(straggle.work_vs_peers(1) - 2.0) < 0.25

@@ -6,6 +6,8 @@ slow peer: the two take the same time a step. On a sampled step the rank evaluat
 input first (the wait: its upstream peer's transfer, or the end of the last step, which
 the last rank's gather closes) and then its own layers (the work: its inputs at hand, no
 peer involved). A slow rank's work grows; its peers' wait grows and their work does not.
+The CPU time the process takes while it waits is kept too: a rank waits spinning, so one
+stopped or starved while it waits takes less CPU in its wait than its peers do in theirs.
 
 Evaluating inside the step costs two synchronisations and the overlap mlx-lm keeps
 between building a step and computing the last, ~5-10% of a step on a small model, so
@@ -49,9 +51,11 @@ class Pace:
         self._sampling = False
         self._started = 0.0
         self._wait = 0.0
+        self._wait_cpu = 0.0
         self._steps = 0
         self._work_s = 0.0
         self._wait_s = 0.0
+        self._wait_cpu_s = 0.0
 
     def received(self, h: mx.array) -> mx.array:
         """The rank's input to its first layer (`h`: the embedding, or the hidden state
@@ -66,10 +70,11 @@ class Pace:
         )
         if self._sampling:
             self._unsampled = 0
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             mx.eval(h)
             self._started = time.perf_counter()
             self._wait = self._started - started
+            self._wait_cpu = time.process_time() - cpu
         return h
 
     def computed(self, h: mx.array) -> mx.array:
@@ -84,11 +89,17 @@ class Pace:
                 self._steps += 1
                 self._work_s += ended - self._started
                 self._wait_s += self._wait
+                self._wait_cpu_s += self._wait_cpu
         return h
 
     def take(self) -> StepPace:
         """The sums since the last take, reset."""
         with self._lock:
-            taken = StepPace(steps=self._steps, workSeconds=self._work_s, waitSeconds=self._wait_s)
-            self._steps, self._work_s, self._wait_s = 0, 0.0, 0.0
+            taken = StepPace(
+                steps=self._steps,
+                workSeconds=self._work_s,
+                waitSeconds=self._wait_s,
+                waitCpuSeconds=self._wait_cpu_s,
+            )
+            self._steps, self._work_s, self._wait_s, self._wait_cpu_s = 0, 0.0, 0.0, 0.0
         return taken
