@@ -15,8 +15,8 @@ A stage stopped or starved of its core while it waits (a SIGSTOP duty cycle, a b
 neighbour) may show it in its wait rather than its work: stopped when its input arrives,
 it starts late and its wait grows, as its peers' do. Its waits say it apart: a rank waits
 spinning, and one not running takes less CPU in its wait than its peers take in theirs.
-The wait a stage did not spin through, as its peers spin, is counted as its work, where
-its work is out of line already.
+The wait a stage did not spin through, as its peers spin, is counted as its work where,
+in each half of the span, its work is out of line already or it spun far slower than they.
 
 Pure: samples come in with the time NATS stored them; the judgement takes the time now.
 """
@@ -74,9 +74,10 @@ class StageLimits:
     to count as its work: below it, ranks wait blocked (a backend that does not spin) and
     CPU time in a wait says nothing."""
     starved: float = 0.6
-    """A stage spinning through its waits at this share of its peers' rate or less, over
-    the window, is starved or stopped whatever its work per layer says (healthy stages on
-    two busy cores spun at 0.76x their peer's or more over 20 s, 19 times in 20)."""
+    """A stage spinning through its waits at this share of its peers' rate or less, in
+    each half of the window, is starved or stopped whatever its work per layer says
+    (healthy stages on two busy cores spun at 0.76x their peer's or more over 20 s, 19
+    times in 20)."""
     clear: float = 1.2
     """A named stage stays named while its work per layer is this many times its peers',
     over the window and over the newest `glance` alike (above the 1.1x healthy stages
