@@ -8,7 +8,7 @@ rules on a run already made (`bench/soak.py` and `bench/detection.py` print thei
 directories).
 
     .venv/bin/python bench/straggler_replay.py DATA_DIR --job soak [--share 0.1]
-        [--certainty 4] [--window 20] [--dominance 2.5] [--near 0.07]
+        [--certainty 4] [--window 20] [--dominance 2.5] [--alone 0.05] [--near 0.07]
     .venv/bin/python bench/straggler_replay.py DATA_DIR --job demo-0 --layers 2,2
         [--apart 1.25] [--certainty 2] [--share 0.03] [--slice 2] [--glance 8] [--spins 0.25]
 """
@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--certainty", type=float)
     parser.add_argument("--window", type=float, default=arrivals.window)
     parser.add_argument("--dominance", type=float, default=arrivals.dominance)
+    parser.add_argument("--alone", type=float, default=arrivals.alone)
     parser.add_argument("--apart", type=float, default=stages.apart)
     parser.add_argument("--slice", type=float, default=stages.slice)
     parser.add_argument("--clear", type=float, default=stages.clear, help="a stage held")
@@ -152,6 +153,7 @@ def main() -> None:
             share=arrivals.share if args.share is None else args.share,
             certainty=arrivals.certainty if args.certainty is None else args.certainty,
             dominance=args.dominance,
+            alone=args.alone,
         )
 
     def judge(

@@ -47,6 +47,11 @@ class ArrivalLimits:
     certainty: float = 4.0
     """...when it arrived last more often than chance (1/N) by this many standard
     deviations of chance's count: consistently, not by the luck of the scheduler."""
+    alone: float = 0.05
+    """...and when the job would get back this share were the rank alone as quick as its
+    peers (on the steps it was last, the next to arrive waited that much beyond it): where
+    two ranks share a busy core, the job waits on the other once one is quick, and neither
+    alone is the one it waits on."""
     clear: float = 0.05
     """A named rank stays named while the job loses this share to it."""
     dominance: float = 2.5
@@ -139,7 +144,7 @@ def judge_arrivals(
     if len(joined) < limits.steps or now - oldest < limits.span:
         return None
     size = len(held)
-    lost, last, total = [0.0] * size, [0] * size, 0.0
+    lost, alone, last, total = [0.0] * size, [0.0] * size, [0] * size, 0.0
     for ranked in joined:
         waits = [row[2] for row in ranked]
         total += statistics.median(row[1] + row[2] + row[3] for row in ranked)
@@ -147,12 +152,15 @@ def judge_arrivals(
         peers = waits[:arrived_last] + waits[arrived_last + 1 :]
         last[arrived_last] += 1
         lost[arrived_last] += max(0.0, statistics.median(peers) - waits[arrived_last])
-    shares = [seconds / total if total > 0 else 0.0 for seconds in lost]
-    waited_on = [  # beyond its peers': on a busy machine every rank is now and then last
-        max(0.0, shares[i] - statistics.median(shares[:i] + shares[i + 1 :])) for i in range(size)
-    ]
+        alone[arrived_last] += max(0.0, min(peers) - waits[arrived_last])
+    waited_on, back = _beyond_peers(lost, total), _beyond_peers(alone, total)
     stragglers = sorted(
-        _stragglers(waited_on, last, list(nodes) or [str(i) for i in range(size)], named, limits),
+        _stragglers(
+            _Shares(waited_on, back, last),
+            list(nodes) or [str(i) for i in range(size)],
+            named,
+            limits,
+        ),
         key=lambda i: -waited_on[i],
     )
     return Straggle(
@@ -166,17 +174,35 @@ def judge_arrivals(
     )
 
 
+def _beyond_peers(seconds: list[float], total: float) -> list[float]:
+    """Each rank's seconds as a share of `total`, beyond its median peer's: on a busy
+    machine every rank is now and then the last."""
+    shares = [lost / total if total > 0 else 0.0 for lost in seconds]
+    return [
+        max(0.0, shares[i] - statistics.median(shares[:i] + shares[i + 1 :]))
+        for i in range(len(shares))
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Shares:
+    """Per rank: the share the job loses waiting for it, the share it would get back were
+    the rank alone as quick as its peers, and the steps it arrived last on."""
+
+    waited_on: list[float]
+    back: list[float]
+    last: list[int]
+
+
 def _stragglers(
-    waited_on: list[float],
-    last: list[int],
-    nodes: list[str],
-    named: frozenset[int],
-    limits: ArrivalLimits,
+    shares: _Shares, nodes: list[str], named: frozenset[int], limits: ArrivalLimits
 ) -> set[int]:
     """The ranks the job waits on: one rank, when the share lost to it is past the bar,
-    it was last more often than chance, and it dominates its node's other ranks; else a
-    node's ranks together, when the same holds of them against every other node's ranks;
-    and the ranks of an open finding, while the job still loses `clear` to them."""
+    it was last more often than chance, the job would get back `alone` were it quick, and
+    it dominates its node's other ranks; else a node's ranks together, when the same holds
+    of them (but the getting back) against every other node's ranks; and the ranks of an
+    open finding, while the job still loses `clear` to them."""
+    waited_on, last = shares.waited_on, shares.last
     size, steps = len(waited_on), sum(last)
     members: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
@@ -194,7 +220,10 @@ def _stragglers(
     found = {
         i
         for i in range(size)
-        if stands_out([i], [j for j in members[nodes[i]] if j != i])
+        if (
+            shares.back[i] >= limits.alone
+            and stands_out([i], [j for j in members[nodes[i]] if j != i])
+        )
         or (i in named and waited_on[i] >= limits.clear)
     }
     for group in members.values():

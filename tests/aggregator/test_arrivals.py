@@ -160,6 +160,19 @@ def test_two_ranks_splitting_the_blame_on_one_node_name_nobody_a_node_of_two_is_
     assert sorted(held.stragglers) == [0, 2]  # named before: kept while the job loses enough
 
 
+def test_a_rank_a_hair_behind_its_slow_core_mate_is_not_the_straggler() -> None:
+    ranks = [Arrivals() for _ in range(4)]
+    for n in range(1, 61):  # ranks 0 and 2 on a busy core: 0 last, 2 in 0.3 ms before it
+        waits = [0.0, 0.003, 0.0003, 0.003]
+        for arrivals, wait in zip(ranks, waits, strict=True):
+            arrivals.add(100.0 + n / 10, [SampledStep(n, 0.010 - wait, wait)])
+    straggle = judge_arrivals(ranks, now=106.0, limits=ArrivalLimits(span=0.0), nodes=["vm"] * 4)
+    assert straggle is not None
+    assert straggle.waited_on[0] >= 0.25  # past the bar by its peers' median wait...
+    assert straggle.last[0] == 1.0
+    assert straggle.stragglers == []  # ...but quick, it gives the job back 3%: rank 2 is next
+
+
 def test_a_straggler_whose_core_mate_is_now_and_then_last_is_named_alone() -> None:
     ranks = _job([2, 2, 2, 2, 0] * 12)
     straggle = judge_arrivals(ranks, now=106.0, limits=ArrivalLimits(span=0.0), nodes=["vm"] * 4)
