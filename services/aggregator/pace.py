@@ -20,6 +20,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
@@ -41,7 +42,11 @@ __all__ = [
 BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Bucket bounds of the work and wait histograms, in seconds a step."""
 _USUAL_EVERY_S = 5.0
-"""How often a rank's usual work per step is worked out again (it moves slowly)."""
+"""How often a rank's usual work per step (and its spread) is worked out again (it moves
+slowly): asked before a moment, they are worked out before the start of its slice of
+time this long, once a slice."""
+_WORKED_OUT_KEPT = 32
+"""Worked-out usuals (and spreads) a rank keeps: a few spans, a few slices each."""
 HISTORY_S = 900.0
 """Seconds of a rank's samples kept: its usual pace is the median over them of its work
 per step in each `PaceLimits.glance` of time, the span judged left out, so a slowdown
@@ -51,6 +56,9 @@ _LEARN_CHUNKS = 5
 """Sampled steps a stretch of time needs to count towards a rank's usual."""
 UNSAID = -1.0
 """A sample's CPU time in its waits when the rank does not say it."""
+_SPANS_KEPT = 4
+"""Spans whose windows a rank keeps read for its next spread."""
+_Key = TypeVar("_Key", int, tuple[float, int])
 _MAD_TO_SD = 1.4826
 """The median absolute deviation of normal values, times this, is their deviation."""
 
@@ -134,10 +142,13 @@ class PaceHistory:
         self._work_counts = [0] * (len(BOUNDS) + 1)
         self._wait_counts = [0] * (len(BOUNDS) + 1)
         self._totals = (0, 0.0, 0.0)
-        self._usual: tuple[float, float | None] = (-1e18, None)
-        """When the usual was worked out (sample time), and what it was."""
-        self._spreads: dict[float, tuple[float, float | None]] = {}
-        """Per span: when its spread was worked out (sample time), and what it was."""
+        self._usual: dict[int, float | None] = {}
+        """The usual worked out, per `_USUAL_EVERY_S` slice of time it was asked before."""
+        self._spreads: dict[tuple[float, int], float | None] = {}
+        """The spread worked out, per span and slice of time it was asked before."""
+        self._windows: dict[float, dict[tuple[float, float, int], float]] = {}
+        """The typical work per step of each span the last spread read (first and last
+        sample's time, samples after the first): the next reads most of them again."""
         self.arrivals = Arrivals()
         """Its sampled steps one by one, where it says them (compared with its peers')."""
 
@@ -199,9 +210,10 @@ class PaceHistory:
         """Its usual work per step, from its samples before `before`: the median of its
         `typical` work per step in each `glance` of time; None until `learn` seconds are
         held."""
-        worked_out, value = self._usual
-        if abs(before - worked_out) < _USUAL_EVERY_S:
-            return value
+        key = _slice(before)
+        if key in self._usual:
+            return self._usual[key]
+        before = key * _USUAL_EVERY_S
         chunks: dict[int, list[Sample]] = {}
         first: float | None = None
         for sample in self.samples:
@@ -217,7 +229,7 @@ class PaceHistory:
         value = None
         if len(typicals) >= _LEARN_CHUNKS and first is not None and before - first >= limits.learn:
             value = statistics.median(typicals)
-        self._usual = (before, value)
+        _keep(self._usual, key, value)
         return value
 
     def spread(self, before: float, span: float, limits: PaceLimits) -> float | None:
@@ -227,10 +239,10 @@ class PaceHistory:
         (down to a `glance`) while it holds fewer than five spans' worth, as those stray
         further; None while it has no usual or holds fewer than five glances' worth (too
         few to tell by)."""
-        asked = span
-        worked_out, value = self._spreads.get(asked, (-1e18, None))
-        if abs(before - worked_out) < _USUAL_EVERY_S:
-            return value
+        key = (span, _slice(before))
+        if key in self._spreads:
+            return self._spreads[key]
+        before = key[1] * _USUAL_EVERY_S
         usual, value = self.usual(before, limits), None
         held = [sample for sample in self.samples if sample[0] < before]
         seconds = held[-1][0] - held[0][0] if held else 0.0
@@ -239,15 +251,22 @@ class PaceHistory:
         span = max(limits.glance, min(span, seconds / _LEARN_CHUNKS))
         typicals: list[float] = []
         steps, first = 0, 0
+        known, kept = self._windows.get(span, {}), {}
         for last, (at, count, *_) in enumerate(held):
             steps += count
             while held[first][0] <= at - span:
                 steps, first = steps - held[first][1], first + 1
             if first and steps >= _CHUNK_STEPS:  # a whole span: one began before it
-                typicals.append(typical(held[first : last + 1], 2))
+                window = (held[first][0], at, last - first)
+                found = known.get(window)
+                kept[window] = typical(held[first : last + 1], 2) if found is None else found
+                typicals.append(kept[window])
+        self._windows[span] = kept
+        while len(self._windows) > _SPANS_KEPT:  # spans grow while it learns: the oldest
+            del self._windows[next(iter(self._windows))]
         if usual is not None and typicals:
             value = _MAD_TO_SD * statistics.median(abs(found - usual) for found in typicals)
-        self._spreads[asked] = (before, value)
+        _keep(self._spreads, key, value)
         return value
 
     def histogram(self) -> PaceHistogram | None:
@@ -289,6 +308,18 @@ class PaceHistory:
         history._totals = image.totals
         history.arrivals.steps = {s[0]: (s[1], s[2], s[3], s[4]) for s in image.steps}
         return history
+
+
+def _slice(before: float) -> int:
+    """The `_USUAL_EVERY_S` slice of time `before` falls in."""
+    return math.floor(before / _USUAL_EVERY_S)
+
+
+def _keep(worked_out: dict[_Key, float | None], key: _Key, value: float | None) -> None:
+    """`value` kept under `key`, the oldest kept dropped past `_WORKED_OUT_KEPT`."""
+    worked_out[key] = value
+    while len(worked_out) > _WORKED_OUT_KEPT:
+        del worked_out[next(iter(worked_out))]
 
 
 def typical(samples: Sequence[Sample], field: int) -> float:
