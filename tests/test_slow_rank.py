@@ -30,9 +30,9 @@ from tests.stack_up import free_ports, running_up
 pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(420)]
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
-QUIET_S = 40
+QUIET_S = 20
 """Load before a slowdown: ranks compared with each other need no usual pace to learn (the
-healthy soak, scaled down)."""
+healthy soak, scaled down to one straggler window)."""
 NAMED_WITHIN_S = 60
 """How long a test waits for the slow rank to be named: twice the 1.3x target. How soon it
 is named is `bench/detection.py`'s to measure, over many injections; one run here is one

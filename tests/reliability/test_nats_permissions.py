@@ -47,7 +47,7 @@ class _Session:
 
     async def publish_refused(self, subject: str) -> None:
         with pytest.raises((TimeoutError, NatsError)):
-            await self.js.publish(subject, b"{}", timeout=0.5)
+            await self.js.publish(subject, b"{}", timeout=0.2)  # never acked: refused
         await self.refused(subject)
 
 
