@@ -50,6 +50,20 @@ def _rank(view: RunnerView) -> str:
     return f"rank {view.ref.deviceRank} ({view.ref.nodeId})"
 
 
+def _current(waiting: Sequence[RunnerView]) -> list[RunnerView]:
+    """The waiting ranks whose news is current: a rank said to wait in a collective of a
+    group whose later collective a peer waits in is stale news (the peer could not have
+    passed it without the rank; its completion and next wait are still on their way)."""
+
+    def group(view: RunnerView) -> str:
+        return (view.waiting_in or "").rpartition("(group ")[2]
+
+    newest: dict[str, int] = {}
+    for view in waiting:
+        newest[group(view)] = max(newest.get(group(view), 0), view.synopsis.step or 0)
+    return [v for v in waiting if (v.synopsis.step or 0) >= newest[group(v)]]
+
+
 def _in_collective(view: RunnerView) -> bool:
     """Waiting in a collective it named (`all_sum #417 (group world)`), not merely in an
     evaluation (`eval()`: whose collectives, if any, compiled code hides)."""
@@ -179,10 +193,11 @@ def judge_recorded(
     if outside:
         words = f"{', '.join(_rank(v) for v in outside)} outside any collective"
         return RecordedVerdict(FindingKind.STALLED_RANK, outside, waiting, words + _list(waiting))
-    if held or len({v.waiting_in for v in waiting}) == 1:
+    current = _current(waiting)
+    if held or len({v.waiting_in for v in current}) == 1:
         return None  # all in one collective, or some not waiting long yet (or in evaluations)
     sites: dict[str | None, list[RunnerView]] = {}
-    for view in waiting:
+    for view in current:
         sites.setdefault(view.waiting_in, []).append(view)
     odd = min(  # the fewest ranks; of as few, the newest (an older number is stale news:
         # its peers could not have passed it without it, a completion said late)

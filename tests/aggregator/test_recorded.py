@@ -208,6 +208,21 @@ def test_of_ranks_alone_at_their_sites_the_one_at_the_newest_number_is_named() -
     assert finding.culpritRanks == [1]
 
 
+def test_a_rank_whose_news_lags_its_peers_is_named_once_its_news_comes() -> None:
+    job = Job(world=4)
+    for peer in (0, 2, 3):
+        job.waits(peer, "all_reduce #21 (group default_pg)", 21)
+    job.waits(1, "all_reduce #16 (group default_pg)", 16)  # its #16 said; #17-#21 late
+    job.pass_time(12, talking=(0, 1, 2, 3))
+    assert job.judge() == []  # its peers passed #16: it did too, its wait is stale news
+    job.waits(1, "broadcast #21 (group default_pg)", 21)
+    job.pass_time(12, talking=(0, 1, 2, 3))
+    (finding,) = job.judge()
+    assert finding.kind is FindingKind.RANK_DISAGREEMENT
+    assert finding.culpritRanks == [1]
+    assert "rank 1 (node-1) in broadcast #21 (group default_pg)" in finding.summary
+
+
 def test_a_rank_that_ended_after_fewer_collectives_disagrees_with_its_waiting_peer() -> None:
     job = Job()
     job.entry(1, Phase.SHUTDOWN_CLEANUP, "program_exit", step=20)
