@@ -184,6 +184,32 @@ STUCK_LAUNCH = (
 peer ended, no signal reaches."""
 
 
+WEDGED_LAUNCH = (
+    "import signal, subprocess, sys, time\n"
+    "rank = subprocess.Popen([sys.executable, '-c', "
+    "'import time; print(\"ready\", flush=True); time.sleep(600)'])\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "time.sleep(600)\n"
+)
+"""A launcher that, asked to end, neither ends nor reaps its ended rank: wedged, as
+mlx.launch can be when a Ctrl-C lands as it reaps its ranks."""
+
+
+def test_a_launcher_wedged_after_its_ranks_ended_is_killed_and_record_ends() -> None:
+    soon = {**os.environ, "RANKSCOPE_RECORD_KILL_AFTER": "1s"}
+    recording = _running("--", sys.executable, "-c", WEDGED_LAUNCH, env=soon)
+    recording.send_signal(signal.SIGINT)
+    recording.communicate(timeout=60)
+    assert recording.returncode != 0
+    leftover = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "time.sleep(600)" in " ".join(p.info["cmdline"] or []) and _not_zombie(p.pid)
+    ]
+    assert leftover == []
+
+
 def test_a_rank_no_signal_reaches_is_killed_once_the_job_was_asked_to_end() -> None:
     soon = {**os.environ, "RANKSCOPE_RECORD_KILL_AFTER": "2s"}  # 15 s unless told
     recording = _running("--", sys.executable, "-c", STUCK_LAUNCH, env=soon)

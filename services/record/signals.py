@@ -101,15 +101,21 @@ class Relay:
 
         A rank blocked in a collective whose peer already ended runs no Python, so no
         signal ends it, and a launcher waiting for it never ends either: once a signal
-        asked the job to end, ranks still running `kill_after` seconds later are killed."""
+        asked the job to end, ranks still running `kill_after` seconds later are killed,
+        and the command itself `GRACE_S` after (a launcher wedged once its ranks ended:
+        mlx.launch can deadlock on a Ctrl-C that lands as it reaps them)."""
         while True:
             try:
                 returncode = self.child.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
                 asked = self._asked_at
-                if asked is not None and time.monotonic() - asked >= self.kill_after:
+                late = time.monotonic() - asked if asked is not None else 0.0
+                if asked is not None and late >= self.kill_after:
                     self._kill_stuck()
+                if asked is not None and late >= self.kill_after + GRACE_S:
+                    with contextlib.suppress(ProcessLookupError):
+                        self.child.kill()
         if self.ending is None:
             return returncode
         left = [p for p in self._family.values() if p.is_running()]
