@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--dominance", type=float, default=arrivals.dominance)
     parser.add_argument("--alone", type=float, default=arrivals.alone)
     parser.add_argument("--apart", type=float, default=stages.apart)
+    parser.add_argument("--beyond", type=float, default=stages.beyond)
     parser.add_argument("--slice", type=float, default=stages.slice)
     parser.add_argument("--clear", type=float, default=stages.clear, help="a stage held")
     parser.add_argument("--glance", type=float, default=stages.glance)
@@ -147,6 +148,7 @@ def main() -> None:
             share=stages.share if args.share is None else args.share,
             certainty=stages.certainty if args.certainty is None else args.certainty,
             apart=args.apart,
+            beyond=args.beyond,
             slice=args.slice,
             clear=args.clear,
             glance=args.glance,

@@ -13,6 +13,7 @@ from rankscope.services.aggregator.diagnosis import Thresholds
 from rankscope.services.aggregator.pace import PaceLimits
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.snapshot_file import SnapshotFile
+from rankscope.services.aggregator.stages import StageLimits
 from rankscope.services.aggregator.store import EntryStore
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.services.lifecycle import connected, run_until_signalled
@@ -54,6 +55,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
                 arrivals=ArrivalLimits(
                     share=settings.straggler_share, window=settings.straggler_window
                 ),
+                stages=StageLimits(window=settings.stage_window),
             ),
             # a silent node is reported well before the rank-table service, one TTL after
             # its last heartbeat, releases what ran on it

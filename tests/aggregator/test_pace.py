@@ -62,7 +62,8 @@ class Job:
         self.seqs = [0] * len(usual)
         self.noise = random.Random(seed)
         self.wobbly = wobbly
-        """Ranks sharing their core: their work strays for seconds at a time."""
+        """Ranks sharing their core: their work strays for seconds at a time, up to 1.5x (a
+        stage 1.6x its peers for a whole window is named whatever it strays)."""
         self.strays = [1.0] * len(usual)
         self.sampled = sampled
         """Steps each rank samples a second."""
@@ -93,7 +94,7 @@ class Job:
         self.now += 1.0
         for r in self.wobbly:
             if int(self.now) % 5 == 0:
-                self.strays[r] = self.noise.uniform(0.7, 1.6)
+                self.strays[r] = self.noise.uniform(0.7, 1.5)
         works = [
             u * s * w * self.noise.uniform(0.85, 1.2)
             for u, s, w in zip(self.usual, self.slowdown, self.strays, strict=False)
