@@ -53,7 +53,11 @@ class ArrivalLimits:
     two ranks share a busy core, the job waits on the other once one is quick, and neither
     alone is the one it waits on."""
     clear: float = 0.05
-    """A named rank stays named while the job loses this share to it."""
+    """A named rank stays named while the job loses this share to it, over the window and
+    over the newest `glance` seconds alike..."""
+    glance: float = 8.0
+    """...(a rank back in line is cleared once this many seconds of steps say so, not once
+    its slow steps have left the whole window)."""
     dominance: float = 2.5
     """A rank is named alone only when the job loses this many times more to it than to
     any other rank of its node: where two ranks share a busy core (or a node's ranks share
@@ -144,6 +148,28 @@ def judge_arrivals(
     if len(joined) < limits.steps or now - oldest < limits.span:
         return None
     size = len(held)
+    shares = _shares(joined, size)
+    newest = [ranked for ranked in joined if max(row[0] for row in ranked) > now - limits.glance]
+    if len(newest) >= limits.steps:
+        shares.still = _shares(newest, size).waited_on
+    waited_on = shares.waited_on
+    stragglers = sorted(
+        _stragglers(shares, list(nodes) or [str(i) for i in range(size)], named, limits),
+        key=lambda i: -waited_on[i],
+    )
+    return Straggle(
+        steps=len(joined),
+        since=oldest,
+        waited_on=waited_on,
+        last=[count / len(joined) for count in shares.last],
+        work_ms=[1000 * statistics.median(r[i][1] for r in joined) for i in range(size)],
+        wait_ms=[1000 * statistics.median(r[i][2] for r in joined) for i in range(size)],
+        stragglers=stragglers,
+    )
+
+
+def _shares(joined: list[list[tuple[float, float, float, float]]], size: int) -> _Shares:
+    """The ranks' shares over the steps of `joined` (each step's rows in rank order)."""
     lost, alone, last, total = [0.0] * size, [0.0] * size, [0] * size, 0.0
     for ranked in joined:
         waits = [row[2] for row in ranked]
@@ -153,25 +179,7 @@ def judge_arrivals(
         last[arrived_last] += 1
         lost[arrived_last] += max(0.0, statistics.median(peers) - waits[arrived_last])
         alone[arrived_last] += max(0.0, min(peers) - waits[arrived_last])
-    waited_on, back = _beyond_peers(lost, total), _beyond_peers(alone, total)
-    stragglers = sorted(
-        _stragglers(
-            _Shares(waited_on, back, last),
-            list(nodes) or [str(i) for i in range(size)],
-            named,
-            limits,
-        ),
-        key=lambda i: -waited_on[i],
-    )
-    return Straggle(
-        steps=len(joined),
-        since=oldest,
-        waited_on=waited_on,
-        last=[count / len(joined) for count in last],
-        work_ms=[1000 * statistics.median(r[i][1] for r in joined) for i in range(size)],
-        wait_ms=[1000 * statistics.median(r[i][2] for r in joined) for i in range(size)],
-        stragglers=stragglers,
-    )
+    return _Shares(_beyond_peers(lost, total), _beyond_peers(alone, total), last)
 
 
 def _beyond_peers(seconds: list[float], total: float) -> list[float]:
@@ -184,14 +192,20 @@ def _beyond_peers(seconds: list[float], total: float) -> list[float]:
     ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Shares:
     """Per rank: the share the job loses waiting for it, the share it would get back were
-    the rank alone as quick as its peers, and the steps it arrived last on."""
+    the rank alone as quick as its peers, the steps it arrived last on, and the share the
+    job loses to it over the newest `glance` of the steps (where they are enough to say)."""
 
     waited_on: list[float]
     back: list[float]
     last: list[int]
+    still: list[float] | None = None
+
+    def lost_still(self, group: list[int]) -> float:
+        """The share lost to the ranks of `group` over the newest steps."""
+        return sum((self.still or self.waited_on)[i] for i in group)
 
 
 def _stragglers(
@@ -201,7 +215,8 @@ def _stragglers(
     it was last more often than chance, the job would get back `alone` were it quick, and
     it dominates its node's other ranks; else a node's ranks together, when the same holds
     of them (but the getting back) against every other node's ranks; and the ranks of an
-    open finding, while the job still loses `clear` to them."""
+    open finding, while the job still loses `clear` to them. None the newest steps show
+    the job losing less than `clear` to: they are back in line."""
     waited_on, last = shares.waited_on, shares.last
     size, steps = len(waited_on), sum(last)
     members: dict[str, list[int]] = {}
@@ -220,15 +235,23 @@ def _stragglers(
     found = {
         i
         for i in range(size)
-        if (
-            shares.back[i] >= limits.alone
-            and stands_out([i], [j for j in members[nodes[i]] if j != i])
+        if shares.lost_still([i]) >= limits.clear
+        and (
+            (
+                shares.back[i] >= limits.alone
+                and stands_out([i], [j for j in members[nodes[i]] if j != i])
+            )
+            or (i in named and waited_on[i] >= limits.clear)
         )
-        or (i in named and waited_on[i] >= limits.clear)
     }
     for group in members.values():
         rivals = [j for j in range(size) if j not in group]
         held = set(group) <= named and sum(waited_on[i] for i in group) >= limits.clear
-        if len(group) > 1 and rivals and (held or stands_out(group, rivals)):
+        if (
+            len(group) > 1
+            and rivals
+            and shares.lost_still(group) >= limits.clear
+            and (held or stands_out(group, rivals))
+        ):
             found.update(group)
     return found

@@ -75,6 +75,21 @@ def test_a_rank_that_slows_mid_run_is_named_within_30s_and_cleared_after() -> No
     assert not any(after[cleared:])
 
 
+def test_a_rank_back_in_line_is_cleared_once_its_newest_steps_say_so() -> None:
+    """Not once its slow steps have left the whole window: cleared after the newest
+    `glance` of steps and the hold, while the window still holds its slow ones."""
+    job = Lockstep(seed=12)
+    job.run(60)
+    job.slowdown[1] = 2.0
+    assert all(job.run(60)[10:])
+    job.slowdown[1] = 1.0
+    after = job.run(60)
+    cleared = next(i for i, findings in enumerate(after) if not findings) + 1
+    limits, hold = ArrivalLimits(), Thresholds().slow.hold
+    assert cleared <= limits.glance + hold + 2 < limits.window + hold
+    assert not any(after[cleared:])
+
+
 def test_a_healthy_noisy_job_names_nobody_for_half_an_hour() -> None:
     job = Lockstep(seed=5)
     assert not any(job.run(1800))
