@@ -53,11 +53,15 @@ class ArrivalLimits:
     two ranks share a busy core, the job waits on the other once one is quick, and neither
     alone is the one it waits on."""
     clear: float = 0.05
-    """A named rank stays named while the job loses this share to it, over the window and
-    over the newest `glance` seconds alike..."""
+    """A named rank stays named while the job loses this share to it over the window..."""
     glance: float = 8.0
-    """...(a rank back in line is cleared once this many seconds of steps say so, not once
-    its slow steps have left the whole window)."""
+    """...and `still` over the newest this many seconds of steps: a rank back in line is
+    cleared once they say so, not once its slow steps have left the window..."""
+    still: float = 0.075
+    """...(between `clear` and the naming bar: at `clear`, a rank whose share by nature
+    sat at 7-10%, sharing a busy core, stayed named two minutes after the slowdown that
+    named it; at 10%, the newest 8 s of a rank given 4/3 its work dipped below it and
+    one of 25 was named past 30 s)."""
     dominance: float = 2.5
     """A rank is named alone only when the job loses this many times more to it than to
     any other rank of its node: where two ranks share a busy core (or a node's ranks share
@@ -216,7 +220,7 @@ def _stragglers(
     it dominates its node's other ranks; else a node's ranks together, when the same holds
     of them (but the getting back) against every other node's ranks; and the ranks of an
     open finding, while the job still loses `clear` to them. None the newest steps show
-    the job losing less than `clear` to: they are back in line."""
+    the job losing less than `still` to: they are back in line."""
     waited_on, last = shares.waited_on, shares.last
     size, steps = len(waited_on), sum(last)
     members: dict[str, list[int]] = {}
@@ -235,7 +239,7 @@ def _stragglers(
     found = {
         i
         for i in range(size)
-        if shares.lost_still([i]) >= limits.clear
+        if shares.lost_still([i]) >= limits.still
         and (
             (
                 shares.back[i] >= limits.alone
@@ -250,7 +254,7 @@ def _stragglers(
         if (
             len(group) > 1
             and rivals
-            and shares.lost_still(group) >= limits.clear
+            and shares.lost_still(group) >= limits.still
             and (held or stands_out(group, rivals))
         ):
             found.update(group)
