@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -176,7 +177,7 @@ STUCK_LAUNCH = (
     "rank = subprocess.Popen([sys.executable, '-c', "
     "'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
     'signal.signal(signal.SIGTERM, signal.SIG_IGN); print("ready", flush=True); '
-    "time.sleep(600)'])\n"
+    "time.sleep(600)', *sys.argv[1:]])\n"
     "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
     "sys.exit(rank.wait())\n"
 )
@@ -187,7 +188,7 @@ peer ended, no signal reaches."""
 WEDGED_LAUNCH = (
     "import signal, subprocess, sys, time\n"
     "rank = subprocess.Popen([sys.executable, '-c', "
-    "'import time; print(\"ready\", flush=True); time.sleep(600)'])\n"
+    "'import time; print(\"ready\", flush=True); time.sleep(600)', *sys.argv[1:]])\n"
     "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "time.sleep(600)\n"
@@ -196,32 +197,33 @@ WEDGED_LAUNCH = (
 mlx.launch can be when a Ctrl-C lands as it reaps its ranks."""
 
 
+def _left(marker: str) -> list[psutil.Process]:
+    """The live processes whose command line holds `marker` (each test's own)."""
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if marker in (p.info["cmdline"] or []) and _not_zombie(p.pid)
+    ]
+
+
 def test_a_launcher_wedged_after_its_ranks_ended_is_killed_and_record_ends() -> None:
     soon = {**os.environ, "RANKSCOPE_RECORD_KILL_AFTER": "1s"}
-    recording = _running("--", sys.executable, "-c", WEDGED_LAUNCH, env=soon)
+    marker = f"wedged-{uuid.uuid4()}"
+    recording = _running("--", sys.executable, "-c", WEDGED_LAUNCH, marker, env=soon)
     recording.send_signal(signal.SIGINT)
     recording.communicate(timeout=60)
     assert recording.returncode != 0
-    leftover = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "time.sleep(600)" in " ".join(p.info["cmdline"] or []) and _not_zombie(p.pid)
-    ]
-    assert leftover == []
+    assert _left(marker) == []
 
 
 def test_a_rank_no_signal_reaches_is_killed_once_the_job_was_asked_to_end() -> None:
     soon = {**os.environ, "RANKSCOPE_RECORD_KILL_AFTER": "2s"}  # 15 s unless told
-    recording = _running("--", sys.executable, "-c", STUCK_LAUNCH, env=soon)
+    marker = f"stuck-{uuid.uuid4()}"
+    recording = _running("--", sys.executable, "-c", STUCK_LAUNCH, marker, env=soon)
     started = time.monotonic()
     recording.send_signal(signal.SIGINT)
     recording.communicate(timeout=60)
     took = time.monotonic() - started
     assert recording.returncode != 0  # the launcher saw its rank killed
     assert took >= 2
-    leftover = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "time.sleep(600)" in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftover == []
+    assert _left(marker) == []
