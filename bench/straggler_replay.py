@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--clear", type=float, default=stages.clear, help="a stage held")
     parser.add_argument("--glance", type=float, default=stages.glance)
     parser.add_argument("--spins", type=float, default=stages.spins, help="> 1: CPU unread")
+    parser.add_argument("--starved", type=float, default=stages.starved)
     parser.add_argument("--near", type=float, default=0.07, help="print seconds above this")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:  # the store copied: left as it was
@@ -153,6 +154,7 @@ def main() -> None:
             clear=args.clear,
             glance=args.glance,
             spins=args.spins,
+            starved=args.starved,
         )
     else:
         limits = ArrivalLimits(
