@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rankscope.shared.settings import default
 from rankscope.shared.wire import SampledStep
@@ -155,7 +155,7 @@ def judge_arrivals(
     shares = _shares(joined, size)
     newest = [ranked for ranked in joined if max(row[0] for row in ranked) > now - limits.glance]
     if len(newest) >= limits.steps:
-        shares.still = _shares(newest, size).waited_on
+        shares = replace(shares, still=_shares(newest, size).waited_on)
     waited_on = shares.waited_on
     stragglers = sorted(
         _stragglers(shares, list(nodes) or [str(i) for i in range(size)], named, limits),
@@ -183,7 +183,8 @@ def _shares(joined: list[list[tuple[float, float, float, float]]], size: int) ->
         last[arrived_last] += 1
         lost[arrived_last] += max(0.0, statistics.median(peers) - waits[arrived_last])
         alone[arrived_last] += max(0.0, min(peers) - waits[arrived_last])
-    return _Shares(_beyond_peers(lost, total), _beyond_peers(alone, total), last)
+    waited_on = _beyond_peers(lost, total)
+    return _Shares(waited_on, _beyond_peers(alone, total), last, still=waited_on)
 
 
 def _beyond_peers(seconds: list[float], total: float) -> list[float]:
@@ -196,20 +197,17 @@ def _beyond_peers(seconds: list[float], total: float) -> list[float]:
     ]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Shares:
     """Per rank: the share the job loses waiting for it, the share it would get back were
     the rank alone as quick as its peers, the steps it arrived last on, and the share the
-    job loses to it over the newest `glance` of the steps (where they are enough to say)."""
+    job loses to it over the newest `glance` of the steps (where they are too few to say,
+    over all of them)."""
 
     waited_on: list[float]
     back: list[float]
     last: list[int]
-    still: list[float] | None = None
-
-    def lost_still(self, group: list[int]) -> float:
-        """The share lost to the ranks of `group` over the newest steps."""
-        return sum((self.still or self.waited_on)[i] for i in group)
+    still: list[float]
 
 
 def _stragglers(
@@ -239,7 +237,7 @@ def _stragglers(
     found = {
         i
         for i in range(size)
-        if shares.lost_still([i]) >= limits.still
+        if shares.still[i] >= limits.still
         and (
             (
                 shares.back[i] >= limits.alone
@@ -254,7 +252,7 @@ def _stragglers(
         if (
             len(group) > 1
             and rivals
-            and shares.lost_still(group) >= limits.still
+            and sum(shares.still[i] for i in group) >= limits.still
             and (held or stands_out(group, rivals))
         ):
             found.update(group)
