@@ -25,13 +25,21 @@ def free_port() -> int:
     return free_ports(1)
 
 
+_GIVEN: set[int] = set()
+"""Ports this process handed out: each is free when drawn but bound only later, by a
+process not started yet, so a second draw must not hand it out again (a gateway and a
+rank-table service of one deployment once drew the same port)."""
+
+
 def free_ports(count: int) -> int:
-    """The first of `count` consecutive TCP ports nobody listens on right now, below the
-    ephemeral range (where the kernel picks other tests' client ports): a ring of ranks
-    binds one port a rank from a base."""
+    """The first of `count` consecutive TCP ports nobody listens on right now and this
+    process has not handed out, below the ephemeral range (where the kernel picks other
+    tests' client ports): a ring of ranks binds one port a rank from a base."""
     draw = random.Random()
     for _ in range(200):
         base = draw.randrange(20_000, 32_000 - count)
+        if _GIVEN.intersection(range(base, base + count)):
+            continue
         try:
             with contextlib.ExitStack() as held:
                 for port in range(base, base + count):
@@ -39,6 +47,7 @@ def free_ports(count: int) -> int:
                     probe.bind(("127.0.0.1", port))
         except OSError:
             continue
+        _GIVEN.update(range(base, base + count))
         return base
     raise OSError(f"no {count} consecutive free ports")
 
