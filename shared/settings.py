@@ -303,7 +303,7 @@ class Settings:
         20.0, _duration, "Seconds of the newest steps every rank sampled compared to name one."
     )
     stage_window: float = _setting(
-        12.0,
+        20.0,
         _duration,
         "Seconds of the newest steps a pipeline's stages are compared over, per layer, to "
         "name the one the pipeline waits on.",
