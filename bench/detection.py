@@ -22,10 +22,10 @@ finding. Faults:
   of its work a step, as a slower device takes longer (`slow_rank`);
 - `first1.3`: such a job started with a rank given 4/3 of its work from its first step,
   timed from its four ranks showing (`slow_rank`), a new job each time;
-- `tfirst1.3`, `tfirst2`: the same for a recorded 4-rank torch DDP job under `torchrun`
-  (gloo; the one `tests/test_record_torch.py` records, two ranks to a core), its rank
-  given 4/3 or twice its own work (twelve 256-wide matrix products) from its first step;
-  needs `--torch-python`;
+- `tfirst1.3`, `tfirst1.5`, `tfirst2`: the same for a recorded 4-rank torch DDP job under
+  `torchrun` (gloo; the one `tests/test_record_torch.py` records, two ranks to a core), its
+  rank given 4/3, 1.5x or twice its own work (twelve 256-wide matrix products, 60% of its
+  step: 1.5x of it makes the whole step 1.3x) from its first step; needs `--torch-python`;
 - `nats`: the NATS server paused (SIGSTOP; `nats_unreachable`, naming no rank);
 - `linkcut`: the network link of node-b cut (in a deployment of its own, every service its
   own process and node-b behind a veth pair in a network namespace, as
@@ -83,6 +83,7 @@ EXPECTED = {
     "work1.3": "slow_rank",
     "first1.3": "slow_rank",
     "tfirst1.3": "slow_rank",
+    "tfirst1.5": "slow_rank",
     "tfirst2": "slow_rank",
     "nats": "nats_unreachable",
     "linkcut": "dead_rank",
@@ -100,6 +101,7 @@ HOLD_S = {
     "work1.3": 45.0,
     "first1.3": 30.0,
     "tfirst1.3": 30.0,
+    "tfirst1.5": 30.0,
     "tfirst2": 30.0,
     "nats": 10.0,
 }
@@ -111,6 +113,7 @@ NAMED_WITHIN_S = {
     "pfirst1.3": 30.0,
     "first1.3": 30.0,
     "tfirst1.3": 30.0,
+    "tfirst1.5": 30.0,
     "tfirst2": 30.0,
 }
 """Longest wait for the first finding, if not 20 s (a lost node is known after up to two
