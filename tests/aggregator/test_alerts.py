@@ -127,8 +127,14 @@ async def test_an_incident_is_one_alert_across_a_restart_resolved_once(
     def alerter() -> Alerter:
         return Alerter([manager.url], None, "http://gateway:8000/incidents?of={instance}")
 
+    async def disagreements() -> list[dict[str, Any]]:
+        """The incident's alerts (NATS slow to answer a ping on a loaded machine is an
+        outage of its own, alerted apart)."""
+        found = await manager.alerts()
+        return [a for a in found if a["labels"]["alertname"] == "RankscopeRankDisagreement"]
+
     async with aggregator(nc, js_ready, thresholds=limits, alerter=alerter()):
-        (firing,) = await _until(manager.alerts)
+        (firing,) = await _until(disagreements)
     labels = firing["labels"]
     assert labels["alertname"] == "RankscopeRankDisagreement"
     assert (labels["instance"], labels["culprit_rank"], labels["culprit_node"]) == (
@@ -142,11 +148,11 @@ async def test_an_incident_is_one_alert_across_a_restart_resolved_once(
     assert firing["annotations"]["url"] == "http://gateway:8000/incidents?of=i"
     async with aggregator(nc, js_ready, thresholds=limits, alerter=alerter()):
         await asyncio.sleep(2.0)  # posted again and again by the restarted aggregator
-        assert [a["fingerprint"] for a in await manager.alerts()] == [firing["fingerprint"]]
+        assert [a["fingerprint"] for a in await disagreements()] == [firing["fingerprint"]]
         await publish(nc, js_ready, entries(rank(0), (1, 2, Phase.DECODE_BARRIER, 8)))
 
         async def resolved() -> bool:
-            return not await manager.alerts()
+            return not await disagreements()
 
         await _until(resolved)
 
