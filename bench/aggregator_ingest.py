@@ -111,11 +111,7 @@ async def _bare(url: str, layout: Layout, count: int) -> float:
 
 async def _aggregator(url: str, layout: Layout) -> tuple[float, int]:
     nc = await nats.connect(url)
-    state = ClusterState(
-        store=EntryStore(total=10_000_000, per_runner=10_000_000),
-        clock=time.monotonic,
-        wall=time.time,
-    )
+    state = ClusterState(store=EntryStore(total=10_000_000, per_runner=10_000_000))
     service = AggregatorService(
         nc=nc, js=nc.jetstream(), layout=layout, state=state, node_id="bench"
     )
@@ -161,11 +157,10 @@ def _ingest(entries: int, per_batch: int) -> None:
 
 
 def _query_and_memory(stored: int) -> None:
-    state = ClusterState(
-        store=EntryStore(total=stored, per_runner=stored), clock=time.monotonic, wall=time.time
-    )
+    state = ClusterState(store=EntryStore(total=stored, per_runner=stored))
     for created in placements(RUNNERS):
         state.apply_placement(created)
+    state.arrive(time.monotonic(), time.time())
     tracemalloc.start()
     payloads = [payload for _, payload, _ in _batches(stored, 64)]
     for payload in payloads:
@@ -176,7 +171,11 @@ def _query_and_memory(stored: int) -> None:
     latencies = []
     for _ in range(200):
         started = time.perf_counter()
-        encode(answers.timeline(state, TimelineQuery(limit=1000), local_node_id="bench"))
+        encode(
+            answers.timeline(
+                state, TimelineQuery(limit=1000), local_node_id="bench", now=time.time()
+            )
+        )
         latencies.append((time.perf_counter() - started) * 1000)
     latencies.sort()
     print(

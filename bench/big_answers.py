@@ -37,11 +37,10 @@ LAYOUT = Layout()
 
 
 def _state(stored: int) -> ClusterState:
-    state = ClusterState(
-        store=EntryStore(total=stored, per_runner=stored), clock=time.monotonic, wall=time.time
-    )
+    state = ClusterState(store=EntryStore(total=stored, per_runner=stored))
     for created in placements(RUNNERS):
         state.apply_placement(created)
+    state.arrive(time.monotonic(), time.time())
     per_runner = stored // RUNNERS
     for r in range(RUNNERS):
         ref = runner_ref(r)

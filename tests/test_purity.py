@@ -1,6 +1,7 @@
 """The modules docs/ARCHITECTURE.md calls pure read no clock and do no I/O: every input,
 the time included, is an argument. Checked on their syntax trees; shown to fail on planted
-sources that read a clock, import a network or process module, or open a file."""
+sources that read a clock, take one to read later, import a network or process module, or
+open a file."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ FORBIDDEN_MODULES = frozenset(
 FORBIDDEN_CALLS = frozenset({"open", "now", "utcnow", "today", "monotonic", "perf_counter"})
 """Files, and the clocks a module can read without importing `time` (`datetime.now`,
 `rankscope.shared.timestamps.now`)."""
+CLOCK = "Callable[[], float]"
+"""How a clock handed in reads: a pure module is told the time, not given a clock."""
 
 
 def pure_modules() -> list[str]:
@@ -44,6 +47,10 @@ def impurities(source: str) -> list[str]:
             names = [node.module or ""]
             if (node.module or "").endswith("timestamps"):
                 names += [alias.name for alias in node.names if alias.name == "now"]
+        elif isinstance(node, ast.arg) and node.annotation is not None:
+            if ast.unparse(node.annotation).strip("'\"") == CLOCK:
+                said.append(f"line {node.lineno}: takes a clock ({node.arg})")
+            continue
         elif isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
@@ -80,6 +87,7 @@ def test_a_pure_module_reads_no_clock_and_does_no_io(module: str) -> None:
         ("import asyncio", "line 1: imports asyncio"),
         ("from nats.aio.client import Client", "line 1: imports nats.aio.client"),
         ("data = open('x').read()", "line 1: calls open()"),
+        ("def f(clock: Callable[[], float]) -> None: ...", "line 1: takes a clock (clock)"),
     ],
 )
 def test_the_check_fails_on_a_clock_or_io(planted: str, said: str) -> None:

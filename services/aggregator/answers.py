@@ -117,13 +117,15 @@ def _synopsis(state: ClusterState, view: RunnerView, moment: float) -> RunnerSyn
     )
 
 
-def timeline_plan(state: ClusterState, query: TimelineQuery, *, local_node_id: str) -> TimelinePlan:
-    """What the seed-001 `ClusterTimeline` under `query`'s filters holds: its head now,
-    its entries chosen but built on demand (a big answer is built a slice at a time)."""
+def timeline_plan(
+    state: ClusterState, query: TimelineQuery, *, local_node_id: str, now: float
+) -> TimelinePlan:
+    """What the seed-001 `ClusterTimeline` under `query`'s filters holds: its head made
+    at `now` (seconds since the epoch), its entries chosen but built on demand (a big
+    answer is built a slice at a time)."""
     views = _selected(state, query)
-    moment = state.wall()
     runners = sorted(
-        (_synopsis(state, v, moment) for v in views),
+        (_synopsis(state, v, now) for v in views),
         key=lambda r: (r.modelId, r.deviceRank, r.runnerId),
     )
     by_id = {v.ref.runnerId: v.ref for v in views}
@@ -140,7 +142,7 @@ def timeline_plan(state: ClusterState, query: TimelineQuery, *, local_node_id: s
         if (query.nodeId is None and query.instanceId is None) or node in nodes
     ]
     head = ClusterTimeline(
-        generatedAt=from_micros(int(moment * 1e6)),
+        generatedAt=from_micros(int(now * 1e6)),
         localNodeId=local_node_id,
         runners=runners,
         timeline=[],
@@ -149,9 +151,12 @@ def timeline_plan(state: ClusterState, query: TimelineQuery, *, local_node_id: s
     return TimelinePlan(head, selection, by_id)
 
 
-def timeline(state: ClusterState, query: TimelineQuery, *, local_node_id: str) -> ClusterTimeline:
-    """The seed-001 `ClusterTimeline` under `query`'s filters."""
-    plan = timeline_plan(state, query, local_node_id=local_node_id)
+def timeline(
+    state: ClusterState, query: TimelineQuery, *, local_node_id: str, now: float
+) -> ClusterTimeline:
+    """The seed-001 `ClusterTimeline` under `query`'s filters, made at `now` (seconds since
+    the epoch)."""
+    plan = timeline_plan(state, query, local_node_id=local_node_id, now=now)
     return msgspec.structs.replace(plan.head, timeline=plan.entries(0, plan.size))
 
 

@@ -74,6 +74,7 @@ class Findings:
         alerter: where findings go as alerts, if anywhere.
         loaded: the incidents of loaded dumps to publish, once each.
         clock: monotonic seconds.
+        wall: seconds since the epoch.
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class Findings:
         alerter: Alerter | None,
         loaded: deque[Finding],
         clock: Callable[[], float],
+        wall: Callable[[], float],
     ) -> None:
         self._nc = nc
         self._js = js
@@ -102,6 +104,7 @@ class Findings:
         self._known: set[str] = set()
         """Every incident the diagnosis stream held as this aggregator started."""
         self._clock = clock
+        self._wall = wall
         self.capturing: set[asyncio.Task[None]] = set()
         self._unpublished: deque[Finding] = deque(maxlen=UNPUBLISHED_FINDINGS)
         """Findings not yet in the diagnosis stream (NATS was out), oldest first."""
@@ -157,7 +160,7 @@ class Findings:
                             RESTORE_INCIDENTS_S)  # fmt: skip
             return
         self._known = {finding.key for finding in past}
-        self.core.feed(TakeUp(found, at=self._clock(), wall=self._wall()))
+        self.core.feed(TakeUp(found, at=self._clock(), wall=self._now()))
         self._announced |= {(f.instanceId, f.since) for f in found.values()}
         if self._alerter is not None:
             self._alerter.remember(past)
@@ -165,9 +168,9 @@ class Findings:
         if found:
             log.info("took up %d open incidents", len(found))
 
-    def _wall(self) -> str:
-        """Now, by the views' wall clock (virtual in tests), as a wire timestamp."""
-        return from_micros(round(self._state.wall() * 1e6))
+    def _now(self) -> str:
+        """Now, by its wall clock (virtual in tests), as a wire timestamp."""
+        return from_micros(round(self._wall() * 1e6))
 
     def _outage(self) -> Outage | None:
         if not self._reach.reachable:
@@ -182,7 +185,7 @@ class Findings:
         """Judge this moment (`core.Core`), a slice of instances at a time between turns of
         the queries; returns (findings opened or changed, findings that cleared), and asks
         for the evidence of those that opened."""
-        effects = self.core.feed(Tick(self._clock(), self._wall(), self._outage()))
+        effects = self.core.feed(Tick(self._clock(), self._now(), self._outage()))
         while effects and isinstance(effects[-1], Pause):
             await asyncio.sleep(0)
             effects = self.core.feed(Resume())
@@ -234,7 +237,7 @@ class Findings:
     async def stop_watching(self) -> None:
         """Say of each open incident of its instances that rankscope stops watching it now:
         whatever follows until an aggregator takes it up again goes unseen."""
-        wall = self._wall()
+        wall = self._now()
         for incident in self.incidents.values():
             finding = incident.finding
             if not finding.instanceId or finding.kind in _OUTAGES:

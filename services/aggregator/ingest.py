@@ -47,6 +47,7 @@ class Ingest:
         partition: the instances it folds.
         dead_letters: where refused messages go, with the reason.
         clock: monotonic seconds.
+        wall: seconds since the epoch.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class Ingest:
         partition: Partition,
         dead_letters: DeadLetters,
         clock: Callable[[], float],
+        wall: Callable[[], float],
     ) -> None:
         self._js = js
         self._layout = layout
@@ -66,6 +68,9 @@ class Ingest:
         self._whole = partition.whole
         self._dead_letters = dead_letters
         self._clock = clock
+        self._wall = wall
+        self._arrived = False
+        """Whether the state was told when the run of telemetry it folds now arrived."""
         self.placed_at: dict[str, float] = {}
         """When each of its instances was last placed, by its clock."""
         self.placed_elsewhere: dict[str, set[str]] = {}
@@ -101,10 +106,22 @@ class Ingest:
             self._reject(msg, exc)
             return
         stored = stored_ns(msg.reply)
+        if not self._arrived:
+            self._arrive()
+            self._arrived = True
         try:  # settled by the follower: a runner's batches of a run filed at once
             self._state.apply_telemetry(event, msg.data, stored, settle=False)
         except BadInputError as exc:  # only now is it worth a `Parked`
             self._refused(Parked(msg.subject, msg.data, event, stored, self._clock()), exc)
+
+    def _arrive(self) -> None:
+        """Tell the state that the telemetry it folds until its next settle arrives now."""
+        self._state.arrive(self._clock(), self._wall())
+
+    def _settle(self) -> None:
+        """The end of a run of telemetry: fold what it held; the next run arrives anew."""
+        self._state.settle()
+        self._arrived = False
 
     def _refused_when_filed(self, held: Held, error: BadInputError) -> None:
         """Refuse a batch `settle` could not file (of a placed runner: not parked)."""
@@ -161,6 +178,7 @@ class Ingest:
         self._state.apply_placement(event, stored_ns(msg.reply))
         self.placed_at[event.instanceId] = self._clock()
         if isinstance(event, InstanceCreated):  # its runners' first messages, read before it
+            self._arrive()
             for assignment in event.assignments:
                 for item in self._parking.take(assignment.runnerId):
                     self._apply_telemetry(item)
@@ -178,6 +196,7 @@ class Ingest:
         stored = stored_ns(msg.reply)
         self._state.apply_placement(made.instance, stored)
         self.placed_at[made.instance.instanceId] = self._clock()
+        self._arrive()
         for batch in made.batches:
             try:
                 self._state.apply_telemetry(batch, encode(batch), stored)
@@ -227,7 +246,7 @@ class Ingest:
                 handle,
                 also=filters[1:],
                 after=after.get(name, 0),
-                settle=self._state.settle,
+                settle=self._settle,
             )
 
     def _filters(self, ids: list[str | None]) -> tuple[list[str], list[str]]:

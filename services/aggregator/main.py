@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from pathlib import Path
 
 from rankscope.services.aggregator.alerts import Alerter
@@ -39,7 +38,7 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             nc=nc,
             js=js,
             layout=layout,
-            state=ClusterState(store=store, clock=time.monotonic, wall=time.time),
+            state=ClusterState(store=store),
             node_id=settings.node_id or "aggregator",
             thresholds=Thresholds(
                 working=settings.stall_threshold,

@@ -62,6 +62,7 @@ class Queries:
         health: readiness and counters (the health view).
         arrivals: the steps compared to say how long each job waits for each rank.
         clock: monotonic seconds.
+        wall: seconds since the epoch (how long a rank has been in its phase).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class Queries:
         health: Callable[[], AggregatorHealth],
         thresholds: Thresholds,
         clock: Callable[[], float],
+        wall: Callable[[], float],
     ) -> None:
         self._nc = nc
         self._subjects = subjects
@@ -86,6 +88,7 @@ class Queries:
         self._health = health
         self._thresholds = thresholds
         self._clock = clock
+        self._wall = wall
         self._cache: dict[bytes, tuple[int, float, bytes]] = {}
         self._cache_bytes = 0
         self._heavy_lane = asyncio.Semaphore(1)
@@ -145,7 +148,7 @@ class Queries:
         """The timeline's JSON, its entries encoded a slice at a time between turns of the
         other queries and of ingest (the plan holds what it needs of evicted entries)."""
         plan = answers.timeline_plan(
-            self._state, query, local_node_id=query.localNodeId or self._node_id
+            self._state, query, local_node_id=query.localNodeId or self._node_id, now=self._wall()
         )
         before, after = encode(plan.head).split(b'"timeline":[]', 1)
         pieces = [before, b'"timeline":[']
@@ -198,7 +201,8 @@ class Queries:
         answer = self._cached(data)
         if answer is None:
             local = query.localNodeId or self._node_id
-            answer = encode(answers.timeline(self._state, query, local_node_id=local))
+            made = answers.timeline(self._state, query, local_node_id=local, now=self._wall())
+            answer = encode(made)
             self._remember(data, self._state.version, answer)
         return answer
 

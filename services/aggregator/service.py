@@ -64,6 +64,7 @@ class AggregatorService:
         partition: the instances it folds and answers for (all by default).
         alerter: where findings go as alerts, if anywhere.
         clock: monotonic seconds.
+        wall: seconds since the epoch.
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class AggregatorService:
         partition: Partition | None = None,
         alerter: Alerter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._js = js
         self._layout = layout
@@ -107,6 +109,7 @@ class AggregatorService:
             partition=partition,
             dead_letters=self.dead_letters,
             clock=clock,
+            wall=wall,
         )
         self.core = Core(
             state,
@@ -128,6 +131,7 @@ class AggregatorService:
             alerter=alerter,
             loaded=self.ingest.loaded,
             clock=clock,
+            wall=wall,
         )
         self.liveness = Liveness(
             nc=nc,
@@ -138,7 +142,7 @@ class AggregatorService:
             dead_letters=self.dead_letters,
             probe_timeout=probe_timeout,
             clock=clock,
-            wall=state.wall,
+            wall=wall,
         )
         self.queries = Queries(
             nc=nc,
@@ -150,6 +154,7 @@ class AggregatorService:
             health=self.health,
             thresholds=self.core.thresholds,
             clock=clock,
+            wall=wall,
         )
         self._snapshots = Snapshots(
             js=js, layout=layout, state=state, file=snapshots, interval=snapshot_interval,

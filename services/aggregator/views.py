@@ -1,7 +1,9 @@
 """The aggregator's state, folded from events by pure reducers, and the views built from it.
 
-Nothing here does I/O: events and the clock come in as arguments, so every view is
-testable without NATS. Telemetry is idempotent by (runner, seq).
+Nothing here does I/O or reads a clock: events come in as arguments and their shell says
+when they arrived (`ClusterState.arrive`), so every view is testable without NATS on
+virtual time, and a replay fed the moments of a live run folds the same state. Telemetry
+is idempotent by (runner, seq).
 """
 
 from __future__ import annotations
@@ -84,22 +86,10 @@ class ClusterState:
 
     Args:
         store: where entries are kept.
-        clock: monotonic seconds, for progress (the runners' clocks are not trusted here):
-            `time.monotonic` in the service, a virtual clock in tests.
-        wall: seconds since the epoch (`time.time`, or a virtual clock).
     """
 
-    def __init__(
-        self,
-        *,
-        store: EntryStore,
-        clock: Callable[[], float],
-        wall: Callable[[], float],
-    ) -> None:
+    def __init__(self, *, store: EntryStore) -> None:
         self.store = store
-        self._clock = clock
-        self.wall = wall
-        """Seconds since the epoch: when a message counts as received, a view as made."""
         self.runners = Runners()
         self.instances: dict[str, InstanceCreated] = {}
         self.tasks: dict[str, OrderedDict[str, TaskView]] = {}
@@ -116,13 +106,27 @@ class ClusterState:
         last took this set (`take_touched`)."""
         self._unsettled: dict[str, _Unsettled] = {}
         """Per runner, entries newer than its synopsis that `settle` has yet to fold in."""
-        self._now: tuple[float, int] | None = None
-        """`_moment`, until the next `settle`."""
+        self.now: tuple[float, int] | None = None
+        """When the telemetry applied now arrived, as `arrive` said: (monotonic seconds,
+        µs since the epoch)."""
         self._held: dict[str, tuple[RunnerView, list[Held]]] = {}
         """Per runner, entry batches applied since the last `settle`, filed by it."""
         self.refused: Callable[[Held, BadInputError], None] = _refused
         """Told of each held batch `settle` cannot file (its times or its seqs are
         nonsense), with why; the rest are filed."""
+
+    def arrive(self, at: float, wall: float) -> None:
+        """Say when the telemetry applied from now on arrived: `at` on the aggregator's
+        monotonic clock (progress and silence; the runners' clocks are not trusted here),
+        `wall` in seconds since the epoch (no entry counts as later than its arrival).
+        Ingest says it once a run of messages (nothing arrives during a run, so each had
+        arrived when the first was applied); a test says it on virtual time."""
+        self.now = at, int(wall * 1e6)
+
+    def _moment(self) -> tuple[float, int]:
+        if self.now is None:
+            raise RuntimeError("telemetry applied before `arrive` said when it arrived")
+        return self.now
 
     def _runner(self, ref: RunnerRef) -> RunnerView:
         view = self.runners.get(ref.runnerId)
@@ -167,7 +171,7 @@ class ClusterState:
             return fresh
         self._file_held(view.ref.runnerId)  # its status after its entries, as they came
         self._check_jump(view, view.seqs.last, event.seq, stored_ns)
-        self._heard(view, stored_ns, self._clock() if self._now is None else self._now[0])
+        self._heard(view, stored_ns, self._moment()[0])
         self._settle(view.ref.runnerId)
         if not view.seqs.add(event.seq):
             self.duplicates += 1
@@ -179,7 +183,7 @@ class ClusterState:
             if event.pace is not None:
                 if view.pace is None:
                     view.pace = PaceHistory()
-                view.pace.add(stored_ns / 1e9 if stored_ns else self.wall(), event.pace)
+                view.pace.add(stored_ns / 1e9 if stored_ns else self._moment()[1] / 1e6, event.pace)
         elif view.status is None or event.seq > view.status.seq:
             view.status = event
             if event.statusKind is RunnerStatusKind.FAILED:
@@ -199,7 +203,7 @@ class ClusterState:
         times = entry_times(entries)
         seqs = [e.seq for e in entries]
         self._check_jump(view, view.seqs.last, max(seqs, default=-1), stored_ns)
-        heard, arrived = self._now or self._moment()
+        heard, arrived = self._moment()
         self._heard(view, stored_ns, heard)
         fresh = view.seqs.fresh(seqs)
         if len(fresh) < len(seqs):
@@ -238,7 +242,7 @@ class ClusterState:
         times = second_micros([entry.at for entry in entries])
         if times is None:
             return False
-        heard, arrived = self._now or self._moment()
+        heard, arrived = self._moment()
         payloads = [(raw or encode(event), len(event.entries)) for event, raw, _ in batches]
         if not self.store.add_run(view.ref.runnerId, payloads, times, arrived, view.ref.nodeId):
             return False
@@ -246,14 +250,6 @@ class ClusterState:
         self._heard(view, batches[-1][2], heard)
         self._unsettle(view, entries, arrived, consecutive=True)
         return True
-
-    def _moment(self) -> tuple[float, int]:
-        """Now, as (monotonic seconds, µs since the epoch), read once for every message
-        applied until the next `settle`: ingest settles after each run of messages it
-        applies at once, and nothing arrives during a run, so each of them had arrived
-        when the first was applied."""
-        self._now = self._clock(), int(self.wall() * 1e6)
-        return self._now
 
     def _heard(self, view: RunnerView, stored_ns: int | None, heard: float) -> None:
         """Note that the runner of `view` spoke at `heard` (monotonic seconds), in a
@@ -340,7 +336,6 @@ class ClusterState:
             self._file_held(runner_id)
         for runner_id in list(self._unsettled):
             self._settle(runner_id)
-        self._now = None
 
     def _settle(self, runner_id: str) -> None:
         unsettled = self._unsettled.pop(runner_id, None)
@@ -360,7 +355,7 @@ class ClusterState:
                     view.gave_up = entry
                 elif entry.event == Breadcrumb.RUNNER_READY:
                     view.gave_up = view.failure = None
-        view.progressed = self._clock()
+        view.progressed = self._moment()[0]
 
     def apply_placement(self, event: PlacementEvent, stored_ns: int | None = None) -> None:
         """Apply a placement decision (`stored_ns`: when NATS stored it)."""

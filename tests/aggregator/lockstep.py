@@ -36,7 +36,7 @@ class Lockstep:
 
     def __init__(self, world: int = 4, work: float = 0.004, seed: int = 3) -> None:
         self.now = 1000.0
-        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now, wall=time.time)
+        self.state = ClusterState(store=EntryStore())
         self.placed = placed(world=world)
         self.state.apply_placement(self.placed, stored_ns=int(self.now * 1e9))
         self.ranks = [rank(r, world=world) for r in range(world)]
@@ -91,6 +91,7 @@ class Lockstep:
             sample = MemorySampled(runner=ref, seq=self._seq(r), snapshot=snapshot, pace=pace)
             decoding = entries(ref, (self._seq(r), self.now - 1000, Phase.DECODE_STREAM, 2))
             for event in (sample, decoding):
+                self.state.arrive(self.now, time.time())
                 self.state.apply_telemetry(event, stored_ns=stored)
                 self.seconds[-1][1].append((event, stored))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,7 @@ async def aggregator(
         nc=nc,
         js=nc.jetstream(),
         layout=layout,
-        state=ClusterState(store=store or EntryStore(), clock=time.monotonic, wall=time.time),
+        state=ClusterState(store=store or EntryStore()),
         node_id="agg",
         **options,
     )

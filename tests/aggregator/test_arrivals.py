@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import time
 
 import msgspec
 import pytest
@@ -220,7 +219,7 @@ def test_the_sampled_steps_survive_a_restart_from_a_snapshot() -> None:
     job.slowdown[3] = 1.4
     job.run(15)
     kept = msgspec.json.decode(msgspec.json.encode(capture(job.state, {})), type=Snapshot)
-    state = ClusterState(store=EntryStore(), clock=lambda: job.now, wall=time.time)
+    state = ClusterState(store=EntryStore())
     restore(state, kept, moment=job.now)
     before = job.state.runners["i-r3"].pace
     after = state.runners["i-r3"].pace

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections import Counter
 
 import pytest
@@ -185,7 +184,7 @@ async def test_a_node_that_floods_the_aggregator_loses_its_own_history_and_is_na
 
 
 def test_a_flood_is_named_while_the_node_gives_up_history_and_a_while_after() -> None:
-    state = ClusterState(store=EntryStore(), clock=time.monotonic, wall=time.time)
+    state = ClusterState(store=EntryStore())
     floods = Floods(partition="0/1")
     incidents: dict[str, Incident] = {}
 

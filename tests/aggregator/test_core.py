@@ -41,7 +41,8 @@ def _stuck(instances: list[str]) -> tuple[Core, list[float]]:
     """A core over `instances`, each with rank 0 held a step behind rank 1 from second 1
     (a virtual clock, by the list it returns)."""
     clock = [1000.0]
-    state = ClusterState(store=EntryStore(), clock=lambda: clock[0], wall=time.time)
+    state = ClusterState(store=EntryStore())
+    state.arrive(clock[0], time.time())
     for instance in instances:
         state.apply_placement(placed(instance))
         state.apply_telemetry(entries(rank(0, instance), (0, 1, Phase.PREFILL_PIPELINE, 7)))

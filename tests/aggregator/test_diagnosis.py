@@ -29,19 +29,27 @@ LIMITS = Thresholds(working=10, loading=300, no_data=30, silent=5)
 
 
 class Clock:
-    """The aggregator's clock, and the incidents it has open (as its service keeps them)."""
+    """The aggregator's clock, which tells `state` when what it folds from then on arrives
+    (as ingest does), and the incidents it has open (as its service keeps them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
         self.now = 1000.0
         self.incidents: dict[str, Incident] = {}
 
-    def __call__(self) -> float:
-        return self.now
+    @property
+    def now(self) -> float:
+        return self._now
+
+    @now.setter
+    def now(self, moment: float) -> None:
+        self._now = moment
+        self.state.arrive(moment, time.time())
 
 
 def _setup(world: int = 2) -> tuple[ClusterState, Clock]:
-    clock = Clock()
-    state = ClusterState(store=EntryStore(), clock=clock, wall=time.time)
+    state = ClusterState(store=EntryStore())
+    clock = Clock(state)
     state.apply_placement(placed(world=world))
     return state, clock
 

@@ -55,7 +55,7 @@ class Job:
         preempted: float = 0.0,
     ) -> None:
         self.now = 1000.0
-        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now, wall=time.time)
+        self.state = ClusterState(store=EntryStore())
         self.state.apply_placement(placed(split=_layers(usual)), stored_ns=self._ns())
         self.usual, self.slowdown = usual, [1.0] * len(usual)
         self.ranks = [rank(r, world=len(usual)) for r in range(len(usual))]
@@ -78,6 +78,7 @@ class Job:
         self.unsettled: dict[str, float] = {}
         """As the aggregator keeps it: when an incident other than slow_rank was open."""
         for r, ref in enumerate(self.ranks):
+            self.state.arrive(self.now, time.time())
             self.state.apply_telemetry(
                 entries(ref, (self._seq(r), 0, Phase.DECODE_STREAM, 1)), stored_ns=self._ns()
             )
@@ -116,7 +117,9 @@ class Job:
         at `stored` (seconds)."""
         snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
         sample = MemorySampled(runner=self.ranks[r], seq=self._seq(r), snapshot=snapshot, pace=pace)
+        self.state.arrive(self.now, time.time())
         self.state.apply_telemetry(sample, stored_ns=int(stored * 1e9))
+        self.state.arrive(self.now, time.time())
         self.state.apply_telemetry(
             entries(self.ranks[r], (self._seq(r), self.now - 1000, Phase.DECODE_STREAM, 2)),
             stored_ns=int(stored * 1e9),
@@ -143,11 +146,13 @@ class Job:
             for r, ref in enumerate(self.ranks):
                 if r == frozen:
                     continue
+                self.state.arrive(self.now, time.time())
                 self.state.apply_telemetry(
                     entries(ref, (self._seq(r), self.now - 1000, Phase.DECODE_STREAM, 3)),
                     stored_ns=self._ns(),
                 )
                 snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
+                self.state.arrive(self.now, time.time())
                 self.state.apply_telemetry(
                     MemorySampled(runner=ref, seq=self._seq(r), snapshot=snapshot),
                     stored_ns=self._ns(),
@@ -388,7 +393,7 @@ def test_a_restart_from_a_snapshot_keeps_the_pace_and_the_finding() -> None:
     image = msgspec.json.decode(
         msgspec.json.encode(capture(job.state, {})), type=type(capture(job.state, {}))
     )
-    fresh = ClusterState(store=EntryStore(), clock=lambda: job.now, wall=time.time)
+    fresh = ClusterState(store=EntryStore())
     restore(fresh, image, moment=job.now)
     job.state = fresh
     job.incidents = {}  # the incident history is the diagnosis stream's, not the snapshot's

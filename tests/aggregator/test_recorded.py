@@ -60,7 +60,7 @@ class Job:
 
     def __init__(self, world: int = 2) -> None:
         self.now = 1000.0
-        self.state = ClusterState(store=EntryStore(), clock=lambda: self.now, wall=time.time)
+        self.state = ClusterState(store=EntryStore())
         self.state.apply_placement(_recorded(world), stored_ns=self._ns())
         self.incidents: dict[str, Incident] = {}
         self.seqs = dict.fromkeys(range(world), 0)
@@ -79,6 +79,7 @@ class Job:
         entry = FlightEntry(
             seq=self._seq(r), at=at(self.now - 1000), phase=phase, event=event, attrs=attrs
         )
+        self.state.arrive(self.now, time.time())
         self.state.apply_telemetry(
             PhaseEntries(runner=self.ranks[r], entries=[entry]), stored_ns=self._ns()
         )
@@ -89,6 +90,7 @@ class Job:
     def sample(self, r: int) -> None:
         snapshot = MlxMemorySnapshot(generatedAt=at(self.now - 1000), source="mlx.core")
         event = MemorySampled(runner=self.ranks[r], seq=self._seq(r), snapshot=snapshot)
+        self.state.arrive(self.now, time.time())
         self.state.apply_telemetry(event, stored_ns=self._ns())
 
     def ends(
@@ -105,6 +107,7 @@ class Job:
             signal=signal,
             stoppedByUser=stopped,
         )
+        self.state.arrive(self.now, time.time())
         self.state.apply_telemetry(event, stored_ns=self._ns())
 
     def pass_time(self, seconds: float, *, talking: tuple[int, ...]) -> None:

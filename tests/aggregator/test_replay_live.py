@@ -37,12 +37,11 @@ def _live(job: Lockstep, seconds: int, core: Core) -> list[list[Effect]]:
 
 def _replayed(placed: InstanceCreated, log: Log) -> list[list[Effect]]:
     """`log` applied to a fresh state in order, a tick fed after each second as it was."""
-    moment = [1000.0]
-    state = ClusterState(store=EntryStore(), clock=lambda: moment[0], wall=time.time)
+    state = ClusterState(store=EntryStore())
     state.apply_placement(placed, stored_ns=int(1000 * 1e9))
     core, said = _core(state, placed), []
     for second, events in log:
-        moment[0] = second
+        state.arrive(second, time.time())
         for event, stored_ns in events:
             state.apply_telemetry(event, stored_ns=stored_ns)
         said.append(core.feed(_tick(second)))

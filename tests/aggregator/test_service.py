@@ -169,7 +169,9 @@ async def test_changed_instances_are_judged_at_once_and_every_instance_as_time_p
 
 
 def _views(service: AggregatorService) -> tuple[object, ...]:
-    timeline = answers.timeline(service.state, TimelineQuery(limit=100_000), local_node_id="agg")
+    timeline = answers.timeline(
+        service.state, TimelineQuery(limit=100_000), local_node_id="agg", now=time.time()
+    )
     runners = [replace_seconds(r) for r in timeline.runners]
     return timeline.timeline, runners, answers.placement(service.state, local_node_id="agg")
 
@@ -786,7 +788,7 @@ async def test_a_big_timeline_is_the_same_answer_and_small_queries_overtake_it(
         decode(small.data, Diagnosis)
         built = decode(big.data, ClusterTimeline)
         whole = answers.timeline(
-            running.service.state, TimelineQuery(limit=60_000), local_node_id="agg"
+            running.service.state, TimelineQuery(limit=60_000), local_node_id="agg", now=time.time()
         )
         assert [e.attrs["step"] for e in built.timeline] == list(range(60_000))
         assert built.timeline == whole.timeline
@@ -896,7 +898,9 @@ async def test_a_partition_is_delivered_its_own_instances_alone(
         telemetry = folded[js_ready.runner_stream.name]
         assert telemetry.handled == 3  # its own, late's first gone over again: no other
         assert {v.ref.instanceId for v in service.state.runners.values()} == set(mine)
-        held = answers.timeline(service.state, TimelineQuery(instanceId=late), local_node_id="x")
+        held = answers.timeline(
+            service.state, TimelineQuery(instanceId=late), local_node_id="x", now=time.time()
+        )
         assert [e.at for e in held.timeline] == [at(2)]  # none stored before it was placed
         assert service.dead_letters.counts == {"telemetry_before_placement": 1}
 

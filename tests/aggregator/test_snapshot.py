@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 
 import pytest
@@ -65,9 +66,11 @@ async def _history(nc: Client, layout: Layout, first: int, count: int) -> None:
 
 def _views(service: AggregatorService) -> tuple[object, ...]:
     state = service.state
-    timeline = answers.timeline(state, TimelineQuery(limit=100_000), local_node_id="agg")
+    timeline = answers.timeline(
+        state, TimelineQuery(limit=100_000), local_node_id="agg", now=time.time()
+    )
     filtered = [
-        answers.timeline(state, query, local_node_id="agg")
+        answers.timeline(state, query, local_node_id="agg", now=time.time())
         for query in (TimelineQuery(instanceId="i"), TimelineQuery(nodeId="node-1"))
     ]
     return (

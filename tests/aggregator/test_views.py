@@ -33,16 +33,9 @@ from rankscope.shared.wire import (
 from tests.aggregator.builders import at, entries, placed, rank, status
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _state() -> ClusterState:
-    state = ClusterState(store=EntryStore(), clock=Clock(), wall=time.time)
+    state = ClusterState(store=EntryStore())
+    state.arrive(100.0, time.time())
     state.apply_placement(placed())
     return state
 
@@ -51,7 +44,7 @@ def test_timeline_merges_ranks_by_time_with_ties_by_node_then_rank() -> None:
     state = _state()
     state.apply_telemetry(entries(rank(1), (0, 2, Phase.CREATED, None), (1, 3, Phase.IDLE, None)))
     state.apply_telemetry(entries(rank(0), (0, 1, Phase.CREATED, None), (1, 3, Phase.IDLE, None)))
-    timeline = answers.timeline(state, TimelineQuery(), local_node_id="agg")
+    timeline = answers.timeline(state, TimelineQuery(), local_node_id="agg", now=time.time())
     assert [(e.at, e.deviceRank) for e in timeline.timeline] == [
         (at(1), 0),
         (at(2), 1),
@@ -77,12 +70,21 @@ def test_limit_keeps_the_newest_in_ascending_order_and_filters_apply() -> None:
     state.apply_telemetry(
         entries(rank(1), *[(i, i + 0.5, Phase.DECODE_STREAM, i) for i in range(10)])
     )
-    newest = answers.timeline(state, TimelineQuery(limit=3), local_node_id="a").timeline
+    newest = answers.timeline(
+        state, TimelineQuery(limit=3), local_node_id="a", now=time.time()
+    ).timeline
     assert [e.at for e in newest] == [at(8.5), at(9), at(9.5)]
-    only = answers.timeline(state, TimelineQuery(nodeId="node-1", since=at(8)), local_node_id="a")
+    only = answers.timeline(
+        state, TimelineQuery(nodeId="node-1", since=at(8)), local_node_id="a", now=time.time()
+    )
     assert [e.at for e in only.timeline] == [at(8.5), at(9.5)]
     assert [r.runnerId for r in only.runners] == ["i-r1"]
-    assert answers.timeline(state, TimelineQuery(modelId="other"), local_node_id="a").runners == []
+    assert (
+        answers.timeline(
+            state, TimelineQuery(modelId="other"), local_node_id="a", now=time.time()
+        ).runners
+        == []
+    )
 
 
 def test_filters_by_instance_and_node_find_exactly_their_runners() -> None:
@@ -92,7 +94,8 @@ def test_filters_by_instance_and_node_find_exactly_their_runners() -> None:
         state.apply_telemetry(entries(ref, (0, 1, Phase.IDLE, None)))
 
     def found(**filters: str) -> list[str]:
-        timeline = answers.timeline(state, TimelineQuery(**filters), local_node_id="a")  # type: ignore[arg-type]
+        query = TimelineQuery(**filters)  # type: ignore[arg-type]
+        timeline = answers.timeline(state, query, local_node_id="a", now=time.time())
         assert {e.runnerId for e in timeline.timeline} == {r.runnerId for r in timeline.runners}
         return [r.runnerId for r in timeline.runners]
 
@@ -111,7 +114,9 @@ def test_synopsis_tracks_phase_status_and_task() -> None:
     state.apply_telemetry(
         entries(rank(0), (1, 1, Phase.PREFILL_PIPELINE, 3), (2, 2, Phase.PREFILL_PIPELINE, 4))
     )
-    (synopsis,) = answers.timeline(state, TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    (synopsis,) = answers.timeline(
+        state, TimelineQuery(nodeId="node-0"), local_node_id="a", now=time.time()
+    ).runners
     assert synopsis.phase is Phase.PREFILL_PIPELINE
     assert synopsis.lastProgressAt == at(2)
     assert synopsis.activeTaskId == "t1"
@@ -127,12 +132,16 @@ def test_a_status_or_sample_that_overtook_older_entries_does_not_hide_them() -> 
     state.apply_telemetry(
         entries(rank(0), (5, 5, Phase.DECODE_STREAM, 4), (6, 6, Phase.IDLE, None))
     )
-    (synopsis,) = answers.timeline(state, TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    (synopsis,) = answers.timeline(
+        state, TimelineQuery(nodeId="node-0"), local_node_id="a", now=time.time()
+    ).runners
     assert synopsis.phase is Phase.IDLE  # not left in prefill for good
     assert synopsis.lastProgressAt == at(6)
     assert synopsis.activeTaskId is None
     state.apply_telemetry(entries(rank(0), (2, 2, Phase.PREFILL_PIPELINE, 3)))  # late
-    (late,) = answers.timeline(state, TimelineQuery(nodeId="node-0"), local_node_id="a").runners
+    (late,) = answers.timeline(
+        state, TimelineQuery(nodeId="node-0"), local_node_id="a", now=time.time()
+    ).runners
     assert late.phase is Phase.IDLE
 
 
@@ -174,7 +183,10 @@ def test_released_instances_leave_placement_but_keep_their_history() -> None:
         InstanceReleased(at=at(9), instanceId="i", cause=ReleaseCause.SPEC_DELETED, reason="gone")
     )
     assert answers.placement(state, local_node_id="a") == []
-    assert len(answers.timeline(state, TimelineQuery(), local_node_id="a").timeline) == 1
+    assert (
+        len(answers.timeline(state, TimelineQuery(), local_node_id="a", now=time.time()).timeline)
+        == 1
+    )
 
 
 def test_instance_state_says_ready_and_lost() -> None:
@@ -191,7 +203,7 @@ def test_a_runner_its_agent_no_longer_lists_is_not_alive() -> None:
     runners = [state.runners["i-r0"]]
 
     def alive() -> tuple[bool, bool]:
-        found = answers.timeline(state, TimelineQuery(), local_node_id="a").runners
+        found = answers.timeline(state, TimelineQuery(), local_node_id="a", now=time.time()).runners
         (synopsis,) = [r for r in found if r.runnerId == "i-r0"]
         (instance,) = answers.instance_states(state)
         return synopsis.processAlive, instance.ranks[0].lost
@@ -310,9 +322,8 @@ def _same(alone: ClusterState, later: ClusterState) -> None:
         )
     assert (later.duplicates, later.store.size) == (alone.duplicates, alone.store.size)
     query = TimelineQuery(limit=100_000)
-    assert answers.timeline(later, query, local_node_id="a") == answers.timeline(
-        alone, query, local_node_id="a"
-    )
+    made = [answers.timeline(s, query, local_node_id="a", now=1.8e9) for s in (later, alone)]
+    assert made[0] == made[1]
 
 
 def test_a_run_of_messages_settled_at_once_leaves_what_one_at_a_time_leaves() -> None:
@@ -321,10 +332,9 @@ def test_a_run_of_messages_settled_at_once_leaves_what_one_at_a_time_leaves() ->
     its own, in the order they came, and the same batches are refused, for the same
     reason."""
     for seed in range(20):
-        one_by_one, settled_later = (
-            ClusterState(store=EntryStore(), clock=Clock(), wall=lambda: 1.8e9) for _ in "ab"
-        )
+        one_by_one, settled_later = (ClusterState(store=EntryStore()) for _ in "ab")
         for state in (one_by_one, settled_later):
+            state.arrive(100.0, 1.8e9)
             state.apply_placement(placed())
         refused: list[tuple[ReceivedTelemetry, str]] = []
         refused_later: list[tuple[ReceivedTelemetry, str]] = []

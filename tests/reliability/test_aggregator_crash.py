@@ -65,7 +65,7 @@ async def test_an_aggregator_stopped_mid_stream_serves_identical_views(
         nc=nc,
         js=js,
         layout=layout,
-        state=ClusterState(store=EntryStore(), clock=time.monotonic, wall=time.time),
+        state=ClusterState(store=EntryStore()),
         node_id="aggregator",
     )
     stop = asyncio.Event()
@@ -129,7 +129,10 @@ async def test_an_aggregator_stopped_mid_stream_serves_identical_views(
         assert served is not None, "the restarted aggregator never served every entry"
         assert served.localNodeId == served_by
         mine = answers.timeline(
-            reference.state, TimelineQuery(limit=100_000), local_node_id="reference"
+            reference.state,
+            TimelineQuery(limit=100_000),
+            local_node_id="reference",
+            now=time.time(),
         )
         assert served.timeline == mine.timeline  # entry for entry
         assert [r.runnerId for r in served.runners] == [r.runnerId for r in mine.runners]

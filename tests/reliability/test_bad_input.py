@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -141,7 +140,7 @@ async def _aggregator_scenario(
             await js.publish(subjects[where], payload)
         await js.publish(subjects["runner"], encode(entries(rank(0), (seq, seq, Phase.IDLE, None))))
     await nodes.put("node-0", encode(node_info("node-0", 24)))
-    state = ClusterState(store=EntryStore(), clock=time.monotonic, wall=time.time)
+    state = ClusterState(store=EntryStore())
     service = AggregatorService(nc=nc, js=js, layout=layout, state=state, node_id="fuzz")
     stop = asyncio.Event()
     running = asyncio.create_task(service.run(stop))
