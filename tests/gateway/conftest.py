@@ -13,6 +13,7 @@ import httpx
 import pytest
 import uvicorn
 from nats.aio.client import Client
+from nats.js.kv import KeyValue
 
 from rankscope.services.aggregator.main import serve_until as aggregator
 from rankscope.services.gateway.app import create_app
@@ -56,10 +57,27 @@ async def _ready(http: httpx.AsyncClient) -> None:
     raise AssertionError("the gateway never became ready")
 
 
+async def _beat(kv: KeyValue) -> None:
+    """Two nodes' inventory entries, stamped now, as their agents' heartbeats write them."""
+    for info in (node_info("node-a", 24), node_info("node-b", 8)):
+        await kv.put(token(info.nodeId), encode(info))
+
+
+async def _heartbeats(kv: KeyValue, every: float) -> None:
+    """The nodes' entries put again every `every` seconds: no agent answers for them
+    (their ranks are dead to the aggregator's probes), but the rank-table service keeps
+    them however long a loaded machine makes a test (one expiring before the other is a
+    lost node, and its instance is placed again)."""
+    while True:
+        await asyncio.sleep(every)
+        await _beat(kv)
+
+
 @pytest.fixture
 async def stack_for(nc: Client, settings: Settings, layout: Layout) -> AsyncIterator[object]:
     """A factory: `await stack_for(api_token=...)` starts the stack with those settings."""
     started: list[tuple[asyncio.Event, list[asyncio.Task[None]], uvicorn.Server, Stack]] = []
+    heartbeats: list[asyncio.Task[None]] = []
 
     async def start(**changes: Any) -> Stack:
         configured = replace(
@@ -67,8 +85,8 @@ async def stack_for(nc: Client, settings: Settings, layout: Layout) -> AsyncIter
         )
         await ensure(nc.jetstream(), layout)
         kv = await nc.jetstream().key_value(layout.nodes_bucket.bucket)
-        for info in (node_info("node-a", 24), node_info("node-b", 8)):
-            await kv.put(token(info.nodeId), encode(info))
+        await _beat(kv)
+        heartbeats.append(asyncio.create_task(_heartbeats(kv, layout.node_ttl_s / 4)))
         stop = asyncio.Event()
         tasks = [asyncio.create_task(ranktable(configured, stop))]
         server = uvicorn.Server(
@@ -89,6 +107,8 @@ async def stack_for(nc: Client, settings: Settings, layout: Layout) -> AsyncIter
         return built
 
     yield start
+    for beating in heartbeats:
+        beating.cancel()
     for stop, tasks, server, built in started:
         await built.http.aclose()
         server.should_exit = True
