@@ -5,6 +5,12 @@ up`) in alternating order, round after round:
 - a data-parallel loop under `mlx.launch` (ring, loopback) whose steps take ~10 ms of
   compute and one `all_sum` of the gradients: mean step time (target: recorded within 1%
   of plain);
+- the same loop, its two ranks started without a launcher (each with the ring's hostfile
+  and its rank, as `mlx.launch` starts them) and each recorded on its own: `mlx.launch`
+  (0.32) relays each rank's output in a thread that selects on the rank's stdin pipe for
+  writing, always writable, so it keeps a core busy for the whole job; on two cores that
+  core is the ranks' and the first row measures the launcher's contention as much as the
+  recording;
 - `mlx_lm.benchmark` on a generated model: generation tokens/s (target: no measurable
   change);
 - with `--torch-python` (a Python with torch: the tests make one, see tests/torch_env.py),
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -118,14 +125,48 @@ def _torchrun(python: str, *program: str) -> list[str]:
     return [torchrun, *where, "--no-python", *pinned, *program]
 
 
+def _by_hand(hostfile: Path, *program: str) -> list[tuple[list[str], dict[str, str]]]:
+    """`program` on two ring ranks started without a launcher, each pinned to a core of
+    its own: each rank's command and environment (the ring's hostfile and its rank)."""
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(2)]))
+    return [
+        (
+            ["taskset", "-c", str(rank), sys.executable, *program],
+            {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)},
+        )
+        for rank in range(2)
+    ]
+
+
+def _recorded(command: list[str], nats: str | None) -> tuple[list[str], dict[str, str]]:
+    """`command` as run: under `rankscope record` into `nats`, or plain (None)."""
+    if nats is None:
+        return command, dict(os.environ)
+    record = [sys.executable, "-m", "rankscope.services.cli", "record", "--"]
+    return [*record, *command], {**os.environ, "RANKSCOPE_NATS_URL": nats}
+
+
 def _run(command: list[str], nats: str | None) -> str:
-    if nats is not None:
-        command = [sys.executable, "-m", "rankscope.services.cli", "record", "--", *command]
-    env = None if nats is None else {**os.environ, "RANKSCOPE_NATS_URL": nats}
+    command, env = _recorded(command, nats)
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"{command} failed: {done.stderr[-2000:]}")
     return done.stdout
+
+
+def _run_ranks(ranks: list[tuple[list[str], dict[str, str]]], nats: str | None) -> str:
+    """Each rank's command run at once, each recorded on its own or plain; rank 0's
+    output."""
+    running = []
+    for command, env in ranks:
+        command, environment = _recorded(command, nats)
+        running.append(
+            subprocess.Popen(command, env={**environment, **env}, stdout=subprocess.PIPE, text=True)
+        )
+    outputs = [process.communicate(timeout=600)[0] for process in running]
+    if any(process.returncode for process in running):
+        raise SystemExit(f"ranks failed: {[process.returncode for process in running]}")
+    return outputs[0]
 
 
 def _paired(
@@ -168,6 +209,11 @@ def main() -> None:
                 out = _run(_launch(str(script), str(args.size), str(args.steps)), which)
                 return float(re.search(r"step_ms (\S+)", out).group(1))  # type: ignore[union-attr]
 
+            def by_hand_step_ms(which: str | None) -> float:
+                ranks = _by_hand(work / "hosts.json", str(script), str(args.size), str(args.steps))
+                out = _run_ranks(ranks, which)
+                return float(re.search(r"step_ms (\S+)", out).group(1))  # type: ignore[union-attr]
+
             def tokens_per_s(which: str | None) -> float:
                 benchmark = ["-m", "mlx_lm", "benchmark", "--model", str(model)]
                 tokens = str(args.tokens)
@@ -182,6 +228,13 @@ def main() -> None:
             if args.torch_python:
                 _paired("torch DDP step (ms)", args.rounds, ddp_step_ms, nats, higher=False)
             _paired("data-parallel step (ms)", args.rounds, step_ms, nats, higher=False)
+            _paired(
+                "data-parallel step, no launcher (ms)",
+                args.rounds,
+                by_hand_step_ms,
+                nats,
+                higher=False,
+            )
             _paired(
                 "mlx_lm.benchmark generation tokens/s", args.rounds, tokens_per_s, nats, higher=True
             )
