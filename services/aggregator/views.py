@@ -106,7 +106,7 @@ class ClusterState:
         last took this set (`take_touched`)."""
         self._unsettled: dict[str, _Unsettled] = {}
         """Per runner, entries newer than its synopsis that `settle` has yet to fold in."""
-        self.now: tuple[float, int] | None = None
+        self._now: tuple[float, int] | None = None
         """When the telemetry applied now arrived, as `arrive` said: (monotonic seconds,
         µs since the epoch)."""
         self._held: dict[str, tuple[RunnerView, list[Held]]] = {}
@@ -121,12 +121,12 @@ class ClusterState:
         `wall` in seconds since the epoch (no entry counts as later than its arrival).
         Ingest says it once a run of messages (nothing arrives during a run, so each had
         arrived when the first was applied); a test says it on virtual time."""
-        self.now = at, int(wall * 1e6)
+        self._now = at, int(wall * 1e6)
 
     def _moment(self) -> tuple[float, int]:
-        if self.now is None:
+        if self._now is None:
             raise RuntimeError("telemetry applied before `arrive` said when it arrived")
-        return self.now
+        return self._now
 
     def _runner(self, ref: RunnerRef) -> RunnerView:
         view = self.runners.get(ref.runnerId)
