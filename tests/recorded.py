@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -25,11 +26,41 @@ __all__ = [
     "assert_straggler",
     "end",
     "ended",
+    "launched",
     "rank_pids",
     "recording_stack",
 ]
 
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+FED_BYTES = 256 * 1024
+"""Past what a launcher's pipes to its ranks hold (64 KiB each on Linux)."""
+
+
+def launched(command: list[str], **popen: Any) -> subprocess.Popen[str]:
+    """`command`, which runs `mlx.launch`, started with its output captured and its stdin a
+    pipe filled past what the launcher relays to its ranks, held open until it ends.
+
+    mlx.launch (0.32) selects on its own stdin for reading and on each rank's stdin for
+    writing, without waiting whenever either is ready: its stdin at EOF (/dev/null, as
+    under CI) or a rank's stdin pipe with room. Each keeps a core busy for the job's life,
+    1.4 cores for two idle ranks, on a 2-core machine whose tests share it. Filled and
+    open, neither is ready, and it waits as it should (the ranks read none of it). The
+    spin is measured in bench/record_overhead.py, which runs the launcher as users do."""
+    read, write = os.pipe()
+    options: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    process = subprocess.Popen(command, stdin=read, text=True, **(options | popen))
+    os.close(read)
+
+    def feed() -> None:
+        left = memoryview(b"\n" * FED_BYTES)
+        with contextlib.suppress(OSError):  # the job ended before it read it all
+            while left:
+                left = left[os.write(write, left) :]
+        process.wait()
+        os.close(write)
+
+    threading.Thread(target=feed, daemon=True).start()
+    return process
 
 
 class Stack:
@@ -76,11 +107,8 @@ class Stack:
             "RANKSCOPE_RECORD_GIVE_UP": give_up,
         }
         flags = ["--job", job] if job else []
-        return subprocess.Popen(
+        return launched(
             [sys.executable, "-m", "rankscope.services.cli", "record", *flags, "--", *command],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
             env=env,
         )
 

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ from rankscope.shared.partitions import partition_of
 from rankscope.shared.subjects import token
 from rankscope.shared.tiny_model import TinyModelSpec, write_tiny_model
 from tests.browser import ARTIFACTS, browse, shown
-from tests.recorded import Stack, end, ended, rank_pids, recording_stack
+from tests.recorded import Stack, end, ended, launched, rank_pids, recording_stack
 from tests.stack_up import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(240)]
@@ -78,9 +77,9 @@ def _rank_pid(script: str, rank: int) -> int:
 
 def test_a_recorded_run_prints_and_ends_as_it_does_unrecorded(stack: Stack) -> None:
     train = stack.script("train.py", TRAIN)
-    plain = subprocess.run(stack.launch(2, train, "40"), capture_output=True, text=True)
+    plain_code, plain_out, _ = ended(launched(stack.launch(2, train, "40")))
     code, out, err = ended(stack.record("run-1", stack.launch(2, train, "40")))
-    assert (code, out) == (plain.returncode, sorted(plain.stdout.splitlines()))
+    assert (code, out) == (plain_code, plain_out)
     assert [line.split()[:2] for line in out] == [["rank", "0"], ["rank", "1"]]
     assert "sitecustomize" not in err
 
@@ -276,10 +275,9 @@ def answered_long(ask: Callable[[int], Any]) -> None:
 def test_with_nats_gone_the_program_runs_on_and_ends_the_same(stack: Stack) -> None:
     train = stack.script("offline.py", TRAIN)
     nowhere = f"nats://127.0.0.1:{free_port()}"
-    plain = subprocess.run(stack.launch(2, train, "40"), capture_output=True, text=True)
+    plain = ended(launched(stack.launch(2, train, "40")))
     job = stack.record(None, stack.launch(2, train, "40"), nats=nowhere, give_up="2s")
-    code, out, err = ended(job)
-    assert (code, out, err) == (0, sorted(plain.stdout.splitlines()), plain.stderr)
+    assert ended(job) == (0, *plain[1:])
 
     def watchers() -> list[int]:
         found = []
@@ -308,8 +306,8 @@ print("done", group.rank(), flush=True)
 def test_a_program_switches_recording_on_itself_and_names_its_steps(stack: Stack) -> None:
     inside = stack.script("inside.py", INSIDE)
     env = {**os.environ, "RANKSCOPE_NATS_URL": stack.nats}
-    done = subprocess.run(stack.launch(2, inside), capture_output=True, text=True, env=env)
-    assert sorted(done.stdout.split("\n")[:2]) == ["done 0", "done 1"], done.stderr
+    code, out, err = ended(launched(stack.launch(2, inside), env=env))
+    assert (code, out) == (0, ["done 0", "done 1"]), err
 
     def steps() -> list[dict[str, Any]]:
         timeline = stack.get("/v1/cluster/timeline?instanceId=inside-1")["timeline"]
@@ -324,13 +322,7 @@ def test_ranks_recorded_one_by_one_agree_on_one_job(stack: Stack) -> None:
     record = [sys.executable, "-m", "rankscope.services.cli", "record", "--", sys.executable]
     command = stack.launch(2, train, "300")
     command[command.index("--") + 1 :] = [*record, train, "300"]
-    job = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "RANKSCOPE_NATS_URL": stack.nats},
-    )
+    job = launched(command, env={**os.environ, "RANKSCOPE_NATS_URL": stack.nats})
 
     def drawn() -> list[dict[str, Any]]:
         runners = stack.get("/v1/cluster/timeline")["runners"]

@@ -23,13 +23,12 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.recorded import assert_straggler
+from tests.recorded import LAUNCH, assert_straggler, launched
 from tests.slowdown import apart, crowded
 from tests.stack_up import free_ports, running_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlx, pytest.mark.nats, pytest.mark.timeout(420)]
 
-LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 QUIET_S = 20
 """Load before a slowdown: ranks compared with each other need no usual pace to learn (the
 healthy soak, scaled down to one straggler window)."""
@@ -237,12 +236,11 @@ def recorded(gateway: Gateway, job: str, script: Path) -> Iterator[None]:
     after: `mlx.launch` ends on SIGTERM without its ranks, as it does unrecorded."""
     script.write_text(DATA_PARALLEL)
     hosts = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "4", "-p", str(free_ports(4))]
-    process = subprocess.Popen(
+    process = launched(
         [sys.executable, "-m", "rankscope.services.cli", "record", "--job", job, "--",
          LAUNCH, *hosts, "--", sys.executable, str(script)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        text=True,
         env={**os.environ, "RANKSCOPE_NATS_URL": gateway.nats},
     )  # fmt: skip
     try:
