@@ -27,9 +27,15 @@ __all__ = [
     "connect",
     "keep_checking",
     "slow_consumer_drops",
+    "unless_stopped",
 ]
 
 log = logging.getLogger(__name__)
+
+DRAIN_S = 5.0
+"""How long closing waits for the server to take what the client still holds."""
+_LOST_POLL_S = 0.05
+"""How often a drain looks whether its server is still there."""
 
 _drops = [0]
 
@@ -270,26 +276,61 @@ class Reachability:
         )
 
 
+async def unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
+    """Await `work` unless `stop` is set first, then cancel it; whether it ran to its end.
+    For what waits on NATS and must not hold up a stop: with NATS gone, each request
+    waits out its timeout."""
+    working = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if working.done():
+        working.result()
+        return True
+    working.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await working
+    return False
+
+
 async def keep_checking(
     check: Callable[[], Awaitable[object]], stop: asyncio.Event, every: float
 ) -> None:
-    """Call `check` every `every` seconds until `stop` is set."""
+    """Call `check` every `every` seconds until `stop` is set (a check under way then is
+    left unfinished)."""
     while not stop.is_set():
-        await check()
+        if not await unless_stopped(check(), stop):
+            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(every):
                 await stop.wait()
 
 
 async def close(nc: Client) -> None:
-    """Drain the connection (flush what is pending) when the server is there, else just
-    close it: shutting down must not fail because NATS went first."""
+    """Drain the connection (flush what is pending) while the server is there, else just
+    close it: shutting down must neither fail nor wait because NATS went first."""
     _closing.add(nc)
-    if nc.is_connected:
-        try:
-            await asyncio.wait_for(nc.drain(), 5)
-        except (nats.errors.Error, TimeoutError) as exc:
-            log.warning("NATS drain incomplete: %s", exc)
-        else:
-            return
-    await nc.close()
+    if nc.is_connected and await _drained(nc):
+        return
+    try:
+        await nc.close()
+    except RuntimeError as exc:  # uvloop refuses the last flush to a transport now closed
+        log.debug("NATS connection closed already: %s", exc)
+
+
+async def _drained(nc: Client) -> bool:
+    """Whether `nc` drained within `DRAIN_S`; false as soon as its server is lost (a drain
+    waits for answers that a server gone never sends)."""
+    draining = asyncio.ensure_future(nc.drain())
+    deadline = time.monotonic() + DRAIN_S
+    while not draining.done() and nc.is_connected and time.monotonic() < deadline:
+        await asyncio.wait({draining}, timeout=_LOST_POLL_S)
+    if not draining.done():
+        draining.cancel()
+        why = "timed out" if nc.is_connected else "the server was lost"
+        log.warning("NATS drain incomplete: %s", why)
+        return False
+    if (exc := draining.exception()) is not None:
+        log.warning("NATS drain incomplete: %s", exc)
+        return False
+    return True

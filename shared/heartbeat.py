@@ -44,12 +44,22 @@ class Heartbeat:
         kv: the nodes bucket.
         describe: returns the node's current entry (memory is read fresh each beat).
         interval: seconds between beats; a third of the bucket's TTL survives two losses.
+        connected: whether NATS is there to take the entry's deletion on a clean stop (a
+            deletion waits for JetStream's answer; with NATS gone the TTL removes it).
     """
 
-    def __init__(self, *, kv: KeyValue, describe: Callable[[], NodeInfo], interval: float) -> None:
+    def __init__(
+        self,
+        *,
+        kv: KeyValue,
+        describe: Callable[[], NodeInfo],
+        interval: float,
+        connected: Callable[[], bool] = lambda: True,
+    ) -> None:
         self._kv = kv
         self._describe = describe
         self._interval = interval
+        self._connected = connected
 
     async def beat(self) -> NodeInfo:
         """Write the entry once and return it."""
@@ -68,5 +78,8 @@ class Heartbeat:
                 log.warning("heartbeat not written: %s", exc, extra={"nodeId": node_id})
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self._interval)
+        if not self._connected():
+            log.info("NATS out: the entry expires with its TTL", extra={"nodeId": node_id})
+            return
         with contextlib.suppress(NatsError, OSError, asyncio.TimeoutError):
             await self._kv.delete(token(node_id))

@@ -79,7 +79,12 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
         kv = await js.key_value(layout.nodes_bucket.bucket)
         beat_stop = asyncio.Event()
         beating = asyncio.create_task(
-            Heartbeat(kv=kv, describe=describe, interval=settings.heartbeat_ttl / 3).run(beat_stop)
+            Heartbeat(
+                kv=kv,
+                describe=describe,
+                interval=settings.heartbeat_ttl / 3,
+                connected=lambda: nc.is_connected,
+            ).run(beat_stop)
         )
         diagnostics = await nc.subscribe(
             layout.subjects.node_diagnostics(identity), cb=agent.answer

@@ -37,6 +37,7 @@ from rankscope.services.ranktable.state import (
 )
 from rankscope.services.ranktable.tables import rank_table
 from rankscope.shared.buckets import follow_bucket
+from rankscope.shared.connection import unless_stopped
 from rankscope.shared.deadletter import DeadLetters
 from rankscope.shared.headers import VERSION_HEADER
 from rankscope.shared.inputs import BadInputError, parse_telemetry
@@ -145,10 +146,11 @@ class RankTableService:
         return dict(self._state.instances)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Rebuild, then place and publish on every change until `stop` is set."""
+        """Rebuild, then place and publish on every change until `stop` is set (a stop
+        while it rebuilds ends it there)."""
         subjects = self._layout.subjects
-        await self._replay_placements()
-        await self._replay_tables()
+        if not await unless_stopped(self._rebuild(), stop):
+            return
         status = await follow(
             self._js,
             subjects.runner_status_all(),
@@ -223,6 +225,10 @@ class RankTableService:
             runner=decision.runner, announced=decision.announced, refused=decision.refused
         )
 
+    async def _rebuild(self) -> None:
+        await self._replay_placements()
+        await self._replay_tables()
+
     async def _replay_placements(self) -> None:
         async def handle(msg: Msg) -> None:
             event: PlacementEvent | None = self.dead_letters.decoded(
@@ -265,8 +271,10 @@ class RankTableService:
     @staticmethod
     async def _drain(starting: Awaitable[Follower]) -> None:
         follower = await starting
-        await follower.caught_up.wait()
-        await follower.stop()
+        try:
+            await follower.caught_up.wait()
+        finally:
+            await follower.stop()
 
     async def _on_status(self, msg: Msg) -> None:
         try:
