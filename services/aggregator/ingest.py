@@ -219,14 +219,15 @@ class Ingest:
         layout, subjects = self._layout, self._layout.subjects
         for instance_id in self._state.instances:  # restored from a snapshot
             self.placed_at[instance_id] = self._clock()
-        placed = {}
+        self.folding = {}  # each as it starts: a stop while catching up stops them
         for stream, subject, handle in (
             (layout.placement_stream.name, subjects.placement_all(), self.on_placement),
             (layout.recorded_stream.name, subjects.recorded_all(), self.on_placement),
             (layout.fr_stream.name, subjects.fr_load_all(), self.on_dump),  # loaded dumps
         ):
-            placed[stream] = await follow(self._js, subject, handle, after=after.get(stream, 0))
-            await placed[stream].caught_up.wait()  # telemetry counts once its rank is placed
+            placed = await follow(self._js, subject, handle, after=after.get(stream, 0))
+            self.folding[stream] = placed
+            await placed.caught_up.wait()  # telemetry counts once its rank is placed
         if self._partition.whole:
             runner, tasks = [subjects.runner_all()], [subjects.tasks_all()]
         else:
@@ -235,7 +236,6 @@ class Ingest:
                 followed |= self.wanted  # from the start: nothing to go over again
             self.followed = followed
             runner, tasks = self._filters([None, *sorted(followed)])
-        self.folding = dict(placed)
         for name, (filters, handle) in {
             layout.tasks_stream.name: (tasks, self.on_task),
             layout.runner_stream.name: (runner, self.on_telemetry),

@@ -27,7 +27,7 @@ from rankscope.services.aggregator.silence import Silence
 from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.buckets import follow_bucket
-from rankscope.shared.connection import Reachability, slow_consumer_drops
+from rankscope.shared.connection import Reachability, slow_consumer_drops, unless_stopped
 from rankscope.shared.deadletter import DeadLetters
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.partitions import Partition
@@ -163,13 +163,24 @@ class AggregatorService:
         self._followers: list[Follower] = []
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Rebuild from the streams, then follow them until `stop` is set."""
+        """Rebuild from the streams, then follow them until `stop` is set. A stop while it
+        rebuilds ends it there, without a snapshot (the last one still stands)."""
         freezing = asyncio.create_task(_freeze_heap_forever(stop, self.ready))
+        catching_up = asyncio.ensure_future(self._catch_up(stop))
         try:
-            queries = await self._catch_up(stop)
+            caught_up = await unless_stopped(catching_up, stop)
         except BaseException:
             freezing.cancel()
             raise
+        if not caught_up:
+            freezing.cancel()
+            log.info("stopped while catching up: %d entries read", self.state.store.size)
+            for follower in {
+                id(f): f for f in (*self.ingest.folding.values(), *self._followers)
+            }.values():
+                await follower.stop()
+            return
+        queries = catching_up.result()
         self.ready.set()
         log.info(
             "aggregator of partition %s caught up: %d entries from %d runners",

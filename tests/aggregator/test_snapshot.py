@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from rankscope.services.aggregator import answers
 from rankscope.services.aggregator.rules import Thresholds
 from rankscope.services.aggregator.service import AggregatorService
 from rankscope.services.aggregator.snapshot_file import SnapshotFile
 from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.jetstream import Layout
 from rankscope.shared.provision import ensure
 from rankscope.shared.wire import (
@@ -29,7 +31,7 @@ from rankscope.shared.wire import (
     encode,
 )
 from tests.aggregator.builders import at, entries, placed, rank
-from tests.aggregator.running import aggregator, publish, until
+from tests.aggregator.running import WAIT, aggregator, publish, until
 
 pytestmark = pytest.mark.nats
 
@@ -209,3 +211,30 @@ async def test_a_snapshot_cancelled_while_its_copy_writes_leaves_nothing_behind(
     *replayed, _ = await _rebuilt(nc, js_ready, None)
     assert restored == replayed
     assert read == 0
+
+
+async def test_a_stop_while_catching_up_ends_it_there_and_keeps_the_last_snapshot(
+    nc: Client, js_ready: Layout, tmp_path: Path
+) -> None:
+    snapshots = await _snapshotted(nc, js_ready, tmp_path)
+    kept = snapshots.path.read_bytes()
+    await _history(nc, js_ready, 100, 100)  # a backlog to read back
+    service = AggregatorService(
+        nc=nc,
+        js=nc.jetstream(),
+        layout=js_ready,
+        state=ClusterState(store=EntryStore()),
+        node_id="agg",
+        snapshots=snapshots,
+    )
+    stop = asyncio.Event()
+    fold = service.ingest.on_telemetry
+
+    def stopped_then_fold(msg: Msg) -> None:  # stopped as the backlog is read
+        stop.set()
+        fold(msg)
+
+    service.ingest.on_telemetry = stopped_then_fold  # type: ignore[method-assign]
+    await asyncio.wait_for(service.run(stop), WAIT)
+    assert not service.ready.is_set()
+    assert snapshots.path.read_bytes() == kept
