@@ -35,20 +35,35 @@ RUNNERS, PER_RUNNER, BATCH = 8, 12_500, 32
 
 
 def _start(url: str, data: Path, node_id: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rankscope.services.cli",
-            "aggregator",
-            "--data-dir",
-            str(data),
-            "--node-id",
-            node_id,
-        ],
-        cwd=REPO,
-        env={**os.environ, "RANKSCOPE_NATS_URL": url, "RANKSCOPE_LOG_LEVEL": "error"},
-    )
+    """A `rankscope aggregator` process keeping its snapshot in `data`, its log in
+    `data`/log."""
+    data.mkdir(parents=True, exist_ok=True)
+    with (data / "log").open("ab") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rankscope.services.cli",
+                "aggregator",
+                "--data-dir",
+                str(data),
+                "--node-id",
+                node_id,
+            ],
+            cwd=REPO,
+            env={**os.environ, "RANKSCOPE_NATS_URL": url, "RANKSCOPE_LOG_LEVEL": "info"},
+            stderr=log,
+        )
+
+
+async def _caught_up(data: Path) -> None:
+    """Once the aggregator of `data` has caught up (a stop before then ends its catch-up
+    without a snapshot)."""
+    for _ in range(1200):
+        if "caught up" in (data / "log").read_text():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not caught up: {(data / 'log').read_text()[-2000:]}")
 
 
 @pytest.mark.parametrize("fault", ["sigkill", "sigterm-then-snapshot", "sigstop"])
@@ -72,6 +87,7 @@ async def test_an_aggregator_stopped_mid_stream_serves_identical_views(
     running = asyncio.create_task(reference.run(stop))
     await reference.ready.wait()
     victim = _start(server.url, tmp_path / "a", "victim")
+    await _caught_up(tmp_path / "a")  # stopped mid-stream, not mid-start
     try:
         for first in range(0, PER_RUNNER, BATCH):
             acks = []
