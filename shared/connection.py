@@ -282,14 +282,17 @@ async def unless_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
     waits out its timeout."""
     working = asyncio.ensure_future(work)
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if working.done():
+    try:
+        await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when the caller is cancelled: neither outlives it
+        stopping.cancel()
+        ran = working.done()
+        if not ran:
+            working.cancel()
+    if ran:
         working.result()
         return True
-    working.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await working
+    await asyncio.wait({working})  # its cancellation, not the caller's, is not raised
     return False
 
 
