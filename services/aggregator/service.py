@@ -160,7 +160,13 @@ class AggregatorService:
             js=js, layout=layout, state=state, file=snapshots, interval=snapshot_interval,
             clock=clock,
         )  # fmt: skip
-        self._followers: list[Follower] = []
+        self._nodes: Follower | None = None
+        """The nodes bucket's follower, once started."""
+
+    @property
+    def _followers(self) -> list[Follower]:
+        """Every follower started so far: the streams folded, then the nodes bucket."""
+        return [*self.ingest.folding.values(), *([self._nodes] if self._nodes else [])]
 
     async def run(self, stop: asyncio.Event) -> None:
         """Rebuild from the streams, then follow them until `stop` is set. A stop while it
@@ -175,10 +181,7 @@ class AggregatorService:
         if not caught_up:
             freezing.cancel()
             log.info("stopped while catching up: %d entries read", self.state.store.size)
-            for follower in {
-                id(f): f for f in (*self.ingest.folding.values(), *self._followers)
-            }.values():
-                await follower.stop()
+            await self._stop_following()
             return
         queries = catching_up.result()
         self.ready.set()
@@ -207,6 +210,9 @@ class AggregatorService:
         await self.findings.stop_watching()
         await self.snapshot()  # a restart right after this replays nothing
         await queries.stop()
+        await self._stop_following()
+
+    async def _stop_following(self) -> None:
         for follower in self._followers:
             await follower.stop()
 
@@ -214,10 +220,8 @@ class AggregatorService:
         """Rebuild the views from the snapshot and the streams, take up the open incidents
         and answer queries: all it takes to be ready."""
         await self.ingest.follow(await self._snapshots.restore())
-        self._followers = [
-            *self.ingest.folding.values(),
-            await follow_bucket(self._js, self._layout.nodes_bucket.bucket, self.liveness.on_node),
-        ]
+        bucket = self._layout.nodes_bucket.bucket
+        self._nodes = await follow_bucket(self._js, bucket, self.liveness.on_node)
         for follower in self._followers:
             await follower.caught_up.wait()
         await self.findings.restore(stop)
