@@ -145,6 +145,17 @@ class Deployment:
         )
         await self.nc.jetstream().publish(Layout().subjects.tasks(JOB), encode(task))
 
+    async def cancel(self, task_id: str) -> None:
+        """Ask every rank to cancel `task_id`, as a client gone mid-chat does."""
+        cancel = TaskCreated(
+            at=now(),
+            taskId=f"cancel-{task_id}",
+            instanceId=JOB,
+            taskKind=TaskKind.CANCEL_TASK,
+            targetTaskId=task_id,
+        )
+        await self.nc.jetstream().publish(Layout().subjects.tasks(JOB), encode(cancel))
+
     async def entries(self, task_id: str, phase: Phase) -> set[str] | None:
         """The runners that recorded `phase` for `task_id`, if any did."""
         reply = await self.http.get(

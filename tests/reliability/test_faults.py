@@ -77,9 +77,15 @@ async def test_a_rank_frozen_mid_decode_is_named_with_the_rank_waiting_on_it(
         return True if not await named() else None
 
     await deployment.until("the finding cleared after SIGCONT", cleared, 15)
+    # both ranks decode on: each observes a cancel at its next token and completes the task
+    # (the rest of the 3000 tokens would take 20 s of both cores)
+    await deployment.cancel("hang")
     await deployment.until(
-        "the generation finished", lambda: both(deployment.entries("hang", Phase.COMPLETION)), 120
+        "the generation ended", lambda: both(deployment.entries("hang", Phase.COMPLETION)), 120
     )
+    assert await deployment.entries("hang", Phase.CANCEL_OBSERVED) == {
+        r.runnerId for r in runners.values()
+    }
 
 
 async def test_a_nats_restart_mid_generation_loses_nothing_and_crashes_nothing(
