@@ -5,6 +5,7 @@ says each open finding in words every second, while a chat hangs too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -30,23 +31,42 @@ class _Gateway:
 
     def __init__(self) -> None:
         self.chats = 0
+        self._released = asyncio.Event()
+        self._serving: set[asyncio.Task[Any]] = set()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = (await reader.readuntil(b"\r\n\r\n")).decode()
-        path = head.split()[1]
-        if path.startswith("/v1/chat/completions"):
-            self.chats += 1
-            await asyncio.sleep(3600)  # a rank is stopped: the chat waits on it
-        body = json.dumps(
-            PLACED if path.startswith("/v1/placement") else STALLED if "diagnosis" in path else {}
-        ).encode()
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-            + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
-        writer.close()
+        if (serving := asyncio.current_task()) is not None:
+            self._serving.add(serving)
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            path = head.split()[1]
+            if path.startswith("/v1/chat/completions"):
+                self.chats += 1
+                await self._released.wait()  # a rank is stopped: the chat waits on it
+                return
+            body = json.dumps(
+                PLACED
+                if path.startswith("/v1/placement")
+                else STALLED
+                if "diagnosis" in path
+                else {}
+            ).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def close(self) -> None:
+        """End the chats still waiting and wait for every connection to close: one left
+        open when the test's loop closes is a leaked socket another test trips over."""
+        self._released.set()
+        await asyncio.gather(*self._serving, return_exceptions=True)
 
 
 class _Shown(Terminal):
@@ -76,6 +96,7 @@ async def test_the_demo_is_ready_once_its_own_ranks_are_and_tells_findings_while
             await asyncio.sleep(0.1)
         stop.set()
         driving.cancel()
+        await gateway.close()
     assert "demo instance: rank 0 RunnerReady, rank 1 RunnerReady" in terminal.said
     assert any(s.startswith("demo ready") for s in terminal.said)
     told = [s for s in terminal.said if "open findings" in s]
