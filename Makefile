@@ -25,9 +25,14 @@ demo: $(RUNS)
 # Three workers, then the test that times a pipeline rank's slowdown, alone on the machine.
 # On two cores the parallel part takes 436 s on three workers (86% busy), 586 s on two (76%);
 # with mlx.launch spinning (see tests/recorded.py) three workers left the test of a recorded
-# rank slow from its first step 41-69 s of its 60-s wait, 34 s without
+# rank slow from its first step 41-69 s of its 60-s wait, 34 s without. Files go out in the
+# order collected, not those of most tests first: that sent the long end-to-end files of a
+# test or two (the recorded slow-rank job, packaging, the fault deployments) out together
+# at the end, where that test, its ranks starved to a step a second, missed its 60 s in two
+# runs of two; in collection order they spread over the run (440 s, against 457-478 s)
 test: lint
-	$(PYTEST_ENV) $(BIN)/python -m pytest -n 3 --dist loadfile -m "not solo" --durations=20
+	$(PYTEST_ENV) $(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder \
+		-m "not solo" --durations=20
 	$(PYTEST_ENV) $(BIN)/python -m pytest -m solo
 
 # The inner loop: no MLX computation and no multi-process end-to-end test (CI runs them all).

@@ -217,7 +217,7 @@ def test_a_pipeline_stage_crowded_on_its_core_is_named_and_cleared(tmp_path: Pat
         gateway.quiet_for("demo-0", QUIET_S)
         slowed, peer = _runner_pid(1), _runner_pid(0)
         with crowded(slowed, 2.0, cpu=1, others=apart(slowed, peer, cpu=1)):
-            _, finding = gateway.named_slow("demo-0", culprit=1, within=NAMED_WITHIN_S, then=15)
+            _, finding = gateway.named_slow("demo-0", culprit=1, within=NAMED_WITHIN_S, then=10)
         culprit = next(e for e in finding["evidence"] if e["deviceRank"] == 1)
         assert culprit["pace"]["workVsPeers"] >= 1.35, finding
         assert culprit["pace"]["layers"] == 2, finding
