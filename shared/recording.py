@@ -4,7 +4,7 @@ rank says it waits. Standard library only: the hook inside each rank imports it.
 
 from __future__ import annotations
 
-__all__ = ["STOP_FILE", "WAIT_NOTE_S", "Handoff", "rank_marker"]
+__all__ = ["REAPER", "STOP_FILE", "WAIT_NOTE_S", "Handoff", "rank_marker", "reaper_marker"]
 
 WAIT_NOTE_S = 1.0
 """How long an evaluation waits on its collectives before the rank says so: the aggregator
@@ -24,7 +24,8 @@ class Handoff:
     HOST = "RANKSCOPE_RECORD_HOST"
     """The address the rank is reached at."""
     EXITS = "RANKSCOPE_RECORD_EXITS"
-    """The exits folder: a marker per rank (`rank_marker`), and `STOP_FILE`."""
+    """The exits folder: a marker per rank (`rank_marker`) and per process that writes how
+    the ranks it started ended (`reaper_marker`), and `STOP_FILE`."""
     PYTHON = "RANKSCOPE_RECORD_PYTHON"
     """rankscope's interpreter, which runs each rank's watcher."""
     LOG = "RANKSCOPE_RECORD_LOG"
@@ -34,3 +35,13 @@ class Handoff:
 def rank_marker(pid: int) -> str:
     """The exits folder's file that says the process `pid` is a recorded rank."""
     return f"{pid}.rank"
+
+
+def reaper_marker(pid: int) -> str:
+    """The exits folder's file that says the process `pid` writes how each recorded rank it
+    started ended, once it reaps it (`rankscope record`, a Python launcher under it)."""
+    return f"{pid}{REAPER}"
+
+
+REAPER = ".reaps"
+"""The ending of a `reaper_marker`."""

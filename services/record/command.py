@@ -25,7 +25,7 @@ from pathlib import Path
 from rankscope.services.record.signals import Relay
 from rankscope.services.record.torch_hook import FR_BUFFER, FR_ENTRIES
 from rankscope.shared.host import hostname
-from rankscope.shared.recording import STOP_FILE, Handoff, rank_marker
+from rankscope.shared.recording import REAPER, STOP_FILE, Handoff, rank_marker, reaper_marker
 from rankscope.shared.settings import Settings, to_environ
 
 __all__ = ["LAUNCHED_RANK", "add_record_command", "record"]
@@ -80,6 +80,7 @@ def record(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 2
     exits = tempfile.mkdtemp(prefix="rankscope-record-")
+    (Path(exits) / reaper_marker(os.getpid())).touch()  # it writes how its child ended
     try:
         try:
             relay = Relay(
@@ -124,8 +125,14 @@ def _tell_watcher(exits: Path, pid: int, returncode: int) -> None:
         (exits / f"{pid}.tmp").rename(exits / str(pid))
         marker.unlink()
     deadline = time.monotonic() + _EXIT_READ_S
-    while any(p.name != STOP_FILE for p in exits.iterdir()) and time.monotonic() < deadline:
+    while any(_unread(p) for p in exits.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def _unread(path: Path) -> bool:
+    """Whether `path` of the exits folder is for a watcher to read still: a rank's marker
+    or how it ended, not what says who writes them or that the user stopped the job."""
+    return path.name != STOP_FILE and not path.name.endswith(REAPER)
 
 
 def add_record_command(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]

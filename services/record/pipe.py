@@ -189,3 +189,5 @@ def note_child_exits() -> None:
                 os.remove(marker)
 
     subprocess.Popen._handle_exitstatus = wrapped  # type: ignore[attr-defined]
+    with contextlib.suppress(OSError):  # the watchers wait for what it writes (reaper_marker)
+        open(os.path.join(exits, f"{os.getpid()}.reaps"), "w").close()

@@ -32,7 +32,7 @@ from rankscope.services.record.pipe import STACK_SIGNAL
 from rankscope.shared import logs
 from rankscope.shared.connection import close, connect
 from rankscope.shared.processes import DUMPABLE, dump_stacks, process_state, signal_name
-from rankscope.shared.recording import STOP_FILE
+from rankscope.shared.recording import STOP_FILE, reaper_marker
 from rankscope.shared.settings import Settings, SettingsError, load
 from rankscope.shared.subjects import Subjects, TelemetryKind
 from rankscope.shared.telemetry import TelemetryPublisher
@@ -65,7 +65,11 @@ _T = TypeVar("_T")
 BUFFERED_LINES = 10_000
 """Lines of the rank held while NATS or the rank-table service is away."""
 EXIT_FILE_WAIT_S = 1.0
-"""How long to wait for `rankscope record` to say how a rank it started ended."""
+"""How long to wait for `rankscope record` (or a launcher under it) to say how a rank it
+started ended, once it reaped the rank..."""
+REAP_WAIT_S = 10.0
+"""...and before, while the rank waits to be reaped by a parent that writes it: on a
+loaded machine a launcher's thread may take seconds to get to it."""
 STOP_FILE_WAIT_S = 0.3
 """How long a rank that did not end cleanly waits for `rankscope record` to say the user
 stopped it (it writes that before it passes the signal on)."""
@@ -269,18 +273,35 @@ class _Rank:
 
 
 def _exit_file(hello: Hello) -> int | None:
-    """The return code `rankscope record` wrote for the rank's pid, if it started it."""
+    """The return code the rank's parent wrote for its pid (`rankscope record`, or a Python
+    launcher under it), if it writes one."""
     if not hello.exitFile:
         return None
-    path = Path(hello.exitFile) / str(hello.pid)
-    deadline = time.monotonic() + EXIT_FILE_WAIT_S
-    while time.monotonic() < deadline:
+    folder = Path(hello.exitFile)
+    path = folder / str(hello.pid)
+    started = time.monotonic()
+    deadline = started + EXIT_FILE_WAIT_S
+    while True:
         with contextlib.suppress(OSError, ValueError, KeyError):
             code = int(json.loads(path.read_text())["returncode"])
             path.unlink()  # read: `rankscope record` may go
             return code
+        waited = time.monotonic()
+        if waited - started < REAP_WAIT_S and _awaits_reaper(hello.pid, folder):
+            deadline = waited + EXIT_FILE_WAIT_S
+        if waited >= deadline:
+            return None
         time.sleep(0.05)
-    return None
+
+
+def _awaits_reaper(pid: int, folder: Path) -> bool:
+    """Whether the process `pid` has ended but not yet been reaped by its parent, and that
+    parent writes how its ranks end once it reaps them (`reaper_marker`)."""
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return (folder / reaper_marker(process.ppid())).exists()
+    return False
 
 
 def _stop_asked(hello: Hello) -> str | None:
