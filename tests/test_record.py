@@ -174,20 +174,22 @@ def test_a_stopped_rank_is_named_within_10s_and_in_every_sample_until_continued(
 def test_a_killed_rank_is_a_dead_rank_with_its_signal(stack: Stack) -> None:
     train = stack.script("killed.py", TRAIN)
     job = stack.record("kill-1", stack.launch(2, train, "100000"))
-    stack.until(
-        lambda: len(stack.get("/v1/cluster/timeline?instanceId=kill-1")["runners"]) == 2, 30
-    )
-    time.sleep(2)
-    os.kill(_rank_pid(train, 1), signal.SIGKILL)
-    killed_at = time.monotonic()
-    (finding,) = stack.until(lambda: stack.findings("kill-1"), 10)
-    assert time.monotonic() - killed_at < 10
-    assert finding["kind"] == "dead_rank"
-    assert finding["culpritRanks"] == [1], finding["summary"]
-    assert "killed by SIGKILL" in finding["summary"]
-    assert finding["waitingRanks"] == [0]
-    assert "rank 0" in finding["summary"]
-    end(job, train)  # mlx.launch stopped the other rank already
+    try:
+        stack.until(
+            lambda: len(stack.get("/v1/cluster/timeline?instanceId=kill-1")["runners"]) == 2, 30
+        )
+        time.sleep(2)
+        os.kill(_rank_pid(train, 1), signal.SIGKILL)
+        killed_at = time.monotonic()
+        (finding,) = stack.until(lambda: stack.findings("kill-1"), 10)
+        assert time.monotonic() - killed_at < 10
+        assert finding["kind"] == "dead_rank"
+        assert finding["culpritRanks"] == [1], finding["summary"]
+        assert "killed by SIGKILL" in finding["summary"]
+        assert finding["waitingRanks"] == [0]
+        assert "rank 0" in finding["summary"]
+    finally:
+        end(job, train)  # mlx.launch stopped the other rank already
 
 
 @pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM])
