@@ -32,6 +32,10 @@ class Handoff:
     """Where the watchers log, if anywhere."""
 
 
+REAPER = ".reaps"
+"""The ending of a `reaper_marker`."""
+
+
 def rank_marker(pid: int) -> str:
     """The exits folder's file that says the process `pid` is a recorded rank."""
     return f"{pid}.rank"
@@ -41,7 +45,3 @@ def reaper_marker(pid: int) -> str:
     """The exits folder's file that says the process `pid` writes how each recorded rank it
     started ended, once it reaps it (`rankscope record`, a Python launcher under it)."""
     return f"{pid}{REAPER}"
-
-
-REAPER = ".reaps"
-"""The ending of a `reaper_marker`."""
