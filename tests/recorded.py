@@ -164,14 +164,18 @@ def ended(process: subprocess.Popen[str]) -> tuple[int, list[str], str]:
 
 def assert_straggler(finding: dict[str, Any], culprit: int) -> None:
     """`finding` names `culprit` of a 4-rank job as the rank the job waits on, and its
-    evidence says so: the share lost to it, how often it was last, its work. How close the
-    share is to the truth is checked where the truth is known (the unit tests' simulated
-    job); here, on a machine other tests share, that it stands out."""
+    evidence says so: the share lost to it and how often it was last, and it tells its work.
+    How close the share and the work are to the truth is checked where the truth is known
+    (the unit tests' simulated job); here, on a machine other tests share, that it stands
+    out by what the job waits on. Its work per step is wall time on a core it shares with a
+    peer spinning in the collective and with other tests' processes: given 4/3 of the work,
+    it read 0.9-1.08x its peers' while the job lost 11-27% of its time to it."""
     paces = {e["deviceRank"]: e["pace"] for e in finding["evidence"]}
     named, peers = paces[culprit], [paces[r] for r in range(4) if r != culprit]
     assert named["waitedOn"] >= 0.10
     assert named["waitedOn"] > max(p["waitedOn"] for p in peers)
     assert named["lastArrival"] > 0.4  # chance: 0.25
-    assert named["workVsPeers"] > 1.0  # given 4/3: read 1.08x once, its core crowded by tests
+    assert named["workVsPeers"] > 0
     assert f"rank {culprit} (" in finding["summary"]
     assert "is the straggler: the job loses" in finding["summary"]
+    assert "its work per step is" in finding["summary"]
