@@ -11,6 +11,7 @@ directories).
         [--certainty 4] [--window 20] [--dominance 2.5] [--alone 0.05] [--near 0.07]
     .venv/bin/python bench/straggler_replay.py DATA_DIR --job demo-0 --layers 2,2
         [--apart 1.25] [--certainty 2] [--share 0.03] [--slice 2] [--glance 8] [--spins 0.25]
+        [--spread 0.9]
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--glance", type=float, default=stages.glance)
     parser.add_argument("--spins", type=float, default=stages.spins, help="> 1: CPU unread")
     parser.add_argument("--starved", type=float, default=stages.starved)
+    parser.add_argument("--spread", type=float, default=stages.spread)
     parser.add_argument("--near", type=float, default=0.07, help="print seconds above this")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:  # the store copied: left as it was
@@ -155,6 +157,7 @@ def main() -> None:
             glance=args.glance,
             spins=args.spins,
             starved=args.starved,
+            spread=args.spread,
         )
     else:
         limits = ArrivalLimits(
