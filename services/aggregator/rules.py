@@ -109,6 +109,8 @@ class Judge:
         self.newest_stored = max((v.stored_ns for v in views if v.stored_ns), default=None)
         """When NATS stored the newest message of any of the ranks (ns since the epoch)."""
         self._paces: list[RankPace | None] | None = None
+        self._compared: Straggle | None = None
+        """The ranks compared with each other, where they were: their paces come from it."""
 
     @property
     def pace_now(self) -> float:
@@ -118,7 +120,9 @@ class Judge:
 
     def pace(self, view: RunnerView) -> RankPace | None:
         """The rank's pace over its newest samples, if it keeps one."""
-        if self._paces is None:
+        if self._paces is None and self._compared is not None:
+            self._paces = self._straggle_paces(self._compared)
+        elif self._paces is None:
             histories = [v.pace for v in self.views]
             limits = self.limits.slow
             self._paces = paces_of(histories, self.pace_now, limits.window, limits)
@@ -186,7 +190,11 @@ class Judge:
         return found.slow, words
 
     def _straggled(self, straggle: Straggle) -> tuple[list[int], str]:
-        self._paces = self._straggle_paces(straggle)
+        """The stragglers and the words naming them; their paces, the evidence, worked out
+        only if a finding asks (most rounds name nobody)."""
+        self._compared, self._paces = straggle, None
+        if not straggle.stragglers:
+            return [], ""
         return straggle.stragglers, self._straggle_words(straggle)
 
     def _straggle_paces(self, straggle: Straggle) -> list[RankPace | None]:
