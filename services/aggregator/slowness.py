@@ -46,7 +46,11 @@ def compared(
     if found is not None or layers is None:
         return found
     window = limits.stages.window
-    wander = [strays(h, now - window, window, limits.slow) if h else 0.0 for h in histories]
+
+    def wander(stage: int) -> float:
+        history = histories[stage]
+        return strays(history, now - window, window, limits.slow) if history else 0.0
+
     return judge_stages(histories, layers, now, limits.stages, named, wander)
 
 
@@ -71,22 +75,21 @@ def judge_slowness(
     fresh = compared(ranks, now, limits) if named else judged
     if fresh is not None and fresh.stragglers:
         return fresh
-    own = judge_pace(histories, now, limits.slow, named)
-    if judged is None:
-        return own
-    if own is None or not own.slow or layers is None:
-        return judged
+    if judged is None or layers is None:
+        return judge_pace(histories, now, limits.slow, named)
     kept = [h for h in histories if h is not None]
     stages = limits.stages
     ratios = vs_peers(kept, layers, now, stages.window, stages)
     glance = vs_peers(kept, layers, now, stages.glance, stages)  # a relapse, seen sooner
-    backed = [
+    backing = {
         i
-        for i in own.slow
+        for i in range(len(kept))
         if min(ratios[i], glance[i]) >= stages.clear
         or (glance[i] >= stages.apart and ratios[i] > 1)  # and not the one waited on before
-    ]
-    if not backed:
+    }
+    own = judge_pace(histories, now, limits.slow, named) if backing else None
+    backed = [i for i in own.slow if i in backing] if own is not None else []
+    if own is None or not backed:
         return judged
     shown = [max(pair) for pair in zip(ratios, glance, strict=True)]
     return dataclasses.replace(own, slow=backed, backed=shown)

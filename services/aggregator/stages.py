@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rankscope.services.aggregator.arrivals import Straggle
@@ -98,13 +98,14 @@ def judge_stages(
     now: float,
     limits: StageLimits,
     named: frozenset[int] = frozenset(),
-    strays: Sequence[float] = (),
+    strays: Callable[[int], float] | None = None,
 ) -> Straggle | None:
     """The stages (each rank's pace history and the layers it holds, in stage order)
     compared over the newest `limits.window` seconds as of `now`; None when they cannot be
     (fewer than two stages, a stage holding no layer, too few steps or seconds). `named`:
-    stages an open finding names, held to the `clear` bar; `strays`: how far each stage's
-    own work strays by nature over such a span, where known (`pace.strays`): a stage whose
+    stages an open finding names, held to the `clear` bar; `strays`: how far a stage's
+    own work strays by nature over such a span, where known (`pace.strays`; asked only of a
+    stage out of line at the naming bar): a stage whose
     work wanders (sharing a core with a busy neighbour) is named only beyond that, or
     beyond `limits.beyond`."""
     if len(histories) < 2 or len(layers) != len(histories) or min(layers, default=0) < 1:
@@ -123,17 +124,20 @@ def judge_stages(
     whole = _compared(taken, layers, since, now, limits)
     newest = [[s for s in samples if s[0] > now - limits.glance] for samples in taken]
     glance = _compared(newest, layers, now - limits.glance, now, limits)
-    bars = [
-        max(limits.apart, min(own if own < math.inf else 0.0, limits.beyond))
-        for own in strays or [0.0] * len(taken)
-    ]
+
+    def beyond_own(stage: int) -> bool:
+        """Whether `stage` is out of line beyond how far its own work strays by nature."""
+        own = strays(stage) if strays is not None else 0.0
+        bar = max(limits.apart, min(own if own < math.inf else 0.0, limits.beyond))
+        return whole.out_of_line(stage, bar)
+
     sharply = [
         i for i in range(len(taken)) if glance.out_of_line(i, limits.sharp) and glance.costs(i)
     ]
     stragglers = [
         i
         for i in range(len(taken))
-        if (whole.out_of_line(i, bars[i]) and whole.costs(i))
+        if (whole.out_of_line(i, limits.apart) and whole.costs(i) and beyond_own(i))
         or i in sharply
         or (i in named and min(whole.ratios[i], glance.ratios[i]) >= limits.clear)
     ]

@@ -125,7 +125,7 @@ def test_a_stage_that_strays_by_nature_is_named_beyond_its_spread_or_far_out_of_
         pipeline.slowdown[0] = slowdown
         pipeline.run(20)
         straggle = judge_stages(
-            pipeline.histories, [8, 8], pipeline.now, StageLimits(), strays=[2.8, 1.1]
+            pipeline.histories, [8, 8], pipeline.now, StageLimits(), strays=[2.8, 1.1].__getitem__
         )
         assert straggle is not None
         assert straggle.stragglers == named
