@@ -166,14 +166,27 @@ def test_skulk_s_cancel_stops_a_long_generation(demo: Demo) -> None:
         except urllib.error.HTTPError as error:
             answers.append(error.code)
 
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 2))
     threading.Thread(target=ask, daemon=True).start()
+
+    def ours(task_id: str) -> bool:
+        """Whether `task_id` is this chat's, not one of the demo's own short chats."""
+        query = f"instanceId=demo-0&since={since}&limit=100000"
+        timeline = demo.get(f"/v1/cluster/timeline?{query}")["timeline"]
+        return any(
+            e["taskId"] == task_id
+            and e["event"] == "first_token"
+            and e["attrs"]["max_tokens"] == 4000
+            for e in timeline
+        )
 
     def active() -> Any:
         for node in demo.get("/v1/diagnostics/cluster")["nodes"]:
             held = node["diagnostics"] or {}  # none from a node that did not answer in time
             for runner in held.get("supervisorRunners", []):
-                if runner["activeTaskId"] and runner["phase"] == "decode_stream":
-                    return node["nodeId"], runner["runnerId"], runner["activeTaskId"]
+                task = runner["activeTaskId"]
+                if task and runner["phase"] == "decode_stream" and ours(task):
+                    return node["nodeId"], runner["runnerId"], task
         return None
 
     node_id, runner_id, task_id = demo.until(active, 60)
