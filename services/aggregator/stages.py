@@ -120,9 +120,9 @@ def judge_stages(
     since = min(samples[0][0] for samples in taken)
     if now - since < limits.span:
         return None
-    taken = _stalls_as_work(taken, layers, limits)
+    raw, taken = taken, _stalls_as_work(taken, layers, limits)
     whole = _compared(taken, layers, since, now, limits)
-    newest = [[s for s in samples if s[0] > now - limits.glance] for samples in taken]
+    newest = _newest(raw, taken, layers, now, limits)
     glance = _compared(newest, layers, now - limits.glance, now, limits)
 
     def beyond_own(stage: int) -> bool:
@@ -267,6 +267,25 @@ def _stalls_as_work(
         idle = max(0.0, 1 - spun[i] / (peers * limits.spread)) if throughout else 0.0
         moved.append([_moved(s, idle) for s in samples] if idle else samples)
     return moved
+
+
+def _newest(
+    raw: list[list[Sample]],
+    moved: list[list[Sample]],
+    layers: Sequence[int],
+    now: float,
+    limits: StageLimits,
+) -> list[list[Sample]]:
+    """Each stage's samples of the newest `glance` seconds, the wait it did not spin through
+    counted as its work where the window's samples (`moved`, from `raw`) have it so, or else
+    where the glance's own have: a stage stopped mid-run shows so in each half of the glance
+    long before it does in each half of the window."""
+    cut = [[s for s in samples if s[0] > now - limits.glance] for samples in raw]
+    alone = _stalls_as_work(cut, layers, limits)
+    return [
+        [s for s in whole if s[0] > now - limits.glance] if whole is not held else own
+        for held, whole, own in zip(raw, moved, alone, strict=True)
+    ]  # `_stalls_as_work` hands back a stage's samples themselves where it moved nothing
 
 
 def _spun(taken: list[list[Sample]]) -> list[float] | None:

@@ -150,6 +150,19 @@ def test_a_stage_stopped_in_its_waits_too_is_named_by_the_wait_it_did_not_spin_t
             assert abs(straggle.work_vs_peers(1) - 2.0) < 0.25
 
 
+def test_a_stage_stopped_in_its_waits_mid_run_is_named_from_the_newest_seconds() -> None:
+    """Stopped mid-run as above: named once the newest 8 s show it, not once the stop fills
+    each half of the 20-s window (15-19 s in)."""
+    for seed in (1, 2, 3):
+        pipeline = Pipeline([8, 8], seed=seed)
+        pipeline.run(40)
+        pipeline.slowdown[1] = 1.25
+        pipeline.stopped[1] = 0.75 * 8 * LAYER_S
+        found = pipeline.run(30)
+        assert next(i for i, n in enumerate(found) if n) + 1 <= 10, seed
+        assert {tuple(n) for n in found} <= {(), (1,)}, seed
+
+
 def test_a_stage_spinning_a_little_slower_than_its_peers_is_not_named_by_its_waits() -> None:
     """Healthy on a busy machine: 1.3x its peer's work per layer (its node's services on
     its core), under the naming bar, and spinning at 0.94x its peer's rate in its waits,
