@@ -105,9 +105,8 @@ def judge_stages(
     (fewer than two stages, a stage holding no layer, too few steps or seconds). `named`:
     stages an open finding names, held to the `clear` bar; `strays`: how far a stage's
     own work strays by nature over such a span, where known (`pace.strays`; asked only of a
-    stage out of line at the naming bar): a stage whose
-    work wanders (sharing a core with a busy neighbour) is named only beyond that, or
-    beyond `limits.beyond`."""
+    stage out of line at the naming bar): a stage whose work wanders (sharing a core with a
+    busy neighbour) is named only beyond that, or beyond `limits.beyond`."""
     if len(histories) < 2 or len(layers) != len(histories) or min(layers, default=0) < 1:
         return None
     taken: list[list[Sample]] = []
