@@ -11,7 +11,7 @@ directories).
         [--certainty 4] [--window 20] [--dominance 2.5] [--alone 0.05] [--near 0.07]
     .venv/bin/python bench/straggler_replay.py DATA_DIR --job demo-0 --layers 2,2
         [--apart 1.25] [--certainty 2] [--share 0.03] [--slice 2] [--glance 8] [--spins 0.25]
-        [--spread 0.9]
+        [--spread 0.95]
 """
 
 from __future__ import annotations
