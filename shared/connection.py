@@ -227,6 +227,8 @@ class Reachability:
         self.down_since: float | None = None
         """Monotonic time of the first failed check of the current outage."""
         self.down_since_wall: str | None = None
+        self.answered_at: float | None = None
+        """Monotonic time of the last check that got its answer."""
         self.outages = 0
         self._ping: asyncio.Future[None] | None = None
         self._ping_epoch = 0
@@ -240,6 +242,7 @@ class Reachability:
     async def check(self) -> bool:
         """Ping the server now; returns whether it answered in time."""
         if await self._answered():
+            self.answered_at = self._clock()
             if self.down_since is not None:
                 log.info("NATS reachable again after %.1fs", self._clock() - self.down_since)
                 self.down_since = self.down_since_wall = None

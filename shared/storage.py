@@ -133,6 +133,12 @@ class Storage:
                 f"stream {name} has no leader (its replicas lost their quorum)", late=False
             )
 
+    def forget(self) -> None:
+        """Drop the failure noted, if any: a write that failed while NATS itself was out
+        says nothing of JetStream once NATS is back."""
+        self.failing_since = self.failing_since_wall = None
+        self.reason = ""
+
     def _failing(self, reason: str) -> None:
         self.reason = reason
         if self.failing_since is None:

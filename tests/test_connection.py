@@ -8,14 +8,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import nats
 import pytest
+from nats.js.api import StorageType
 
+from rankscope.services.aggregator.findings import bus_outage
+from rankscope.services.aggregator.liveness import Liveness
+from rankscope.services.aggregator.rules import Thresholds
+from rankscope.services.aggregator.store import EntryStore
+from rankscope.services.aggregator.views import ClusterState
 from rankscope.shared.connection import ConnectionLostError, Lifeline, Reachability, close, connect
+from rankscope.shared.deadletter import DeadLetters
+from rankscope.shared.jetstream import Layout
 from rankscope.shared.settings import Settings
+from rankscope.shared.storage import Storage
+from rankscope.shared.wire import FindingKind
+from tests.aggregator.builders import core_of
 
 pytestmark = pytest.mark.nats
 
@@ -113,6 +125,67 @@ async def test_a_server_that_stops_answering_is_unreachable_until_it_answers_aga
         reply = await nc.request("$JS.API.INFO", b"", timeout=2)
         assert b"memory" in reply.data
         await close(nc)
+
+
+async def test_a_server_paused_between_a_ping_and_a_write_is_an_outage_of_nats_alone(
+    nats_url: str,
+) -> None:
+    """Paused just after a ping answered, the server fails the JetStream write first: that
+    is NATS out, not JetStream, and once NATS is back the write that failed meanwhile says
+    nothing of JetStream (an outage named twice, the second falsely, before)."""
+    async with SilentLink(nats_url).running() as link:
+        nc = await connect(Settings(nats_url=link.url, nats_ping_interval=60), "paused-write")
+        js, canary = nc.jetstream(), f"canary.{uuid.uuid4().hex}"
+        stream = canary.replace(".", "-")
+        await js.add_stream(name=stream, subjects=[canary], storage=StorageType.MEMORY)
+        reach, storage = Reachability(nc, timeout=0.3), Storage(js, canary, timeout=0.3)
+        liveness = Liveness(
+            nc=nc,
+            layout=Layout(),
+            core=core_of(ClusterState(store=EntryStore()), Thresholds()),
+            reach=reach,
+            storage=storage,
+            dead_letters=DeadLetters(js=js, subject=f"{canary}.dead", service="test"),
+            probe_timeout=0.3,
+            clock=time.monotonic,
+            wall=time.time,
+        )
+        await liveness.probe()
+        assert bus_outage(reach, storage) is None
+        link.flowing.clear()
+        assert not await storage.check()
+        assert bus_outage(reach, storage) is None, "no ping has said whose outage it is yet"
+        await liveness.probe()
+        outage = bus_outage(reach, storage)
+        assert outage is not None
+        assert outage[0] is FindingKind.NATS_UNREACHABLE, outage
+        link.flowing.set()
+        for _ in range(50):
+            if await reach.check():
+                break
+            await asyncio.sleep(0.1)
+        assert bus_outage(reach, storage) is None
+        await liveness.probe()
+        assert bus_outage(reach, storage) is None
+        assert storage.storing
+        await close(nc)
+
+
+async def test_a_jetstream_that_stops_storing_while_nats_answers_is_its_outage(
+    nats_url: str,
+) -> None:
+    nc = await connect(Settings(nats_url=nats_url), "unstored")
+    js, canary = nc.jetstream(), f"canary.{uuid.uuid4().hex}"
+    reach, storage = Reachability(nc, timeout=0.3), Storage(js, canary, timeout=0.3)
+    assert await reach.check()
+    assert not await storage.check()  # no stream takes the canary's subject
+    assert bus_outage(reach, storage) is None
+    assert await reach.check()
+    outage = bus_outage(reach, storage)
+    assert outage is not None
+    assert outage[0] is FindingKind.JETSTREAM_STORAGE, outage
+    assert outage[2].startswith("JetStream not storing since "), outage
+    await close(nc)
 
 
 async def test_a_connection_the_server_drops_for_good_stops_the_service(nats_url: str) -> None:

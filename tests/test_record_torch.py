@@ -264,8 +264,8 @@ def test_with_nats_gone_a_torch_job_runs_on_and_ends_the_same(stack: Stack, torc
     nowhere = f"nats://127.0.0.1:{free_port()}"
     plain = subprocess.run(torch.run(2, train, "60"), capture_output=True, text=True)
     job = stack.record(None, torch.run(2, train, "60"), nats=nowhere, give_up="2s")
-    code, out, _ = ended(job)
-    assert (code, out) == (0, sorted(plain.stdout.splitlines()))
+    code, out, err = ended(job)
+    assert (code, out) == (0, sorted(plain.stdout.splitlines())), err[-3000:]
 
 
 def test_a_torch_rank_slow_from_its_first_step_is_named_with_the_share_lost_to_it(

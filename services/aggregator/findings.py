@@ -45,7 +45,7 @@ from rankscope.shared.wire import (
     encode,
 )
 
-__all__ = ["Findings"]
+__all__ = ["Findings", "bus_outage"]
 
 log = logging.getLogger(__name__)
 
@@ -172,20 +172,13 @@ class Findings:
         """Now, by its wall clock (virtual in tests), as a wire timestamp."""
         return from_micros(round(self._wall() * 1e6))
 
-    def _outage(self) -> Outage | None:
-        if not self._reach.reachable:
-            reach = self._reach
-            return FindingKind.NATS_UNREACHABLE, reach.down_since_wall or "", reach.why()
-        if not self._storage.storing:
-            storage = self._storage
-            return FindingKind.JETSTREAM_STORAGE, storage.failing_since_wall or "", storage.why()
-        return None
-
     async def evaluate(self) -> tuple[list[Finding], list[Finding]]:
         """Judge this moment (`core.Core`), a slice of instances at a time between turns of
         the queries; returns (findings opened or changed, findings that cleared), and asks
         for the evidence of those that opened."""
-        effects = self.core.feed(Tick(self._clock(), self._now(), self._outage()))
+        effects = self.core.feed(
+            Tick(self._clock(), self._now(), bus_outage(self._reach, self._storage))
+        )
         while effects and isinstance(effects[-1], Pause):
             await asyncio.sleep(0)
             effects = self.core.feed(Resume())
@@ -282,3 +275,15 @@ class Findings:
                 self._unpublished.popleft()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), ROUND_S)
+
+
+def bus_outage(reach: Reachability, storage: Storage) -> Outage | None:
+    """The outage of NATS or JetStream as their last checks say, or None. JetStream counts
+    as not storing only once NATS has answered a ping since: a server paused or wedged
+    fails a write before it fails a ping, and it is NATS that is out then."""
+    if not reach.reachable:
+        return FindingKind.NATS_UNREACHABLE, reach.down_since_wall or "", reach.why()
+    failing = storage.failing_since
+    if failing is not None and reach.answered_at is not None and reach.answered_at >= failing:
+        return FindingKind.JETSTREAM_STORAGE, storage.failing_since_wall or "", storage.why()
+    return None

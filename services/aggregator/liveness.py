@@ -119,7 +119,12 @@ class Liveness:
             assert isinstance(effect, Probe)
             ask = effect.ask
         was_out = not (self._reach.reachable and self._storage.storing)
-        if not await self._reach.check() or not await self._storage.check():
+        if await self._reach.check() and not await self._storage.check():
+            await self._reach.check()  # answered now: JetStream is out, not NATS (`bus_outage`)
+        if not self._reach.reachable:
+            self._storage.forget()  # what JetStream did while NATS was out says nothing of it
+            return
+        if not self._storage.storing:
             return
         if was_out:
             self._core.feed(OutageOver(self._clock()))
