@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -64,23 +65,25 @@ def _generate(model: Any, tokenizer: Any) -> Run:
 
 
 def _rank(
-    path: str,
     assignments: list[RunnerAssignment],
     rank: int,
+    models: multiprocessing.Queue[str | None],
     out: multiprocessing.Queue[Any],
-    done: Any,
 ) -> None:
+    """One rank of a ring: connects once, then loads, runs and answers for each model it
+    is sent until it is sent None."""
+    me = assignments[rank]
     try:
-        me = assignments[rank]
         group = connect_group(me, ring_hosts(assignments))
-        pace = Pace(every=1, gap=0)  # every step timed: what it does to results shows
-        shard = load_shard(Path(path), group, assignments, me, pace)
-        run = _generate(shard.model, shard.tokenizer)
-        barrier(group)  # after the step generate_step starts ahead, still in flight
-        out.put((rank, shard.parameter_bytes, (run, pace.take())))
+        while (path := models.get()) is not None:
+            pace = Pace(every=1, gap=0)  # every step timed: what it does to results shows
+            shard = load_shard(Path(path), group, assignments, me, pace)
+            run = _generate(shard.model, shard.tokenizer)
+            barrier(group)  # after the step generate_step starts ahead, still in flight
+            out.put((rank, shard.parameter_bytes, (run, pace.take())))
     except Exception as exc:  # the test shows it rather than waiting for a silent rank
         out.put((rank, -1, f"{type(exc).__name__}: {exc}"))
-    done.wait(60)  # no rank closes its sockets while a peer may still be reading them
+        models.get()  # no rank closes its sockets while a peer may still be reading them
 
 
 def _assignments(split: tuple[int, ...]) -> list[RunnerAssignment]:
@@ -101,28 +104,61 @@ def _assignments(split: tuple[int, ...]) -> list[RunnerAssignment]:
     ]
 
 
-def _run_split(path: Path, split: tuple[int, ...]) -> list[tuple[int, Any]]:
-    context = multiprocessing.get_context("spawn")
-    out: multiprocessing.Queue[Any] = context.Queue()
-    done = context.Event()
-    assignments = _assignments(split)
-    ranks = [
-        context.Process(target=_rank, args=(str(path), assignments, r, out, done), daemon=True)
-        for r in range(len(split))
-    ]
-    for process in ranks:
-        process.start()
-    try:
-        results = sorted(out.get(timeout=120) for _ in ranks)
-    except queue.Empty:
-        pytest.fail(f"a rank of {split} did not answer")
-    finally:
-        done.set()
-        for process in ranks:
+class _Ring:
+    """The ranks of `split`, each a process on one real mlx ring (loopback), connected
+    once and kept for every architecture: a process per rank and model would import mlx-lm
+    fourteen times per split."""
+
+    def __init__(self, split: tuple[int, ...]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._out: multiprocessing.Queue[Any] = context.Queue()
+        self._models: list[multiprocessing.Queue[str | None]] = [context.Queue() for _ in split]
+        assignments = _assignments(split)
+        self._ranks = [
+            context.Process(target=_rank, args=(assignments, r, models, self._out), daemon=True)
+            for r, models in enumerate(self._models)
+        ]
+        for process in self._ranks:
+            process.start()
+
+    def run(self, path: Path) -> list[tuple[int, Any]]:
+        """Each rank's weight in bytes (-1: it failed) and its run (or its error) of the
+        model at `path`; raises `queue.Empty` when a rank does not answer."""
+        for models in self._models:
+            models.put(str(path))
+        results = sorted(self._out.get(timeout=120) for _ in self._ranks)
+        return [(weights, run) for _, weights, run in results]
+
+    def close(self) -> None:
+        for models in self._models:
+            models.put(None)
+        for process in self._ranks:
             process.join(10)
             if process.is_alive():
                 process.kill()
-    return [(weights, run) for _, weights, run in results]
+
+
+@pytest.fixture(scope="module")
+def rings() -> Iterator[dict[tuple[int, ...], _Ring]]:
+    """The ring of each split, made when a test first asks for it."""
+    made: dict[tuple[int, ...], _Ring] = {}
+    yield made
+    for ring in made.values():
+        ring.close()
+
+
+def _run_split(
+    rings: dict[tuple[int, ...], _Ring], path: Path, split: tuple[int, ...]
+) -> list[tuple[int, Any]]:
+    ring = rings.get(split) or rings.setdefault(split, _Ring(split))
+    try:
+        ranks = ring.run(path)
+    except queue.Empty:
+        rings.pop(split).close()
+        pytest.fail(f"a rank of {split} did not answer")
+    if any(weights < 0 for weights, _ in ranks):  # its peers may be left in a collective
+        rings.pop(split).close()
+    return ranks
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -134,14 +170,16 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.mark.parametrize("split", list(SPLITS.values()), ids=list(SPLITS))
-def test_split_generates_what_one_process_generates(model: Path, split: tuple[int, ...]) -> None:
+def test_split_generates_what_one_process_generates(
+    rings: dict[tuple[int, ...], _Ring], model: Path, split: tuple[int, ...]
+) -> None:
     import mlx_lm
     from mlx.utils import tree_flatten
 
     reference, tokenizer = mlx_lm.load(str(model))[:2]
     expected = _generate(reference, tokenizer)
     whole = sum(a.nbytes for _, a in cast(list[Any], tree_flatten(reference.parameters())))
-    ranks = _run_split(model, split)
+    ranks = _run_split(rings, model, split)
     for rank, (weights, answer) in enumerate(ranks):
         assert 0 < weights < whole, f"rank {rank} holds {weights} of {whole} bytes: {answer}"
         run, pace = answer
