@@ -234,10 +234,12 @@ class Agent:
                 return raw.data
 
     async def _release_instance(self, instance_id: str, keep: set[str]) -> None:
-        for runner_id, supervisor in list(self.supervisors.items()):
-            if supervisor.config.runner.instanceId == instance_id and runner_id not in keep:
-                del self.supervisors[runner_id]
-                await supervisor.release()
+        released = [
+            self.supervisors.pop(runner_id)
+            for runner_id, supervisor in list(self.supervisors.items())
+            if supervisor.config.runner.instanceId == instance_id and runner_id not in keep
+        ]
+        await asyncio.gather(*(supervisor.release() for supervisor in released))
         if not keep:
             self._placed.pop(instance_id, None)
             self._held.pop(instance_id, None)

@@ -69,6 +69,17 @@ log = logging.getLogger(__name__)
 KEEP_ENTRIES = 128
 _TELEMETRY_QUEUE = 1024
 _STOP_GRACE_S = 3.0  # twice this fits within `up`'s 8 s grace for the agent
+_STARTING = frozenset(
+    {
+        RunnerStatusKind.IDLE,
+        RunnerStatusKind.CONNECTING,
+        RunnerStatusKind.CONNECTED,
+        RunnerStatusKind.LOADING,
+        RunnerStatusKind.LOADED,
+        RunnerStatusKind.WARMING_UP,
+    }
+)
+"""Where a runner has no task to finish: a stop ends it at once (SIGTERM)."""
 
 
 def exit_cause(code: int) -> str:
@@ -305,6 +316,8 @@ class RunnerSupervisor:
         cause = exit_cause(code)
         if self._lost_peer is not None:
             cause = f"lost its peer in {self._lost_peer} ({cause})"
+        elif self._releasing and self.status in _STARTING:
+            cause = f"stopped while starting ({cause})"
         if self._releasing:
             if self.status is not RunnerStatusKind.SHUTDOWN:
                 self._set_status(RunnerStatusKind.SHUTDOWN, cause, code, signal_name(code))
@@ -346,14 +359,18 @@ class RunnerSupervisor:
             self.start()
 
     async def release(self) -> None:
-        """Ask the runner to stop; SIGTERM after a grace period, SIGKILL after another."""
+        """Stop the runner: one that serves is asked to stop with its peers between steps,
+        SIGTERM after a grace period; one still starting has no task to finish and ends on
+        SIGTERM at once. SIGKILL after another grace period."""
         self._releasing = True
         process = self._process
         if process is None or not process.is_alive():
             return
-        if self._tasks is not None:
+        starting = self.status in _STARTING
+        if self._tasks is not None and not starting:
             self._tasks.put(Stop())
-        for action in (None, process.terminate, process.kill):
+        escalation = (process.terminate, process.kill)
+        for action in escalation if starting else (None, *escalation):
             if action is not None and process.is_alive():
                 action()
             with contextlib.suppress(asyncio.TimeoutError):

@@ -627,3 +627,60 @@ async def test_release_shuts_every_runner_down(cluster: Cluster) -> None:
     for node in ("node-a", "node-b"):
         runners = (await cluster.diagnostics(node)).runners
         assert all(r.instanceId != "i" for r in runners)
+
+
+async def test_a_runner_released_while_it_starts_ends_at_once_on_sigterm(
+    cluster: Cluster,
+) -> None:
+    """Its peer never comes (no agent on that node): it waits in the ring's connect, where
+    it has no task to finish, so a release ends it at once rather than after the grace a
+    serving rank gets to stop with its peers (it was SIGKILLed 6 s later)."""
+    ranks = [
+        RunnerAssignment(
+            runnerId=f"waiting-r{rank}",
+            nodeId=node,
+            deviceRank=rank,
+            worldSize=2,
+            startLayer=rank * LAYERS // 2,
+            endLayer=(rank + 1) * LAYERS // 2,
+            nLayers=LAYERS // 2,
+            host="127.0.0.1",
+            port=free_port(),
+        )
+        for rank, node in enumerate(("node-a", "node-absent"))
+    ]
+    placed = InstanceCreated(
+        at=now(),
+        instanceId="waiting",
+        runnerSpecId="spec",
+        modelId="tiny",
+        modelPath=str(cluster.model),
+        assignments=ranks,
+    )
+    js, subjects = cluster.nc.jetstream(), cluster.layout.subjects
+    await js.publish(subjects.placement("waiting"), encode(placed))
+
+    def connecting() -> bool:
+        latest = cluster.latest("waiting-r0")
+        return latest is not None and latest.statusKind is RunnerStatusKind.CONNECTING
+
+    await cluster.until(connecting)
+    released = InstanceReleased(
+        at=now(), instanceId="waiting", cause=ReleaseCause.SPEC_DELETED, reason="test over"
+    )
+    await js.publish(subjects.placement("waiting"), encode(released))
+
+    def shut_down() -> bool:
+        latest = cluster.latest("waiting-r0")
+        return latest is not None and latest.statusKind is RunnerStatusKind.SHUTDOWN
+
+    await cluster.until(shut_down)
+    latest = cluster.latest("waiting-r0")
+    assert latest is not None
+    assert (latest.signal, latest.detail) == (
+        "SIGTERM",
+        "stopped while starting (killed by SIGTERM)",
+    )
+    assert RunnerStatusKind.FAILED not in {
+        s.statusKind for s in cluster.statuses if s.runner.instanceId == "waiting"
+    }

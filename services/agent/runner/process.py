@@ -269,7 +269,7 @@ def runner_main(
         pace=Pace() if config.assignment.worldSize > 1 else None,
     )
     runner = _Runner(config, recorder, tasks)
-    signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # starting, it has no task to finish
     recorder.record(Phase.CREATED, "process_started", memory=True, attrs={"pid": os.getpid()})
     sampler = threading.Thread(
         target=_sample_memory, daemon=True, args=(recorder, config.memory_interval, runner.stopping)
@@ -278,6 +278,7 @@ def runner_main(
     code = 0
     try:
         group, generation = runner.start()
+        signal.signal(signal.SIGTERM, lambda *_: runner.stopping.set())  # stop with its peers
         runner.serve(group, generation)
         recorder.status(RunnerStatusKind.SHUTTING_DOWN)
         recorder.record(Phase.SHUTDOWN_CLEANUP, "stopping", memory=True)
