@@ -30,9 +30,15 @@ demo: $(RUNS)
 # test or two (the recorded slow-rank job, packaging, the fault deployments) out together
 # at the end, where that test, its ranks starved to a step a second, missed its 60 s in two
 # runs of two; in collection order they spread over the run (440 s, against 457-478 s)
-test: lint
+# mypy (a core for ~35 s when cold) runs beside the workers, its report shown after them.
+test: $(TESTS) $(MYPY_ROOT)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & typing=$$!; \
 	$(PYTEST_ENV) $(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder \
-		-m "not solo" --durations=20
+		-m "not solo" --durations=20; tests=$$?; \
+	wait $$typing; typed=$$?; echo "$(BIN)/mypy"; cat $(VENV)/mypy.log; \
+	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 	$(PYTEST_ENV) $(BIN)/python -m pytest -m solo
 
 # The inner loop: no MLX computation and no multi-process end-to-end test (CI runs them all).
