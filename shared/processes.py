@@ -2,7 +2,8 @@
 operating system says a process is doing, the same on Linux and macOS.
 
 On Linux the kernel ties a child to its parent (`PR_SET_PDEATHSIG`); everywhere, a child
-also watches its parent itself (`watch_parent`), which is all macOS has. Setting
+also watches its parent itself (`watch_parent`), which is all macOS has, or has a shell
+of its own watch for it (`kill_when_orphaned`) where its own threads may be held up. Setting
 `RANKSCOPE_PORTABLE_PROCESSES=1` leaves the Linux-only tie out, so tests on Linux run
 the path macOS takes.
 """
@@ -15,6 +16,7 @@ import ctypes
 import functools
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -32,8 +34,10 @@ __all__ = [
     "STACK_BYTES",
     "die_with_parent",
     "dump_stacks",
+    "kill_when_orphaned",
     "process_state",
     "signal_name",
+    "stop_watching",
     "watch_parent",
     "watch_parent_from_env",
 ]
@@ -83,6 +87,40 @@ def watch_parent(parent: int, signum: int, every: float = WATCH_EVERY_S) -> thre
     thread = threading.Thread(target=watch, name="lifeline", daemon=True)
     thread.start()
     return thread
+
+
+_ORPHANED = (
+    'while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep "$3"; done; '
+    'kill -0 "$1" 2>/dev/null || kill -KILL "$2" 2>/dev/null'
+)
+"""Until `$1` (the parent) or `$2` (the child) has ended, every `$3` seconds; then SIGKILL
+the child if the parent is the one gone."""
+
+
+_WATCHERS: list[subprocess.Popen[bytes]] = []
+"""The shells `kill_when_orphaned` started, held for this process's life."""
+
+
+def kill_when_orphaned(parent: int, every: float = WATCH_EVERY_S) -> None:
+    """SIGKILL this process once `parent` has ended, from a shell of its own that ends
+    with it. Unlike `watch_parent`'s thread it acts while no thread of this process can
+    run: MLX holds the interpreter's lock while its ring connects, for as long as a peer
+    is missing. (`parent`, once dead, counts as ended when its own parent reaps it.)"""
+    watcher = subprocess.Popen(
+        ["/bin/sh", "-c", _ORPHANED, "rankscope-lifeline", str(parent), str(os.getpid()),
+         f"{every:g}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    _WATCHERS.append(watcher)
+
+
+def stop_watching() -> None:
+    """End the shells `kill_when_orphaned` started, as this process exits on its own (one
+    whose process was killed ends at its next check)."""
+    for watcher in _WATCHERS:
+        watcher.kill()
 
 
 def watch_parent_from_env(signum: int = signal.SIGTERM) -> None:

@@ -299,8 +299,10 @@ def _parent(pid: int) -> int:
 
 
 def _gone(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:  # reaped
+        return True
 
 
 def test_a_runner_dies_with_its_agent_even_inside_a_collective(demo: Demo) -> None:
@@ -360,9 +362,7 @@ def test_ctrl_c_during_a_long_generation_leaves_no_process(demo: Demo) -> None:
     assert len(everything) >= 6  # nats, 3 services, 2 agents, their runners
     demo.process.send_signal(signal.SIGINT)  # what Ctrl-C sends to `up`
     assert demo.process.wait(timeout=20) == 0
-    left = [
-        pid
-        for pid in everything
-        if Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    ]
+    deadline = time.monotonic() + 2  # a killed runner's watching shell: its next check
+    while (left := [pid for pid in everything if not _gone(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not left, f"processes left behind: {left}"

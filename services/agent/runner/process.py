@@ -31,7 +31,12 @@ from rankscope.services.agent.runner.pace import Pace
 from rankscope.services.agent.runner.recorder import Recorder
 from rankscope.services.agent.runner.shard import connect_group, load_shard, ring_hosts
 from rankscope.services.agent.runner.watchdog import Watchdog
-from rankscope.shared.processes import die_with_parent, watch_parent
+from rankscope.shared.processes import (
+    die_with_parent,
+    kill_when_orphaned,
+    stop_watching,
+    watch_parent,
+)
 from rankscope.shared.timestamps import now
 from rankscope.shared.wire import (
     Breadcrumb,
@@ -252,8 +257,11 @@ def runner_main(
     if tie is not None:
         tie()
     parent = multiprocessing.parent_process()
-    if parent is not None and parent.pid is not None:
-        watch_parent(parent.pid, signal.SIGKILL)  # at once if the agent died before
+    agent = parent.pid if parent is not None else None
+    if agent is not None and tie is None:
+        kill_when_orphaned(agent)  # even while its ring connects, holding the GIL
+    elif agent is not None:
+        watch_parent(agent, signal.SIGKILL)  # at once if the agent died before the tie
     ref = config.runner
     setproctitle(f"rankscope runner {ref.instanceId} rank {ref.deviceRank} {ref.nodeId}")
     if config.stack_path is not None:  # the stacks on request, even from inside a collective
@@ -304,4 +312,5 @@ def runner_main(
     runner.stopping.set()
     sampler.join()
     recorder.flush()
+    stop_watching()
     os._exit(code)
