@@ -93,6 +93,8 @@ class Agent:
         self._publisher = publisher
         self._timeouts = timeouts or Timeouts()
         self.supervisors: dict[str, RunnerSupervisor] = {}
+        self._releasing: set[asyncio.Future[list[None]]] = set()
+        """Releases under way: their runners are out of `supervisors`, not yet ended."""
         self._placed: dict[str, InstanceCreated] = {}
         self._task_followers: dict[str, Follower] = {}
         self._final_tasks: set[str] = set()
@@ -239,7 +241,10 @@ class Agent:
             for runner_id, supervisor in list(self.supervisors.items())
             if supervisor.config.runner.instanceId == instance_id and runner_id not in keep
         ]
-        await asyncio.gather(*(supervisor.release() for supervisor in released))
+        releasing = asyncio.gather(*(supervisor.release() for supervisor in released))
+        self._releasing.add(releasing)
+        releasing.add_done_callback(self._releasing.discard)
+        await releasing
         if not keep:
             self._placed.pop(instance_id, None)
             self._held.pop(instance_id, None)
@@ -416,6 +421,7 @@ class Agent:
             waiting.cancel()
         instances = {s.config.runner.instanceId for s in self.supervisors.values()}
         await asyncio.gather(*(self._release_instance(i, keep=set()) for i in instances))
+        await asyncio.gather(*self._releasing)  # those begun before, by a release placed
         for follower in self._task_followers.values():
             await follower.stop()
         self._task_followers.clear()

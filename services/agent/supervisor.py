@@ -364,7 +364,11 @@ class RunnerSupervisor:
         SIGTERM at once. SIGKILL after another grace period."""
         self._releasing = True
         process = self._process
-        if process is None or not process.is_alive():
+        if process is None:
+            return
+        if not process.is_alive():  # its exit may not be taken in yet
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.exited.wait(), _STOP_GRACE_S)
             return
         starting = self.status in _STARTING
         if self._tasks is not None and not starting:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -632,9 +633,10 @@ async def test_release_shuts_every_runner_down(cluster: Cluster) -> None:
 async def test_a_runner_released_while_it_starts_ends_at_once_on_sigterm(
     cluster: Cluster,
 ) -> None:
-    """Its peer never comes (no agent on that node): it waits in the ring's connect, where
-    it has no task to finish, so a release ends it at once rather than after the grace a
-    serving rank gets to stop with its peers (it was SIGKILLed 6 s later)."""
+    """Its peer never comes (no agent on that node; its port takes connections and says
+    nothing): it waits in the ring's connect, where it has no task to finish, so a release
+    ends it at once rather than after the grace a serving rank gets to stop with its peers
+    (it was SIGKILLed 6 s later, or its connect gave up first)."""
     ranks = [
         RunnerAssignment(
             runnerId=f"waiting-r{rank}",
@@ -658,6 +660,7 @@ async def test_a_runner_released_while_it_starts_ends_at_once_on_sigterm(
         assignments=ranks,
     )
     js, subjects = cluster.nc.jetstream(), cluster.layout.subjects
+    silent_peer = socket.create_server(("127.0.0.1", ranks[1].port))
     await js.publish(subjects.placement("waiting"), encode(placed))
 
     def connecting() -> bool:
@@ -675,6 +678,7 @@ async def test_a_runner_released_while_it_starts_ends_at_once_on_sigterm(
         return latest is not None and latest.statusKind is RunnerStatusKind.SHUTDOWN
 
     await cluster.until(shut_down)
+    silent_peer.close()
     latest = cluster.latest("waiting-r0")
     assert latest is not None
     assert (latest.signal, latest.detail) == (
