@@ -28,6 +28,7 @@ from rankscope.services.agent.runner.channel import (
     PERMANENT_EXIT,
     STACK_SIGNAL,
     Assigned,
+    Delivered,
     Entries,
     Entry,
     Memory,
@@ -130,7 +131,6 @@ class RunnerSupervisor:
         """Whether the process can write its stacks (SIGUSR1 would kill it before)."""
         self._lost_peer: str | None = None
         """The collective in which the process's ring lost a peer, if it did."""
-        """Exits as a victim of its peers since it was last ready."""
         self._releasing = False
         self.exited = asyncio.Event()
         self.gave_up = False
@@ -203,6 +203,8 @@ class RunnerSupervisor:
                 continue
             except (EOFError, OSError):
                 return
+            if isinstance(item, Delivered):
+                continue
             try:
                 self._loop.call_soon_threadsafe(self._handle, item)
             except RuntimeError:  # the agent's loop is gone: nobody is listening any more

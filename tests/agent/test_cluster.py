@@ -109,8 +109,14 @@ class Cluster:
                 self.changed.notify_all()
 
     async def until(self, check: Callable[[], bool]) -> None:
-        async with self.changed:
-            await asyncio.wait_for(self.changed.wait_for(check), WAIT)
+        try:
+            async with self.changed:
+                await asyncio.wait_for(self.changed.wait_for(check), WAIT)
+        except TimeoutError:
+            seen = [
+                f"{s.runner.runnerId}:{s.statusKind.value}:{s.detail}" for s in self.statuses[-12:]
+            ]
+            raise AssertionError(f"not so within {WAIT:.0f} s; last statuses {seen}") from None
 
     def latest(self, runner_id: str) -> RunnerStatusChanged | None:
         mine = [s for s in self.statuses if s.runner.runnerId == runner_id]

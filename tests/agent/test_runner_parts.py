@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import queue
 import signal
 import time
@@ -12,7 +13,7 @@ from typing import Any
 from unittest.mock import MagicMock
 
 from rankscope.services.agent.runner import watchdog as watchdog_module
-from rankscope.services.agent.runner.channel import Entries, Entry, Output
+from rankscope.services.agent.runner.channel import Entries, Entry, Output, Status
 from rankscope.services.agent.runner.config import RunnerConfig
 from rankscope.services.agent.runner.recorder import Recorder
 from rankscope.services.agent.runner.shard import ring_hosts
@@ -21,7 +22,14 @@ from rankscope.services.agent.supervisor import RunnerSupervisor, exit_cause
 from rankscope.shared.subjects import Subjects
 from rankscope.shared.telemetry import TelemetryPublisher
 from rankscope.shared.timestamps import now, parse_ts
-from rankscope.shared.wire import Breadcrumb, MlxMemorySnapshot, Phase, RunnerAssignment, RunnerRef
+from rankscope.shared.wire import (
+    Breadcrumb,
+    MlxMemorySnapshot,
+    Phase,
+    RunnerAssignment,
+    RunnerRef,
+    RunnerStatusKind,
+)
 
 
 def _rank(rank: int, start: int, end: int) -> RunnerAssignment:
@@ -78,6 +86,33 @@ def _drain(channel: Any, wait: float = 0.5) -> list[Any]:
 def _entries(messages: list[Any]) -> list[Any]:
     """The entries in telemetry messages, batches unpacked, in order."""
     return [e for m in messages for e in (m.entries if isinstance(m, Entries) else [m])]
+
+
+def _say_then_hold_the_lock(telemetry: Any, control: Any, holding: Any) -> None:
+    recorder = Recorder(telemetry=telemetry, control=control, memory=_snapshot)
+    recorder.record(Phase.CONNECT_GROUP, "init")
+    recorder.status(RunnerStatusKind.CONNECTING)
+    recorder.deliver(10)
+    holding.set()
+    sum(range(10**8))  # seconds in C holding the interpreter's lock, as MLX's ring connect
+    os._exit(0)  # what was not written by now never is
+
+
+def test_what_a_rank_said_before_a_call_holding_the_interpreter_s_lock_is_out_during_it() -> None:
+    """A rank connecting its ring says so before MLX holds the lock for as long as the
+    connect takes (for good, if a peer never comes): without `deliver` the queues' feeder
+    threads could not write it, and its agent saw nothing all that time."""
+    context = multiprocessing.get_context("spawn")
+    telemetry, control, holding = context.Queue(), context.Queue(), context.Event()
+    child = context.Process(target=_say_then_hold_the_lock, args=(telemetry, control, holding))
+    child.start()
+    try:
+        assert holding.wait(60)
+        assert control.get(timeout=1) == Status(RunnerStatusKind.CONNECTING)
+        entry = telemetry.get(timeout=1)
+        assert (entry.phase, entry.event) == (Phase.CONNECT_GROUP, "init")
+    finally:
+        child.join(30)
 
 
 def test_a_tokens_entries_and_text_wait_for_the_next_tokens_then_go_together() -> None:

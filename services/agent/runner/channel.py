@@ -11,6 +11,8 @@ as one `Entries` message: one wakeup of the agent for all of them.
 from __future__ import annotations
 
 import signal
+import threading
+from typing import Any
 
 import msgspec
 
@@ -28,6 +30,7 @@ __all__ = [
     "PERMANENT_EXIT",
     "STACK_SIGNAL",
     "Assigned",
+    "Delivered",
     "Entries",
     "Entry",
     "Memory",
@@ -103,7 +106,21 @@ class Output(msgspec.Struct, frozen=True, kw_only=True):
     tokens: tuple[int, int] | None = None
 
 
-ToAgent = Entry | Entries | Memory | Status | TaskReport | Output
+class Delivered:
+    """Put after messages that must be out before the runner blocks holding the
+    interpreter's lock (MLX's ring connect does), which stops a queue's feeder thread: the
+    feeder pickles it only once everything put before it is written, and `out` is set
+    then. The agent drops it."""
+
+    def __init__(self) -> None:
+        self.out = threading.Event()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.out.set()
+        return (Delivered, ())
+
+
+ToAgent = Entry | Entries | Memory | Status | TaskReport | Output | Delivered
 
 
 class Assigned(msgspec.Struct, frozen=True):

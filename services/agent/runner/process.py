@@ -51,6 +51,8 @@ from rankscope.shared.wire import (
 __all__ = ["runner_main"]
 
 _NO_TASK = -1
+_DELIVER_S = 2.0
+"""Longest a rank waits for its agent to take in what it said before connecting."""
 
 
 class _Runner:
@@ -76,6 +78,7 @@ class _Runner:
                 "backend": "ring" if rank.worldSize > 1 else "none",
             },
         )
+        self.recorder.deliver(_DELIVER_S)  # the connect holds the lock that sends them
         with self.watchdog.guard("connect_group", timeouts.connect):
             group = connect_group(rank, ring_hosts(config.assignments))
         status(RunnerStatusKind.CONNECTED)

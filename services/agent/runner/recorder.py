@@ -11,6 +11,7 @@ once, so a rank that stops in a collective has it all out with its `collective_w
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from multiprocessing.queues import Queue
 
 from rankscope.services.agent.runner.channel import (
+    Delivered,
     Entries,
     Entry,
     Memory,
@@ -194,6 +196,23 @@ class Recorder:
             )
         )
         self._seq, self._text, self._text_sent = self._seq + 1, "", moment
+
+    def deliver(self, timeout: float) -> None:
+        """Wait (up to `timeout`: a stalled agent must not stall the rank) until all recorded
+        so far is written to the agent, before a call that holds the interpreter's lock."""
+        with self._lock:
+            moment = time.monotonic()
+            self._send_entries(moment)
+            self._send_text(moment)
+        markers = []
+        for channel in (self._telemetry, self._control):
+            with contextlib.suppress(queue.Full):  # the agent is behind: nothing to wait for
+                marker = Delivered()
+                channel.put_nowait(marker)
+                markers.append(marker)
+        deadline = time.monotonic() + timeout
+        for marker in markers:
+            marker.out.wait(max(0.0, deadline - time.monotonic()))
 
     def flush(self) -> None:
         """Push everything waiting or queued to the agent before this process exits."""
