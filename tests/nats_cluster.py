@@ -4,57 +4,56 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
-import socket
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import nats
 from nats.errors import Error as NatsError
 
-from rankscope.shared.nats_server import EmbeddedNats
+from rankscope.shared.nats_server import EmbeddedNats, NatsServerError
+from tests.stack_up import free_port
 
 CLUSTER = "rankscope"
 
-_BELOW_EPHEMERAL = (10_000, 32_768)
-"""Ports the kernel never hands out on its own (Linux's ephemeral range starts at 32768):
-a route port picked ahead of its server's start cannot be taken meanwhile as the source
-port of a connection, or as another server's random port."""
-
-
-def _unassigned_port() -> int:
-    while True:
-        port = random.randrange(*_BELOW_EPHEMERAL)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+_ATTEMPTS = 3
 
 
 @contextlib.contextmanager
 def nats_cluster(root: Path, size: int = 3) -> Iterator[list[EmbeddedNats]]:
     """`size` servers routed to each other (JetStream, `server_name`s n0, n1, ...),
-    stopped when the block ends."""
-    routes = [f"nats://127.0.0.1:{_unassigned_port()}" for _ in range(size)]
+    stopped when the block ends. Their ports are drawn free, yet bound only as each server
+    starts: one taken meanwhile by another test's process is drawn again."""
+    for attempt in range(_ATTEMPTS):
+        servers = _members(root, size)
+        try:
+            for server in servers:
+                server.start()
+        except NatsServerError as failed:
+            for server in servers:
+                server.stop()
+            if "address already in use" not in str(failed) or attempt == _ATTEMPTS - 1:
+                raise
+            shutil.rmtree(root)
+            continue
+        try:
+            yield servers
+        finally:
+            for server in servers:
+                server.stop()
+        return
+
+
+def _members(root: Path, size: int) -> list[EmbeddedNats]:
+    routes = [f"nats://127.0.0.1:{free_port()}" for _ in range(size)]
 
     def member(i: int) -> EmbeddedNats:
         others = ",".join(r for r in routes if r != routes[i])
         flags = ["--server_name", f"n{i}", "--cluster_name", CLUSTER]
         flags += ["--cluster", routes[i], "--routes", others]
-        return EmbeddedNats(
-            store_dir=root / f"n{i}", port=_unassigned_port(), extra_args=tuple(flags)
-        )
+        return EmbeddedNats(store_dir=root / f"n{i}", port=free_port(), extra_args=tuple(flags))
 
-    servers = [member(i) for i in range(size)]
-    try:
-        for server in servers:
-            server.start()
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
+    return [member(i) for i in range(size)]
 
 
 async def until_jetstream_answers(urls: list[str], seconds: float = 30.0) -> None:
