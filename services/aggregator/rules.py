@@ -254,11 +254,15 @@ class Judge:
 
         By NATS's clock where it stored the rank's messages: silent while a peer's messages
         were stored that much later. An aggregator behind in reading (busy, paused, catching
-        up) reads a live rank's messages late, and its peer's a moment before them."""
+        up) reads a live rank's messages late, and its peer's a moment before them.
+
+        A rank connecting its ring is silent by nature: MLX holds the interpreter's lock
+        until its peers come. It waits there; past the loading threshold it is stuck."""
         return (
             not self.down(view)
             and not _stopped(view)
             and view.heard is not None
+            and not (view.status and view.status.statusKind is RunnerStatusKind.CONNECTING)
             and self.silent_for(view) > self.limits.silent
         )
 

@@ -138,6 +138,23 @@ def test_a_frozen_idle_rank_is_named_while_its_peer_still_talks() -> None:
     assert f"rank 1 (node-1) went silent in idle, last heard {at(0)[11:19]}Z" in finding.summary
 
 
+def test_a_rank_waiting_in_its_ring_s_connect_for_a_peer_still_starting_is_not_frozen() -> None:
+    """MLX holds the interpreter's lock while a rank connects its ring, so the rank samples
+    nothing until its peers come: silent there, it waits; it is not frozen."""
+    state, clock = _setup()
+    state.apply_telemetry(status(rank(0), 0, RunnerStatusKind.CONNECTING))
+    state.apply_telemetry(entries(rank(0), (1, 1, Phase.CONNECT_GROUP, None)))
+    state.apply_telemetry(entries(rank(1), (0, 1, Phase.CREATED, None)))
+    clock.now += 20
+    _sample(state, 1, 1)  # still importing, sampling as it does
+    assert _run(state, clock) == []
+    state.apply_telemetry(status(rank(0), 2, RunnerStatusKind.CONNECTED))  # then stopped
+    clock.now += 6
+    _sample(state, 1, 2)
+    (finding,) = _run(state, clock)
+    assert (finding.kind, finding.culpritRanks) == (FindingKind.STALLED_RANK, [0])
+
+
 STORED = 1_800_000_000 * 10**9
 """When NATS stored the ranks' first messages (ns since the epoch)."""
 
