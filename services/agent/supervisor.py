@@ -131,6 +131,9 @@ class RunnerSupervisor:
         """Whether the process can write its stacks (SIGUSR1 would kill it before)."""
         self._lost_peer: str | None = None
         """The collective in which the process's ring lost a peer, if it did."""
+        self._connect_deadline: asyncio.TimerHandle | None = None
+        self._connect_overdue = False
+        """Whether the agent ended the process for connecting past its deadline."""
         self._releasing = False
         self.exited = asyncio.Event()
         self.gave_up = False
@@ -182,6 +185,7 @@ class RunnerSupervisor:
         self._process.start()
         self._stacks_ready = False
         self._lost_peer = None
+        self._connect_overdue = False
         self.exited.clear()
         self._readers = [
             threading.Thread(target=self._read, args=(channel, self._process), daemon=True)
@@ -285,6 +289,7 @@ class RunnerSupervisor:
         if kind is not self.status:
             self.status_since, self.status_since_at = time.monotonic(), now()
         self.status = kind
+        self._keep_connect_deadline()
         self.exit_code = exit_code
         event = RunnerStatusChanged(
             runner=self.config.runner,
@@ -298,6 +303,37 @@ class RunnerSupervisor:
             signal=signal,
         )
         self._publisher.telemetry(self._subject("status"), encode(event), self.runner_id, event.seq)
+
+    def _keep_connect_deadline(self) -> None:
+        """A rank connecting its ring cannot keep its own deadline there (MLX holds the
+        interpreter's lock until every peer has come, so its watchdog never runs): the
+        agent keeps it."""
+        if self._connect_deadline is not None:
+            self._connect_deadline.cancel()
+            self._connect_deadline = None
+        if self.status is RunnerStatusKind.CONNECTING and self._loop is not None:
+            seconds = self.config.timeouts.connect
+            self._connect_deadline = self._loop.call_later(seconds, self._end_overdue_connect)
+
+    def _end_overdue_connect(self) -> None:
+        """What its watchdog would have done: a `collective_timeout` breadcrumb, then the
+        process ends as a victim of its peers (restarted without tripping the breaker)."""
+        self._connect_deadline = None
+        process, seconds = self._process, self.config.timeouts.connect
+        if process is None or not process.is_alive() or self._releasing:
+            return
+        self._record(
+            FlightEntry(
+                seq=self._next_seq(),
+                at=now(),
+                phase=Phase.CONNECT_GROUP,
+                event=Breadcrumb.COLLECTIVE_TIMEOUT,
+                detail=f"connect_group did not finish within {seconds:g}s",
+                attrs={"site": "connect_group", "timeoutSeconds": seconds, "endedBy": "agent"},
+            )
+        )
+        self._connect_overdue = True
+        process.kill()
 
     def submit(self, seq: int, task: TaskCreated) -> None:
         """Hand a task (with its stream sequence, the order all ranks agree on) to the runner."""
@@ -316,7 +352,9 @@ class RunnerSupervisor:
             await asyncio.to_thread(reader.join)
         code = process.exitcode if process.exitcode is not None else -1
         cause = exit_cause(code)
-        if self._lost_peer is not None:
+        if self._connect_overdue:
+            cause = f"its ring did not connect within {self.config.timeouts.connect:g}s ({cause})"
+        elif self._lost_peer is not None:
             cause = f"lost its peer in {self._lost_peer} ({cause})"
         elif self._releasing and self.status in _STARTING:
             cause = f"stopped while starting ({cause})"
@@ -345,7 +383,7 @@ class RunnerSupervisor:
         )
         then = self._restarts.exited(
             time.monotonic(),
-            victim=code == WEDGED_EXIT or self._lost_peer is not None,
+            victim=code == WEDGED_EXIT or self._lost_peer is not None or self._connect_overdue,
             permanent=code == PERMANENT_EXIT,
         )
         self.gave_up = then.delay is None

@@ -8,13 +8,14 @@ import multiprocessing
 import os
 import queue
 import signal
+import socket
 import time
 from typing import Any
 from unittest.mock import MagicMock
 
 from rankscope.services.agent.runner import watchdog as watchdog_module
 from rankscope.services.agent.runner.channel import Entries, Entry, Output, Status
-from rankscope.services.agent.runner.config import RunnerConfig
+from rankscope.services.agent.runner.config import RunnerConfig, Timeouts
 from rankscope.services.agent.runner.recorder import Recorder
 from rankscope.services.agent.runner.shard import ring_hosts
 from rankscope.services.agent.runner.watchdog import WEDGED_EXIT, Watchdog
@@ -30,6 +31,7 @@ from rankscope.shared.wire import (
     RunnerRef,
     RunnerStatusKind,
 )
+from tests.stack_up import free_port
 
 
 def _rank(rank: int, start: int, end: int) -> RunnerAssignment:
@@ -286,8 +288,10 @@ def test_exit_causes() -> None:
     assert exit_cause(WEDGED_EXIT) == "watchdog: a collective did not finish in time"
 
 
-def _supervisor() -> RunnerSupervisor:
-    rank = RANKS[0]
+def _supervisor(
+    ranks: tuple[RunnerAssignment, ...] = tuple(RANKS), timeouts: Timeouts | None = None
+) -> RunnerSupervisor:
+    rank = ranks[0]
     ref = RunnerRef(
         runnerId=rank.runnerId,
         nodeId=rank.nodeId,
@@ -296,8 +300,14 @@ def _supervisor() -> RunnerSupervisor:
         deviceRank=rank.deviceRank,
         worldSize=rank.worldSize,
     )
-    config = RunnerConfig(runner=ref, assignment=rank, assignments=tuple(RANKS), model_path="")
-    supervisor = RunnerSupervisor(
+    config = RunnerConfig(
+        runner=ref,
+        assignment=rank,
+        assignments=ranks,
+        model_path="",
+        timeouts=timeouts or Timeouts(),
+    )
+    return RunnerSupervisor(
         config=config,
         subjects=Subjects("t"),
         publisher=TelemetryPublisher(nc=MagicMock()),  # queues only: it is never run
@@ -305,12 +315,49 @@ def _supervisor() -> RunnerSupervisor:
         on_output=lambda chunk: None,
         on_task=lambda task, status, detail, refused: None,
     )
-    supervisor._releasing = True  # the restarts it schedules do nothing here
-    return supervisor
+
+
+async def test_a_rank_whose_ring_never_connects_is_ended_by_its_agent_as_a_victim() -> None:
+    """Its peer's port takes connections and says nothing: MLX waits in the connect holding
+    the interpreter's lock, where the rank's own watchdog cannot run."""
+    mine, theirs = free_port(), free_port()
+    ranks = tuple(
+        RunnerAssignment(
+            runnerId=f"r{r}",
+            nodeId=f"n{r}",
+            deviceRank=r,
+            worldSize=2,
+            startLayer=r,
+            endLayer=r + 1,
+            nLayers=2,
+            host="127.0.0.1",
+            port=port,
+        )
+        for r, port in enumerate((mine, theirs))
+    )
+    supervisor = _supervisor(ranks, Timeouts(connect=2.0))
+    with socket.create_server(("127.0.0.1", theirs)):
+        supervisor.start()
+        try:
+            for _ in range(600):
+                if supervisor.status is RunnerStatusKind.FAILED:
+                    break
+                await asyncio.sleep(0.1)
+            breadcrumb = supervisor.entries[-2]
+            assert (breadcrumb.phase, breadcrumb.event) == (
+                Phase.CONNECT_GROUP,
+                Breadcrumb.COLLECTIVE_TIMEOUT,
+            )
+            assert breadcrumb.detail == "connect_group did not finish within 2s"
+            assert supervisor.status is RunnerStatusKind.FAILED
+            assert supervisor.restarts == 1  # as a victim of its peers
+        finally:
+            await supervisor.release()
 
 
 async def test_a_victim_of_its_peers_is_restarted_without_tripping_the_breaker() -> None:
     supervisor = _supervisor()
+    supervisor._releasing = True  # the restarts it schedules do nothing here
     supervisor._loop = asyncio.get_running_loop()
     for _ in range(5):  # its collective timed out five times: it only waits for its peers
         supervisor._crash(WEDGED_EXIT, exit_cause(WEDGED_EXIT))
