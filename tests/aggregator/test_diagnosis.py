@@ -155,6 +155,17 @@ def test_a_rank_waiting_in_its_ring_s_connect_for_a_peer_still_starting_is_not_f
     assert (finding.kind, finding.culpritRanks) == (FindingKind.STALLED_RANK, [0])
 
 
+def test_a_rank_connecting_to_a_peer_never_heard_of_names_that_peer() -> None:
+    state, clock = _setup()
+    state.apply_telemetry(status(rank(0), 0, RunnerStatusKind.CONNECTING))
+    state.apply_telemetry(entries(rank(0), (1, 1, Phase.CONNECT_GROUP, None)))
+    clock.now += 10
+    assert _run(state, clock) == []  # the peer may be starting yet
+    clock.now += 11  # 31 s since its placement
+    (finding,) = _run(state, clock)
+    assert (finding.kind, finding.culpritRanks) == (FindingKind.MISSING_DATA, [1])
+
+
 STORED = 1_800_000_000 * 10**9
 """When NATS stored the ranks' first messages (ns since the epoch)."""
 
