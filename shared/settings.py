@@ -260,6 +260,12 @@ class Settings:
     collective_timeout: float = _setting(
         60.0, _duration, "Longest a runner waits in one collective before it gives up."
     )
+    connect_timeout: float = _setting(
+        120.0,
+        _duration,
+        "Longest a runner waits for its ring's peers to connect before its agent ends it "
+        "(and starts it again).",
+    )
     stall_threshold: float = _setting(
         10.0, _duration, "Seconds without progress before a working rank counts as stuck."
     )

@@ -74,7 +74,9 @@ async def serve_until(settings: Settings, stop: asyncio.Event) -> None:
             layout=layout,
             node=describe,
             publisher=publisher,
-            timeouts=Timeouts(collective=settings.collective_timeout),
+            timeouts=Timeouts(
+                connect=settings.connect_timeout, collective=settings.collective_timeout
+            ),
         )
         kv = await js.key_value(layout.nodes_bucket.bucket)
         beat_stop = asyncio.Event()

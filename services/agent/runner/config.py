@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rankscope.shared.settings import default
 from rankscope.shared.wire import RunnerAssignment, RunnerRef
 
 __all__ = ["RunnerConfig", "Timeouts"]
@@ -13,9 +14,9 @@ __all__ = ["RunnerConfig", "Timeouts"]
 class Timeouts:
     """Deadlines of the runner's blocking steps, in seconds."""
 
-    connect: float = 120.0
+    connect: float = default("connect_timeout")
     warmup: float = 300.0
-    collective: float = 60.0
+    collective: float = default("collective_timeout")
 
 
 @dataclass(frozen=True, slots=True)
