@@ -4,6 +4,7 @@ watchdog, exit causes, the crash breaker."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import multiprocessing
 import os
 import queue
@@ -90,13 +91,15 @@ def _entries(messages: list[Any]) -> list[Any]:
     return [e for m in messages for e in (m.entries if isinstance(m, Entries) else [m])]
 
 
-def _say_then_hold_the_lock(telemetry: Any, control: Any, holding: Any) -> None:
+def _say_then_hold_the_lock(telemetry: Any, control: Any, speaking: Any, release: Any) -> None:
+    read = ctypes.PyDLL(None).read  # PyDLL: the interpreter's lock is kept through the call
+    byte = ctypes.create_string_buffer(1)
     recorder = Recorder(telemetry=telemetry, control=control, memory=_snapshot)
+    speaking.set()
     recorder.record(Phase.CONNECT_GROUP, "init")
     recorder.status(RunnerStatusKind.CONNECTING)
     recorder.deliver(10)
-    holding.set()
-    sum(range(10**8))  # seconds in C holding the interpreter's lock, as MLX's ring connect
+    read(release.fileno(), byte, 1)  # holding the lock until released: MLX's ring connect
     os._exit(0)  # what was not written by now never is
 
 
@@ -105,15 +108,20 @@ def test_what_a_rank_said_before_a_call_holding_the_interpreter_s_lock_is_out_du
     connect takes (for good, if a peer never comes): without `deliver` the queues' feeder
     threads could not write it, and its agent saw nothing all that time."""
     context = multiprocessing.get_context("spawn")
-    telemetry, control, holding = context.Queue(), context.Queue(), context.Event()
-    child = context.Process(target=_say_then_hold_the_lock, args=(telemetry, control, holding))
+    telemetry, control, speaking = context.Queue(), context.Queue(), context.Event()
+    release, releasing = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_say_then_hold_the_lock, args=(telemetry, control, speaking, release)
+    )
     child.start()
     try:
-        assert holding.wait(60)
-        assert control.get(timeout=1) == Status(RunnerStatusKind.CONNECTING)
-        entry = telemetry.get(timeout=1)
+        assert speaking.wait(60)
+        assert control.get(timeout=5) == Status(RunnerStatusKind.CONNECTING)
+        entry = telemetry.get(timeout=5)
         assert (entry.phase, entry.event) == (Phase.CONNECT_GROUP, "init")
+        assert child.is_alive()  # still holding the lock
     finally:
+        releasing.send_bytes(b"go")
         child.join(30)
 
 
