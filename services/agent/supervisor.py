@@ -316,7 +316,7 @@ class RunnerSupervisor:
             self._connect_deadline = self._loop.call_later(seconds, self._end_overdue_connect)
 
     def _end_overdue_connect(self) -> None:
-        """What its watchdog would have done: a `collective_timeout` breadcrumb, then the
+        """What its watchdog would have done: a `pipeline_eval_timeout` breadcrumb, then the
         process ends as a victim of its peers (restarted without tripping the breaker)."""
         self._connect_deadline = None
         process, seconds = self._process, self.config.timeouts.connect
