@@ -34,7 +34,7 @@ def nats_cluster(root: Path, size: int = 3) -> Iterator[list[EmbeddedNats]]:
                 server.stop()
             if "address already in use" not in str(failed) or attempt == _ATTEMPTS - 1:
                 raise
-            shutil.rmtree(root)
+            shutil.rmtree(root, ignore_errors=True)
             continue
         try:
             yield servers
