@@ -197,13 +197,17 @@ class Recorder:
         )
         self._seq, self._text, self._text_sent = self._seq + 1, "", moment
 
-    def deliver(self, timeout: float) -> None:
-        """Wait (up to `timeout`: a stalled agent must not stall the rank) until all recorded
-        so far is written to the agent, before a call that holds the interpreter's lock."""
+    def _send_waiting(self) -> None:
+        """Send the entries and text still waiting for the next tokens'."""
         with self._lock:
             moment = time.monotonic()
             self._send_entries(moment)
             self._send_text(moment)
+
+    def deliver(self, timeout: float) -> None:
+        """Wait (up to `timeout`: a stalled agent must not stall the rank) until all recorded
+        so far is written to the agent, before a call that holds the interpreter's lock."""
+        self._send_waiting()
         markers = []
         for channel in (self._telemetry, self._control):
             with contextlib.suppress(queue.Full):  # the agent is behind: nothing to wait for
@@ -216,10 +220,7 @@ class Recorder:
 
     def flush(self) -> None:
         """Push everything waiting or queued to the agent before this process exits."""
-        with self._lock:
-            moment = time.monotonic()
-            self._send_entries(moment)
-            self._send_text(moment)
+        self._send_waiting()
         for channel in (self._telemetry, self._control):
             channel.close()
             channel.join_thread()
